@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: sets up the virtualenv, builds (or reuses) the
+# Kubernetes test binaries, then runs pytest. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash hack/setup.sh
+DILOCO_TESTBED_DIR=$(bash hack/build-testbed.sh | tail -n 1)
+export DILOCO_TESTBED_DIR
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,58 @@
+"""The `diloco` command. Subcommands live in their own modules and are imported only when used,
+so `diloco --help` is fast and the operator image works without torch."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Each module defines `configure(parser)` and `run(args) -> int`.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "local": ("diloco_trainer.local", "train on this machine: a syncer and N learner processes"),
+    "syncer": ("diloco_trainer.syncer.main", "run the syncer service (what the syncer image runs)"),
+    "learner": ("diloco_trainer.learner_main", "run one learner unit (what the learner image runs)"),
+    "baseline": ("diloco_trainer.baselines", "run a baseline: DDP or synchronous DiLoCo"),
+    "operator": ("diloco_operator.main", "run the Kubernetes operator (kopf)"),
+    "devcluster": ("diloco_operator.devcluster", "a local Kubernetes control plane for trying the operator"),
+    "chaos": ("diloco_chaos.cli", "run a chaos experiment against local learners or a DilocoJob"),
+    "simulate": ("diloco_chaos.simulate_cli", "goodput simulator and WAN bandwidth calculator"),
+    "bench": ("diloco_bench.cli", "benchmarks: Decoupled DiLoCo vs DDP and synchronous DiLoCo"),
+}
+
+
+def _top_level_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diloco",
+        description="Decoupled DiLoCo: asynchronous, failure-tolerant distributed training.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="commands:\n" + "\n".join(f"  {n:<11} {h}" for n, (_, h) in COMMANDS.items())
+        + "\n\nRun 'diloco COMMAND --help' for a command's options.",
+    )
+    parser.add_argument("command", nargs="?", choices=sorted(COMMANDS), metavar="COMMAND")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = _top_level_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        top.print_help()
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        top.error(f"unknown command {name!r}; choose from {', '.join(COMMANDS)}")
+    module_name, help_text = COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        print(f"diloco {name}: needs {exc.name!r}, which is not installed ({exc})", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog=f"diloco {name}", description=help_text)
+    module.configure(parser)
+    args = parser.parse_args(rest)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

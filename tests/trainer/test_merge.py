@@ -1,0 +1,228 @@
+"""Token weights, RDA, weighted mean, re-anchoring and the Nesterov outer step."""
+
+import math
+
+import pytest
+import torch
+
+from diloco_trainer.merge import NesterovOuter, merge_fragment, rda, reanchor, token_weight, weighted_mean
+
+
+def _unit_randn(n, shape, norm, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        t = torch.randn(shape, generator=g)
+        out.append(t / t.norm() * norm)
+    return out
+
+
+# ---------------------------------------------------------------- token weights
+
+
+def test_token_weight_is_tokens_times_tokens_per_step():
+    assert token_weight(16384, 16) == 16384 * 1024
+    assert token_weight(0, 3) == 0
+
+
+def test_a_slower_learner_weighs_less():
+    # Same wall time: the fast learner did 16 steps of 1024 tokens, the slow one only 8.
+    fast, slow = token_weight(16 * 1024, 16), token_weight(8 * 1024, 8)
+    assert slow == fast / 2
+    # Fewer devices: same number of steps, half the tokens per step -> a quarter of the weight.
+    small = token_weight(16 * 512, 16)
+    assert small == fast / 4
+
+
+def test_token_weights_pull_the_merge_toward_the_learner_that_did_more_work():
+    fast, slow = torch.ones(4), -torch.ones(4)
+    weights = [token_weight(16 * 1024, 16), token_weight(4 * 1024, 4)]
+    merged = weighted_mean([fast, slow], weights)
+    assert torch.allclose(merged, torch.full((4,), (16 - 4) / (16 + 4)))
+
+
+def test_token_weight_rejects_zero_steps_and_negative_tokens():
+    with pytest.raises(ValueError, match="c_steps"):
+        token_weight(10, 0)
+    with pytest.raises(ValueError, match="c_tokens"):
+        token_weight(-1, 1)
+
+
+# ---------------------------------------------------------------- mean and RDA
+
+
+def test_weighted_mean_matches_the_definition():
+    ds = [torch.randn(3, 4) for _ in range(3)]
+    ws = [1.0, 2.0, 5.0]
+    expected = (ds[0] * 1 + ds[1] * 2 + ds[2] * 5) / 8
+    assert torch.allclose(weighted_mean(ds, ws), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_rda_keeps_the_update_norm_whatever_the_number_of_learners(m):
+    deltas = _unit_randn(m, (64, 32), norm=3.0, seed=m)
+    weights = [1.0] * m
+    merged = rda(deltas, weights)
+    assert merged.norm().item() == pytest.approx(3.0, rel=1e-5)
+    mean_norm = weighted_mean(deltas, weights).norm().item()
+    # Near-orthogonal random directions: the plain mean shrinks like 1/sqrt(M).
+    assert mean_norm == pytest.approx(3.0 / math.sqrt(m), rel=0.1)
+
+
+def test_rda_points_along_the_weighted_mean_of_directions():
+    a, b = torch.tensor([10.0, 0.0]), torch.tensor([0.0, 1.0])  # very different norms
+    merged = rda([a, b], [1.0, 3.0])
+    direction = torch.tensor([0.25, 0.75]) / torch.tensor([0.25, 0.75]).norm()  # norms do not bias direction
+    radius = (10.0 * 1 + 1.0 * 3) / 4
+    assert torch.allclose(merged, direction * radius, atol=1e-6)
+
+
+def test_rda_of_identical_deltas_is_that_delta():
+    d = torch.randn(5, 5)
+    assert torch.allclose(rda([d, d, d], [1.0, 2.0, 3.0]), d, atol=1e-6)
+
+
+def test_rda_handles_zero_and_cancelling_deltas_without_nan():
+    z = torch.zeros(6)
+    assert torch.equal(rda([z, z], [1.0, 1.0]), z)
+    d = torch.randn(6)
+    assert torch.allclose(rda([d, -d], [1.0, 1.0]), z)
+    # A zero delta adds no direction but lowers the radius.
+    assert torch.allclose(rda([d, z], [1.0, 1.0]), d / 2, atol=1e-6)
+
+
+def test_zero_weight_contributions_are_ignored():
+    d, other = torch.randn(7), torch.randn(7)
+    assert torch.allclose(rda([d, other], [2.0, 0.0]), d, atol=1e-6)
+    assert torch.allclose(weighted_mean([d, other], [2.0, 0.0]), d)
+
+
+def test_merges_reject_bad_weights_and_shapes():
+    d = torch.ones(3)
+    for fn in (rda, weighted_mean):
+        with pytest.raises(ValueError, match="all merge weights are zero"):
+            fn([d, d], [0.0, 0.0])
+        with pytest.raises(ValueError, match="weight 1"):
+            fn([d, d], [1.0, -1.0])
+        with pytest.raises(ValueError, match="weight 0"):
+            fn([d], [float("nan")])
+        with pytest.raises(ValueError, match="2 contributions but 1 weights"):
+            fn([d, d], [1.0])
+        with pytest.raises(ValueError, match="delta 1 has shape"):
+            fn([d, torch.ones(4)], [1.0, 1.0])
+        with pytest.raises(ValueError, match="zero contributions"):
+            fn([], [])
+
+
+# ---------------------------------------------------------------- fragment merge
+
+
+def test_merge_fragment_averages_embeddings_and_uses_rda_elsewhere():
+    contributions = [
+        {"tok_emb.weight": e, "blocks.0.mlp.0.weight": w}
+        for e, w in zip(_unit_randn(4, (8, 4), 1.0, 1), _unit_randn(4, (4, 4), 2.0, 2))
+    ]
+    weights = [1.0, 2.0, 3.0, 4.0]
+    merged = merge_fragment(contributions, weights, {"tok_emb.weight"})
+    emb = [c["tok_emb.weight"] for c in contributions]
+    mlp = [c["blocks.0.mlp.0.weight"] for c in contributions]
+    assert torch.allclose(merged["tok_emb.weight"], weighted_mean(emb, weights))
+    assert torch.allclose(merged["blocks.0.mlp.0.weight"], rda(mlp, weights))
+    assert merged["blocks.0.mlp.0.weight"].norm().item() == pytest.approx(2.0, rel=1e-5)
+
+    by_mean = merge_fragment(contributions, weights, {"tok_emb.weight"}, method="mean")
+    assert torch.allclose(by_mean["blocks.0.mlp.0.weight"], weighted_mean(mlp, weights))
+
+
+def test_merge_fragment_rejects_zero_weights_mismatched_names_and_unknown_methods():
+    c = {"a": torch.ones(2)}
+    with pytest.raises(ValueError, match="all merge weights are zero"):
+        merge_fragment([c, c], [0.0, 0.0], set())
+    with pytest.raises(ValueError, match="contribution 1 names different tensors"):
+        merge_fragment([c, {"b": torch.ones(2)}], [1.0, 1.0], set())
+    with pytest.raises(ValueError, match="unknown merge method 'median'"):
+        merge_fragment([c], [1.0], set(), method="median")
+    with pytest.raises(ValueError, match="zero contributions"):
+        merge_fragment([], [], set())
+
+
+# ---------------------------------------------------------------- re-anchoring
+
+
+def test_reanchor_is_the_delta_itself_when_the_base_is_current():
+    base, d = torch.randn(4, 3), torch.randn(4, 3)
+    assert torch.allclose(reanchor(base, base.clone(), d), d)
+
+
+def test_reanchored_delta_applied_to_the_current_version_lands_on_the_learner_parameters():
+    base = torch.randn(10)
+    theta_m = base - torch.randn(10) * 0.1  # the learner's parameters, trained from base
+    current = base + torch.randn(10) * 0.2  # the syncer merged others meanwhile
+    delta_prime = reanchor(base, current, base - theta_m)
+    assert torch.allclose(current - delta_prime, theta_m, atol=1e-6)
+    with pytest.raises(ValueError, match="shapes differ"):
+        reanchor(base, current, torch.zeros(3))
+
+
+# ---------------------------------------------------------------- Nesterov outer step
+
+
+@pytest.mark.parametrize("lr,momentum", [(0.7, 0.9), (1.0, 0.0), (0.3, 0.5)])
+def test_nesterov_outer_step_matches_torch_sgd(lr, momentum):
+    g = torch.Generator().manual_seed(0)
+    init = {"w": torch.randn(6, 5, generator=g), "b": torch.randn(5, generator=g)}
+    deltas = [{n: torch.randn(t.shape, generator=g) for n, t in init.items()} for _ in range(6)]
+
+    ours = {n: t.clone() for n, t in init.items()}
+    outer = NesterovOuter(lr, momentum)
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
+    sgd = torch.optim.SGD(list(ref.values()), lr=lr, momentum=momentum, nesterov=momentum > 0)
+    for d in deltas:
+        outer.step(ours, d)
+        for n, p in ref.items():
+            p.grad = d[n].clone()
+        sgd.step()
+        for n in init:
+            assert torch.allclose(ours[n], ref[n].detach(), atol=1e-6, rtol=0)
+
+
+def test_nesterov_state_round_trip_continues_identically():
+    g = torch.Generator().manual_seed(1)
+    params = {"w": torch.randn(4, generator=g)}
+    deltas = [{"w": torch.randn(4, generator=g)} for _ in range(4)]
+    a = NesterovOuter(0.7, 0.9)
+    a.step(params, deltas[0])
+    a.step(params, deltas[1])
+    b = NesterovOuter(0.7, 0.9)
+    b.load_state_dict(a.state_dict())
+    pa, pb = {"w": params["w"].clone()}, {"w": params["w"].clone()}
+    for d in deltas[2:]:
+        a.step(pa, d)
+        b.step(pb, d)
+    assert torch.equal(pa["w"], pb["w"])
+    assert a.state_dict()["w"] is not b.state_dict()["w"]  # loading copied the buffers
+
+
+def test_nesterov_steps_only_the_named_parameters_and_keeps_buffers_per_name():
+    params = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    outer = NesterovOuter(1.0, 0.5)
+    outer.step(params, {"a": torch.ones(2)})
+    assert torch.equal(params["b"], torch.zeros(2))
+    assert torch.allclose(params["a"], torch.full((2,), -1.5))  # buf = 1; Θ -= 1 * (1 + 0.5 * 1)
+    assert set(outer.state_dict()) == {"a"}
+    outer.forget(["a"])
+    assert outer.state_dict() == {}
+
+
+def test_nesterov_rejects_bad_inputs_without_touching_parameters():
+    params = {"a": torch.zeros(2), "b": torch.zeros(3)}
+    outer = NesterovOuter(0.7, 0.9)
+    with pytest.raises(ValueError, match="unknown parameters"):
+        outer.step(params, {"a": torch.ones(2), "c": torch.ones(1)})
+    with pytest.raises(ValueError, match="b: outer gradient shape"):
+        outer.step(params, {"a": torch.ones(2), "b": torch.ones(2)})
+    assert torch.equal(params["a"], torch.zeros(2)) and outer.state_dict() == {}
+    with pytest.raises(ValueError, match="lr"):
+        NesterovOuter(0.0, 0.9)
+    with pytest.raises(ValueError, match="momentum"):
+        NesterovOuter(0.7, 1.0)

@@ -16,11 +16,12 @@ from diloco_trainer.fragments import (
 
 
 def _model_sizes(preset: str) -> list[tuple[str, int]]:
-    torch = pytest.importorskip("torch")  # noqa: F841  (the model needs torch; fragments.py does not)
+    torch = pytest.importorskip("torch")  # the model needs torch; fragments.py does not
     from diloco_trainer.config import MODEL_PRESETS
     from diloco_trainer.model import build_model
 
-    model = build_model(MODEL_PRESETS[preset])
+    with torch.device("meta"):  # shapes only: no memory, no init time for the 100M preset
+        model = build_model(MODEL_PRESETS[preset])
     return [(n, p.numel()) for n, p in model.named_parameters()]
 
 

@@ -1,0 +1,169 @@
+"""The local runtime's process supervisor with small real child processes (no torch, seconds)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from diloco_trainer.runtime.procs import Child, Supervisor, child_env
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def _child(tmp_path: Path, name: str, code: str, role: str = "learner", **kw) -> Child:
+    return Child(name, role, _py(code), child_env(), tmp_path / "logs" / f"{name}.log", **kw)
+
+
+def _wait(predicate, timeout: float = 10.0, sup: Supervisor | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sup is not None:
+            sup.poll()
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is dead for our purposes.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_supervisor_restarts_a_crashed_child_and_counts_restarts(tmp_path):
+    marker = tmp_path / "crashed-once"
+    code = f"""
+        import pathlib, sys, time
+        m = pathlib.Path({str(marker)!r})
+        if not m.exists():
+            m.write_text("x"); sys.exit(3)
+        time.sleep(30)
+    """
+    with Supervisor(tmp_path / "processes.json") as sup:
+        sup.add(_child(tmp_path, "learner-0", code, restart_delay=0.2))
+        sup.start("learner-0")
+        child = sup.children["learner-0"]
+        _wait(lambda: child.restarts == 1 and child.alive, sup=sup)
+        assert child.exits == [3]
+        assert not child.finished
+        doc = json.loads((tmp_path / "processes.json").read_text())
+        entry = doc["processes"][0]
+        assert entry["pid"] == child.proc.pid and entry["restarts"] == 1 and entry["role"] == "learner"
+        assert doc["supervisor_pid"] == os.getpid()
+
+
+def test_supervisor_does_not_restart_a_child_that_finished_cleanly(tmp_path):
+    with Supervisor() as sup:
+        sup.add(_child(tmp_path, "learner-0", "print('done')", restart_delay=0.0))
+        sup.start("learner-0")
+        child = sup.children["learner-0"]
+        _wait(lambda: child.finished, sup=sup)
+        time.sleep(0.3)
+        sup.poll()
+        assert child.restarts == 0 and child.exits == [0]
+    assert "done" in child.log_path.read_text()
+
+
+def test_processes_json_pid_is_the_program_itself_so_chaos_can_kill_it(tmp_path):
+    with Supervisor(tmp_path / "processes.json") as sup:
+        sup.add(_child(tmp_path, "learner-0", "import time; time.sleep(30)", restart_delay=0.1))
+        sup.start("learner-0")
+        first = json.loads((tmp_path / "processes.json").read_text())["processes"][0]["pid"]
+        _wait(lambda: "time.sleep" in Path(f"/proc/{first}/cmdline").read_text().replace("\0", " "))
+        os.kill(first, signal.SIGKILL)  # what an external chaos tool does
+        child = sup.children["learner-0"]
+        _wait(lambda: child.restarts == 1 and child.alive, sup=sup)
+        assert child.exits == [-signal.SIGKILL]
+        second = json.loads((tmp_path / "processes.json").read_text())["processes"][0]["pid"]
+        assert second != first and _alive(second)
+
+
+def test_stop_terminates_learners_before_the_syncer(tmp_path):
+    log = tmp_path / "order.log"
+    code = f"""
+        import signal, sys, time
+        def bye(*_):
+            time.sleep(0.3)
+            with open({str(log)!r}, "a") as f:
+                f.write(sys.argv[1] + " " + repr(time.time()) + "\\n")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, bye)
+        open({str(tmp_path)!r} + "/ready-" + sys.argv[1], "w").close()
+        while True:
+            time.sleep(0.05)
+    """
+    with Supervisor() as sup:
+        for name, role in (("syncer", "syncer"), ("learner-0", "learner"), ("learner-1", "learner")):
+            c = _child(tmp_path, name, code, role=role)
+            c.argv.append(name)
+            sup.add(c)
+            sup.start(name)
+        _wait(lambda: all((tmp_path / f"ready-{n}").exists() for n in ("syncer", "learner-0", "learner-1")))
+    lines = [line.split() for line in log.read_text().splitlines()]
+    order = [name for name, _ in sorted(lines, key=lambda x: float(x[1]))]
+    assert order[-1] == "syncer" and set(order[:2]) == {"learner-0", "learner-1"}
+    assert all(c.exits == [0] for c in sup.children.values())
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path):
+    code = """
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(60)
+    """
+    with Supervisor() as sup:
+        sup.add(_child(tmp_path, "learner-0", code))
+        child = sup.start("learner-0")
+        time.sleep(0.5)  # let it install its handler
+        started = time.monotonic()
+        sup.stop(["learner-0"], timeout=1.0)
+        assert time.monotonic() - started < 5
+        assert not child.alive and child.exits == [-signal.SIGKILL]
+        assert any(e["event"] == "kill" for e in sup.events)
+        assert child.restart_at is None, "a child stopped on purpose must not be restarted"
+
+
+def test_children_die_when_the_supervisor_is_killed(tmp_path):
+    """Even a SIGKILLed supervisor (no cleanup code runs) leaves no orphan: the kernel stops the children."""
+    pids = tmp_path / "pids.json"
+    script = f"""
+        import json, sys, time
+        from pathlib import Path
+        from diloco_trainer.runtime.procs import Child, Supervisor, child_env
+        sup = Supervisor()
+        for i in range(2):
+            sup.add(Child(f"learner-{{i}}", "learner", [sys.executable, "-c", "import time; time.sleep(60)"],
+                          child_env(), Path({str(tmp_path)!r}) / f"l{{i}}.log"))
+            sup.start(f"learner-{{i}}")
+        Path({str(pids)!r}).write_text(json.dumps([c.proc.pid for c in sup.children.values()]))
+        time.sleep(60)
+    """
+    parent = subprocess.Popen(_py(script), env=child_env())
+    try:
+        _wait(lambda: pids.exists() and pids.read_text())
+        children = json.loads(pids.read_text())
+        assert all(_alive(p) for p in children)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        _wait(lambda: not any(_alive(p) for p in children), timeout=10)
+    finally:
+        parent.kill()

@@ -1,0 +1,200 @@
+"""Process supervision for the local runtime: start children, restart the ones that die, stop in order.
+
+Every child runs in its own session (Ctrl+C in the terminal reaches only the supervisor, which then stops
+learners before the syncer) and under `runtime.guard` (the kernel stops it if the supervisor dies), and
+`Supervisor.close()` kills whatever is still alive, so no child outlives the run, also on errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import diloco_trainer
+
+PACKAGE_ROOT = str(Path(diloco_trainer.__file__).resolve().parent.parent)
+
+
+def diloco_argv(*args: str) -> list[str]:
+    """A `diloco ...` command line that works without the console script being installed."""
+    return [sys.executable, "-m", "diloco_trainer.cli", *args]
+
+
+def child_env(extra: dict[str, str] | None = None, threads: int = 1) -> dict[str, str]:
+    """The environment for a child: this one, the package importable, and one BLAS thread each
+    (N learners share a few cores; oversubscribed threads slow everyone down)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, str(threads))
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Child:
+    """One supervised program; `restart` says whether a crash (non-zero exit) is restarted."""
+
+    name: str
+    role: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    restart: bool = True
+    restart_delay: float = 1.0
+    meta: dict = field(default_factory=dict)  # shown in processes.json (state_dir, url, ...)
+    proc: subprocess.Popen | None = None
+    starts: list[float] = field(default_factory=list)  # wall-clock start of every incarnation
+    exits: list[int] = field(default_factory=list)  # return codes (negative: killed by that signal)
+    finished: bool = False  # exited 0: done, not restarted
+    restart_at: float | None = None  # monotonic time of a scheduled restart
+    stop_requested: bool = False  # stopped on purpose: an exit now is not a crash to restart
+
+    @property
+    def restarts(self) -> int:
+        return max(0, len(self.starts) - 1)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.alive else None
+
+
+class Supervisor:
+    """Owns the children of one run. Use as a context manager: leaving it kills every child."""
+
+    def __init__(self, processes_json: Path | None = None):
+        self.children: dict[str, Child] = {}
+        self.processes_json = processes_json
+        self.stopping = False
+        self.events: list[dict] = []  # start / exit / restart records, for the run directory
+
+    def __enter__(self) -> "Supervisor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def add(self, child: Child) -> Child:
+        assert child.name not in self.children, child.name
+        self.children[child.name] = child
+        return child
+
+    def start(self, name: str) -> Child:
+        """Start (or restart) a child now; its output is appended to its log file."""
+        child = self.children[name]
+        assert not child.alive, f"{name} is already running"
+        child.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(child.log_path, "ab") as log:
+            log.write(f"\n=== {time.strftime('%H:%M:%S')} start #{len(child.starts) + 1}: "
+                      f"{' '.join(child.argv)}\n".encode())
+            log.flush()
+            child.proc = subprocess.Popen(
+                [sys.executable, "-m", "diloco_trainer.runtime.guard", str(os.getpid()), *child.argv],
+                env=child.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        child.starts.append(time.time())
+        child.restart_at = None
+        child.stop_requested = False
+        self._event(child, "start", pid=child.proc.pid)
+        self.write_processes_json()
+        return child
+
+    def poll(self) -> list[dict]:
+        """Reap exited children, schedule restarts for crashed ones, start those that are due.
+
+        Returns the events of this poll (exits and starts) for the caller's log.
+        """
+        before = len(self.events)
+        now = time.monotonic()
+        for child in self.children.values():
+            if child.proc is not None and child.proc.poll() is not None and len(child.exits) < len(child.starts):
+                code = child.proc.returncode
+                child.exits.append(code)
+                self._event(child, "exit", code=code)
+                if code == 0:
+                    child.finished = True
+                elif child.restart and not self.stopping and not child.stop_requested:
+                    child.restart_at = now + child.restart_delay
+                self.write_processes_json()
+            if child.restart_at is not None and now >= child.restart_at and not self.stopping:
+                self.start(child.name)
+        return self.events[before:]
+
+    def send(self, name: str, sig: int) -> None:
+        """Send a signal to a child's whole process group (a multi-process learner unit included)."""
+        child = self.children[name]
+        if child.alive:
+            try:
+                os.killpg(child.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, names: list[str], timeout: float, sig: int = signal.SIGTERM) -> None:
+        """Ask the children to stop, wait up to `timeout` seconds, then SIGKILL what is left."""
+        for name in names:
+            self.children[name].restart_at = None
+            self.children[name].stop_requested = True
+            self.send(name, sig)
+        deadline = time.monotonic() + timeout
+        for name in names:
+            child = self.children[name]
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._event(child, "kill", reason=f"did not stop within {timeout:.0f}s")
+                self.send(name, signal.SIGKILL)
+                child.proc.wait()
+        self.poll()
+
+    def close(self) -> None:
+        """Stop everything still running (learners first), never leaving an orphan behind."""
+        self.stopping = True
+        for syncer_last in (False, True):  # learners first: they may still hand their last updates over
+            names = [c.name for c in self.children.values() if c.alive and (c.role == "syncer") == syncer_last]
+            if names:
+                self.stop(names, timeout=10.0)
+        for child in self.children.values():  # any process-group leftovers (grandchildren)
+            if child.proc is not None:
+                try:
+                    os.killpg(child.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        self.write_processes_json()
+
+    def running(self, role: str | None = None) -> list[Child]:
+        return [c for c in self.children.values() if c.alive and (role is None or c.role == role)]
+
+    def _event(self, child: Child, kind: str, **extra) -> None:
+        self.events.append({"time": time.time(), "name": child.name, "role": child.role, "event": kind, **extra})
+
+    def write_processes_json(self) -> None:
+        """Current PIDs and roles, atomically, so an external chaos tool can pick victims."""
+        if self.processes_json is None:
+            return
+        doc = {
+            "supervisor_pid": os.getpid(),
+            "updated": time.time(),
+            "stopping": self.stopping,
+            "processes": [
+                {"name": c.name, "role": c.role, "pid": c.pid, "alive": c.alive, "restarts": c.restarts,
+                 "finished": c.finished, "started": c.starts[-1] if c.starts else None, **c.meta}
+                for c in self.children.values()
+            ],
+        }
+        tmp = self.processes_json.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, self.processes_json)

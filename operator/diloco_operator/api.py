@@ -1,0 +1,231 @@
+"""The DilocoJob and LearnerUnit API (diloco.dev/v1alpha1) as pydantic models; the CRD schemas are generated
+from these (see schema.py), and the training config part is the trainer's own TrainConfig.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from diloco_trainer.config import TrainConfig
+
+GROUP = "diloco.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+SYNCER_PORT = 8470
+METRICS_PORT = 8471
+MASTER_PORT = 29500
+
+# accelerator type -> (extended resource, node label that selects it, learner --device)
+ACCELERATORS: dict[str, tuple[str | None, str | None, str]] = {
+    "cpu": (None, None, "cpu"),
+    "nvidia-tesla-t4": ("nvidia.com/gpu", "cloud.google.com/gke-accelerator", "cuda"),
+    "nvidia-l4": ("nvidia.com/gpu", "cloud.google.com/gke-accelerator", "cuda"),
+    "nvidia-a100-80gb": ("nvidia.com/gpu", "cloud.google.com/gke-accelerator", "cuda"),
+    "nvidia-h100-80gb": ("nvidia.com/gpu", "cloud.google.com/gke-accelerator", "cuda"),
+    "nvidia-h200-141gb": ("nvidia.com/gpu", "cloud.google.com/gke-accelerator", "cuda"),
+    "tpu-v5-lite-podslice": ("google.com/tpu", "cloud.google.com/gke-tpu-accelerator", "xla"),
+    "tpu-v5p-slice": ("google.com/tpu", "cloud.google.com/gke-tpu-accelerator", "xla"),
+    "tpu-v6e-slice": ("google.com/tpu", "cloud.google.com/gke-tpu-accelerator", "xla"),
+}
+TPU_TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
+AcceleratorType = Literal[
+    "cpu", "nvidia-tesla-t4", "nvidia-l4", "nvidia-a100-80gb", "nvidia-h100-80gb", "nvidia-h200-141gb",
+    "tpu-v5-lite-podslice", "tpu-v5p-slice", "tpu-v6e-slice",
+]
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+Quantity = int | str  # rendered as x-kubernetes-int-or-string
+
+
+class _Api(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class Resources(_Api):
+    """Container requests and limits (Kubernetes quantities)."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+
+
+class Toleration(_Api):
+    """A Kubernetes toleration."""
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    tolerationSeconds: int | None = None
+
+
+class Accelerator(_Api):
+    """What each pod of a unit runs on: an accelerator type (cpu, a GPU or a TPU slice) and a count per pod."""
+
+    type: AcceleratorType = "cpu"
+    count: int = Field(0, ge=0, le=64)
+    topology: str | None = Field(None, pattern=r"^[0-9]+(x[0-9]+){1,2}$")  # TPU slice topology, e.g. 2x2x2
+
+    @model_validator(mode="after")
+    def _count_matches_type(self) -> "Accelerator":
+        if self.type == "cpu" and self.count:
+            raise ValueError("accelerator.count must be 0 when accelerator.type is cpu")
+        if self.type != "cpu" and not self.count:
+            raise ValueError(f"accelerator.count must be at least 1 for accelerator.type {self.type}")
+        if self.topology and not self.type.startswith("tpu-"):
+            raise ValueError("accelerator.topology applies only to TPU types")
+        return self
+
+
+class UnitTemplate(_Api):
+    """A kind of learner unit: how many, how many pods each, on which accelerators and node pool."""
+
+    name: str = Field(..., min_length=1, max_length=20, pattern=DNS_LABEL)
+    count: int = Field(1, ge=0, le=1000)
+    minCount: int = Field(0, ge=0, le=1000)
+    maxCount: int | None = Field(None, ge=0, le=1000)
+    podsPerUnit: int = Field(1, ge=1, le=64)
+    accelerator: Accelerator = Field(default_factory=Accelerator)
+    nodeSelector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    resources: Resources = Field(default_factory=Resources)
+    steps: int | None = Field(None, ge=1)  # learner --steps; None trains until stopped
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "UnitTemplate":
+        if self.minCount > self.count:
+            raise ValueError(f"units[{self.name}].minCount ({self.minCount}) must be <= count ({self.count})")
+        if self.maxCount is not None and self.count > self.maxCount:
+            raise ValueError(f"units[{self.name}].count ({self.count}) must be <= maxCount ({self.maxCount})")
+        return self
+
+
+class Checkpoint(_Api):
+    """The syncer's checkpoint volume (a PersistentVolumeClaim owned by the job)."""
+
+    size: str = Field("10Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+    storageClassName: str | None = None
+
+
+class SyncerSpec(_Api):
+    """Where and how big the syncer runs."""
+
+    resources: Resources = Field(default_factory=Resources)
+    nodeSelector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint)
+    maxBodyMb: int = Field(256, ge=1, le=4096)
+
+
+class RestartPolicy(_Api):
+    """Per-unit healing: exponential backoff between whole-unit restarts, and when to give up on a unit."""
+
+    maxRestarts: int = Field(10, ge=0)
+    backoffSeconds: float = Field(10.0, ge=0, le=3600)
+    maxBackoffSeconds: float = Field(300.0, ge=0, le=86400)
+
+
+class DilocoJobSpec(_Api):
+    """A Decoupled DiLoCo training job: one syncer and learner units built from templates."""
+
+    image: str = Field(..., min_length=1)
+    imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    config: TrainConfig = Field(default_factory=TrainConfig)
+    replicas: int | None = Field(None, ge=0, le=10000)  # total learner units; the scale subresource sets it
+    units: list[UnitTemplate] = Field(..., min_length=1, max_length=16)
+    syncer: SyncerSpec = Field(default_factory=SyncerSpec)
+    restartPolicy: RestartPolicy = Field(default_factory=RestartPolicy)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "DilocoJobSpec":
+        names = [u.name for u in self.units]
+        if len(set(names)) != len(names):
+            raise ValueError(f"units[].name must be unique, got {names}")
+        lo = sum(u.minCount for u in self.units)
+        if self.replicas is not None:
+            if self.replicas < lo:
+                raise ValueError(f"replicas ({self.replicas}) must be >= the sum of units[].minCount ({lo})")
+            if all(u.maxCount is not None for u in self.units):
+                hi = sum(u.maxCount or 0 for u in self.units)
+                if self.replicas > hi:
+                    raise ValueError(f"replicas ({self.replicas}) must be <= the sum of units[].maxCount ({hi})")
+        if self.config.outer.quorum > self.total_units():
+            raise ValueError(f"config.outer.quorum ({self.config.outer.quorum}) must not exceed the number of "
+                             f"learner units ({self.total_units()})")
+        return self
+
+    def total_units(self) -> int:
+        """The number of learner units wanted: spec.replicas when set, else the sum of the templates' counts."""
+        return self.replicas if self.replicas is not None else sum(u.count for u in self.units)
+
+
+class LearnerUnitSpec(_Api):
+    """One learner unit, created by the operator from a template of its job."""
+
+    jobName: str = Field(..., min_length=1)
+    template: str = Field(..., min_length=1)
+    index: int = Field(..., ge=0)  # within the template: the unit is <job>-<template>-<index>
+    unitIndex: int = Field(..., ge=0)  # within the job: the learner's --unit (its data shard)
+    image: str = Field(..., min_length=1)
+    imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    podsPerUnit: int = Field(1, ge=1, le=64)
+    accelerator: Accelerator = Field(default_factory=Accelerator)
+    nodeSelector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    resources: Resources = Field(default_factory=Resources)
+    steps: int | None = Field(None, ge=1)
+    restartPolicy: RestartPolicy = Field(default_factory=RestartPolicy)
+
+
+JobPhase = Literal["Pending", "Running", "Succeeded", "Failed"]
+UnitPhase = Literal["Pending", "Running", "Restarting", "Succeeded", "Failed"]
+
+
+class Condition(_Api):
+    """A Kubernetes-style condition; lastTransitionTime moves only when status flips."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(..., pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    message: str = ""
+    lastTransitionTime: str
+    observedGeneration: int | None = None
+
+
+class DilocoJobStatus(_Api):
+    """What the operator observed for a job: written once per reconcile."""
+
+    phase: JobPhase | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    observedGeneration: int | None = None
+    replicas: int | None = None  # learner units that exist (the scale subresource's status)
+    selector: str | None = None  # label selector of the job's units (for the scale subresource)
+    unitsReady: int | None = None
+    unitsDesired: int | None = None
+    restarts: int | None = None  # whole-unit restarts, summed over units
+    syncerReady: bool | None = None
+    outerSteps: int | None = None  # merges done by the syncer (from its /v1/versions)
+    version: int | None = None  # sum of fragment versions published by the syncer
+    lastCheckpoint: str | None = None
+    startTime: str | None = None
+    completionTime: str | None = None
+    message: str | None = None
+
+
+class LearnerUnitStatus(_Api):
+    """What the operator observed for one unit."""
+
+    phase: UnitPhase | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    observedGeneration: int | None = None
+    podsReady: int | None = None
+    podsDesired: int | None = None
+    restarts: int | None = None
+    consecutiveFailures: int | None = None
+    incarnation: int | None = None  # bumped on every whole-unit restart; pods carry it in a label
+    launchedIncarnation: int | None = None  # the incarnation whose pods were all created
+    restartAfter: str | None = None  # backoff: no new pods before this time
+    nodePool: str | None = None
+    nodes: list[str] = Field(default_factory=list)
+    lastContribution: str | None = None
+    message: str | None = None

@@ -1,0 +1,81 @@
+"""Condition types and reasons (constants), and the one way to set a condition: lastTransitionTime moves only
+when the status flips."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+# Condition types.
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+QUORUM_AVAILABLE = "QuorumAvailable"
+SUCCEEDED = "Succeeded"
+FAILED = "Failed"
+PODS_SCHEDULED = "PodsScheduled"  # LearnerUnit only
+
+
+class Reason:
+    """Every reason the operator writes, so users and tests can match on them."""
+
+    ALL_UNITS_READY = "AllUnitsReady"
+    UNITS_NOT_READY = "UnitsNotReady"
+    SYNCER_NOT_READY = "SyncerNotReady"
+    STABLE = "Stable"
+    CREATING = "Creating"
+    SCALING = "Scaling"
+    RESTARTING_UNITS = "RestartingUnits"
+    HEALTHY = "Healthy"
+    UNITS_UNSCHEDULABLE = "UnitsUnschedulable"
+    UNITS_FAILED = "UnitsFailed"
+    QUORUM_MET = "QuorumMet"
+    QUORUM_LOST = "QuorumLost"
+    NOT_FINISHED = "NotFinished"
+    ALL_UNITS_SUCCEEDED = "AllUnitsSucceeded"
+    TOO_FEW_UNITS = "TooFewUnits"
+    INVALID_SPEC = "InvalidSpec"
+    # LearnerUnit
+    PODS_READY = "PodsReady"
+    PODS_NOT_READY = "PodsNotReady"
+    SCHEDULED = "Scheduled"
+    UNSCHEDULABLE = "Unschedulable"
+    BACKOFF = "BackOff"
+    POD_FAILED = "PodFailed"
+    POD_DELETED = "PodDeleted"
+    SPEC_CHANGED = "SpecChanged"
+    BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
+    COMPLETED = "Completed"
+    JOB_FINISHED = "JobFinished"
+
+
+def now_iso(now: datetime | None = None) -> str:
+    """RFC 3339 UTC timestamp with seconds precision, as Kubernetes writes them."""
+    return (now or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    return datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+
+
+def set_condition(conditions: list[dict], type_: str, status: bool | str, reason: str, message: str,
+                  now: datetime, generation: int | None = None) -> list[dict]:
+    """Return a new list with condition `type_` set; lastTransitionTime changes only if status changed."""
+    status_s = status if isinstance(status, str) else ("True" if status else "False")
+    old = next((c for c in conditions if c.get("type") == type_), None)
+    ltt = old["lastTransitionTime"] if old and old.get("status") == status_s else now_iso(now)
+    new = {"type": type_, "status": status_s, "reason": reason, "message": message, "lastTransitionTime": ltt}
+    if generation is not None:
+        new["observedGeneration"] = generation
+    return [c for c in conditions if c.get("type") != type_] + [new] if old is None else \
+        [new if c.get("type") == type_ else c for c in conditions]
+
+
+def get_condition(conditions: list[dict] | None, type_: str) -> dict | None:
+    return next((c for c in conditions or [] if c.get("type") == type_), None)
+
+
+def is_true(conditions: list[dict] | None, type_: str) -> bool:
+    cond = get_condition(conditions, type_)
+    return bool(cond and cond.get("status") == "True")

@@ -1,0 +1,206 @@
+"""Pure decisions for a DilocoJob: how many units of each template, which LearnerUnits to create, update or
+delete, and the job's status and conditions from what its units and syncer report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from diloco_operator import api
+from diloco_operator import conditions as C
+from diloco_operator import objects as O
+
+Event = tuple[str, str, str]
+TERMINAL_JOB = ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class UnitView:
+    """What the job logic needs to know about one LearnerUnit."""
+
+    name: str
+    template: str
+    index: int
+    unit_index: int
+    phase: str | None
+    pods_ready: int
+    pods_desired: int
+    restarts: int
+    unschedulable: bool
+    deleting: bool
+    spec: dict
+
+
+def unit_view(lu: dict) -> UnitView:
+    spec, status = lu.get("spec", {}), lu.get("status", {})
+    return UnitView(
+        name=lu["metadata"]["name"], template=spec.get("template", ""), index=int(spec.get("index", -1)),
+        unit_index=int(spec.get("unitIndex", -1)), phase=status.get("phase"), pods_ready=status.get("podsReady", 0),
+        pods_desired=status.get("podsDesired", spec.get("podsPerUnit", 1)), restarts=status.get("restarts", 0),
+        unschedulable=not C.is_true(status.get("conditions"), C.PODS_SCHEDULED)
+        and C.get_condition(status.get("conditions"), C.PODS_SCHEDULED) is not None,
+        deleting=bool(lu["metadata"].get("deletionTimestamp")), spec=spec,
+    )
+
+
+def distribute(templates: list[api.UnitTemplate], total: int) -> dict[str, int]:
+    """Units per template for a wanted total: start from each count, grow round-robin in template order up to
+    maxCount, shrink from the last template down to minCount. The result may miss `total` only at the bounds."""
+    counts = {t.name: t.count for t in templates}
+    diff = total - sum(counts.values())
+    while diff > 0:
+        grown = False
+        for t in templates:
+            if diff and (t.maxCount is None or counts[t.name] < t.maxCount):
+                counts[t.name] += 1
+                diff -= 1
+                grown = True
+        if not grown:
+            break
+    while diff < 0:
+        shrunk = False
+        for t in reversed(templates):
+            if diff and counts[t.name] > t.minCount:
+                counts[t.name] -= 1
+                diff += 1
+                shrunk = True
+        if not shrunk:
+            break
+    return counts
+
+
+@dataclass
+class UnitsPlan:
+    """LearnerUnits to create and update (name -> spec) and to delete (names)."""
+
+    create: dict[str, api.LearnerUnitSpec] = field(default_factory=dict)
+    update: dict[str, api.LearnerUnitSpec] = field(default_factory=dict)
+    delete: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def plan_units(job_name: str, spec: api.DilocoJobSpec, units: list[UnitView]) -> UnitsPlan:
+    """Which units to keep, add and remove so each template has its share; kept units are never touched
+    except to update a changed spec. Removal takes the highest indices first."""
+    plan = UnitsPlan(counts=distribute(spec.units, spec.total_units()))
+    templates = {t.name: t for t in spec.units}
+    live = [u for u in units if not u.deleting]
+    kept = [u for u in live if u.template in templates and 0 <= u.index < plan.counts[u.template]]
+    plan.delete = sorted((u.name for u in live if u not in kept), key=lambda n: n, reverse=True)
+    used = {u.unit_index for u in kept} | {u.unit_index for u in units if u.deleting}
+    have = {(u.template, u.index) for u in kept}
+    for u in kept:
+        want = O.unit_spec(job_name, spec, templates[u.template], u.index, u.unit_index)
+        if want.model_dump(mode="json", exclude_none=True) != u.spec:
+            plan.update[u.name] = want
+    next_index = 0
+    for t in spec.units:
+        for i in range(plan.counts[t.name]):
+            if (t.name, i) in have:
+                continue
+            while next_index in used:
+                next_index += 1
+            used.add(next_index)
+            plan.create[O.unit_name(job_name, t.name, i)] = O.unit_spec(job_name, spec, t, i, next_index)
+    return plan
+
+
+def job_status(name: str, spec: api.DilocoJobSpec, generation: int | None, units: list[UnitView],
+               syncer_ready: bool, old: dict | None, now: datetime, syncer_info: dict | None = None,
+               ) -> tuple[dict, list[Event]]:
+    """The job's full status (written once per reconcile) and the Events its changes deserve.
+    `units` are the units that exist after this reconcile's changes. Succeeded and Failed stick."""
+    old = dict(old or {})
+    if old.get("phase") in TERMINAL_JOB:
+        return old, []
+    st: dict = {**old}
+    desired = sum(distribute(spec.units, spec.total_units()).values())
+    quorum = spec.config.outer.quorum
+    live = [u for u in units if not u.deleting]
+    ready = [u for u in live if u.phase == "Running"]
+    failed = [u for u in live if u.phase == "Failed"]
+    succeeded = [u for u in live if u.phase == "Succeeded"]
+    restarting = [u for u in live if u.phase == "Restarting"]
+    unschedulable = [u for u in live if u.unschedulable]
+    st.update(observedGeneration=generation, replicas=len(live), unitsReady=len(ready), unitsDesired=desired,
+              selector=f"{O.LABEL_JOB}={name},{O.LABEL_COMPONENT}=learner", syncerReady=syncer_ready,
+              restarts=sum(u.restarts for u in live))
+    for key in ("outerSteps", "version", "lastCheckpoint"):
+        if syncer_info and syncer_info.get(key) is not None:
+            st[key] = syncer_info[key]
+    conds = list(old.get("conditions", []))
+    events: list[Event] = []
+    g = generation
+
+    if desired and desired - len(failed) < quorum:
+        st["phase"] = "Failed"
+        msg = f"only {desired - len(failed)} of {desired} units can still run, fewer than the quorum K={quorum}"
+        conds = C.set_condition(conds, C.FAILED, True, C.Reason.TOO_FEW_UNITS, msg, now, g)
+    elif desired and len(succeeded) == desired:
+        st["phase"] = "Succeeded"
+        conds = C.set_condition(conds, C.SUCCEEDED, True, C.Reason.ALL_UNITS_SUCCEEDED, "all units completed", now, g)
+    else:
+        conds = C.set_condition(conds, C.SUCCEEDED, False, C.Reason.NOT_FINISHED, "", now, g)
+        conds = C.set_condition(conds, C.FAILED, False, C.Reason.NOT_FINISHED, "", now, g)
+        if ready or old.get("phase") == "Running":
+            st["phase"] = "Running"
+        else:
+            st["phase"] = "Pending"
+    if st["phase"] in TERMINAL_JOB:
+        st["completionTime"] = C.now_iso(now)
+        events.append(("Normal" if st["phase"] == "Succeeded" else "Warning", f"Job{st['phase']}",
+                       C.get_condition(conds, st["phase"])["message"]))
+    if st["phase"] == "Running" and not st.get("startTime"):
+        st["startTime"] = C.now_iso(now)
+
+    all_ready = syncer_ready and len(ready) == desired and len(live) == desired
+    if all_ready:
+        conds = C.set_condition(conds, C.READY, True, C.Reason.ALL_UNITS_READY, f"{desired} units ready", now, g)
+    elif not syncer_ready:
+        conds = C.set_condition(conds, C.READY, False, C.Reason.SYNCER_NOT_READY, "syncer not ready", now, g)
+    else:
+        conds = C.set_condition(conds, C.READY, False, C.Reason.UNITS_NOT_READY,
+                                f"{len(ready)}/{desired} units ready", now, g)
+    if len(live) != desired:
+        conds = C.set_condition(conds, C.PROGRESSING, True, C.Reason.SCALING, f"{len(live)} -> {desired} units", now, g)
+    elif restarting:
+        conds = C.set_condition(conds, C.PROGRESSING, True, C.Reason.RESTARTING_UNITS,
+                                "restarting: " + ", ".join(u.name for u in restarting), now, g)
+    elif not all_ready and st["phase"] not in TERMINAL_JOB:
+        conds = C.set_condition(conds, C.PROGRESSING, True, C.Reason.CREATING, "waiting for units and syncer", now, g)
+    else:
+        conds = C.set_condition(conds, C.PROGRESSING, False, C.Reason.STABLE, "", now, g)
+    if unschedulable:
+        conds = C.set_condition(conds, C.DEGRADED, True, C.Reason.UNITS_UNSCHEDULABLE,
+                                "cannot place: " + ", ".join(u.name for u in unschedulable), now, g)
+    elif failed:
+        conds = C.set_condition(conds, C.DEGRADED, True, C.Reason.UNITS_FAILED,
+                                "failed for good: " + ", ".join(u.name for u in failed), now, g)
+    elif restarting:
+        conds = C.set_condition(conds, C.DEGRADED, True, C.Reason.RESTARTING_UNITS,
+                                "restarting: " + ", ".join(u.name for u in restarting), now, g)
+    else:
+        conds = C.set_condition(conds, C.DEGRADED, False, C.Reason.HEALTHY, "", now, g)
+    if syncer_ready and len(ready) >= quorum:
+        conds = C.set_condition(conds, C.QUORUM_AVAILABLE, True, C.Reason.QUORUM_MET,
+                                f"{len(ready)} ready units >= K={quorum}", now, g)
+    else:
+        conds = C.set_condition(conds, C.QUORUM_AVAILABLE, False, C.Reason.QUORUM_LOST,
+                                f"{len(ready)} ready units, K={quorum}" + ("" if syncer_ready else ", syncer down"),
+                                now, g)
+    for ctype in (C.DEGRADED, C.QUORUM_AVAILABLE, C.READY):
+        before, after = C.get_condition(old.get("conditions"), ctype), C.get_condition(conds, ctype)
+        bad = (ctype == C.DEGRADED) == (after["status"] == "True")
+        # On the first reconcile only a Degraded job is news; afterwards every flip is.
+        if (before is None and ctype == C.DEGRADED and bad) or (before and before["status"] != after["status"]):
+            events.append(("Warning" if bad else "Normal", after["reason"], after["message"] or ctype))
+    st["conditions"] = conds
+    st["message"] = _summary(st, conds)
+    return st, events
+
+
+def _summary(st: dict, conds: list[dict]) -> str:
+    for ctype in (C.FAILED, C.DEGRADED):
+        if C.is_true(conds, ctype):
+            return C.get_condition(conds, ctype)["message"]
+    return f"{st.get('unitsReady', 0)}/{st.get('unitsDesired', 0)} units ready"

@@ -1,0 +1,255 @@
+"""Builders of the Kubernetes objects a DilocoJob owns (pure: spec in, manifest dicts out).
+
+Command lines follow docs/protocol.md "Commands the images run".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import yaml
+
+from diloco_operator import api
+
+LABEL_JOB = "diloco.dev/job"
+LABEL_COMPONENT = "diloco.dev/component"
+LABEL_UNIT = "diloco.dev/unit"
+LABEL_TEMPLATE = "diloco.dev/template"
+LABEL_INCARNATION = "diloco.dev/incarnation"
+LABEL_RANK = "diloco.dev/rank"
+ANNOTATION_SPEC_HASH = "diloco.dev/spec-hash"
+MANAGED_BY = {"app.kubernetes.io/name": "diloco", "app.kubernetes.io/managed-by": "diloco-operator"}
+TOKEN_KEY = "token"
+CONFIG_KEY = "config.yaml"
+SYNCER_STATE_DIR = "/var/lib/diloco"
+LEARNER_STATE_DIR = "/var/lib/diloco-learner"
+
+
+def secret_name(job: str) -> str:
+    return f"{job}-token"
+
+
+def config_name(job: str) -> str:
+    return f"{job}-config"
+
+
+def syncer_name(job: str) -> str:
+    return f"{job}-syncer"
+
+
+def pvc_name(job: str) -> str:
+    return f"{job}-checkpoint"
+
+
+def unit_name(job: str, template: str, index: int) -> str:
+    return f"{job}-{template}-{index}"
+
+
+def pod_name(unit: str, incarnation: int, rank: int) -> str:
+    return f"{unit}-{incarnation}-{rank}"
+
+
+def syncer_url(job: str) -> str:
+    """The in-cluster address learners use (same namespace, through the syncer Service)."""
+    return f"http://{syncer_name(job)}:{api.SYNCER_PORT}"
+
+
+def spec_hash(obj: dict) -> str:
+    """A short stable hash of a JSON-able value (detects spec drift without deep compares)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def owner_ref(owner: dict) -> dict:
+    """An ownerReference that lets the garbage collector cascade deletion from `owner`."""
+    return {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": owner["metadata"]["name"],
+            "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(name: str, owner: dict, labels: dict, annotations: dict | None = None) -> dict:
+    meta = {"name": name, "namespace": owner["metadata"]["namespace"], "labels": {**MANAGED_BY, **labels},
+            "ownerReferences": [owner_ref(owner)]}
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+def _resources(res: api.Resources, extra: dict[str, int] | None = None) -> dict:
+    out: dict = {}
+    requests = {k: str(v) for k, v in res.requests.items()}
+    limits = {k: str(v) for k, v in res.limits.items()}
+    for key, value in (extra or {}).items():  # extended resources need requests == limits
+        requests[key] = limits[key] = str(value)
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _tolerations(tols: list[api.Toleration]) -> list[dict]:
+    return [t.model_dump(exclude_none=True) for t in tols]
+
+
+def token_secret(job: dict, token: str) -> dict:
+    """The bearer token learners and the syncer share; created once, never rewritten."""
+    name = job["metadata"]["name"]
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(secret_name(name), job, {LABEL_JOB: name}), "stringData": {TOKEN_KEY: token}}
+
+
+def config_map(job: dict, spec: api.DilocoJobSpec) -> dict:
+    """The run config file the syncer reads (learners get it from the syncer at registration)."""
+    name = job["metadata"]["name"]
+    text = yaml.safe_dump(spec.config.model_dump(mode="json"), sort_keys=False)
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(config_name(name), job, {LABEL_JOB: name}),
+            "data": {CONFIG_KEY: text}}
+
+
+def checkpoint_pvc(job: dict, spec: api.DilocoJobSpec) -> dict:
+    name = job["metadata"]["name"]
+    pvc_spec: dict = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": spec.syncer.checkpoint.size}}}
+    if spec.syncer.checkpoint.storageClassName:
+        pvc_spec["storageClassName"] = spec.syncer.checkpoint.storageClassName
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": _meta(pvc_name(name), job, {LABEL_JOB: name, LABEL_COMPONENT: "syncer"}), "spec": pvc_spec}
+
+
+def _token_env() -> dict:
+    return {"name": "DILOCO_TOKEN", "valueFrom": {"secretKeyRef": {"name": "", "key": TOKEN_KEY}}}
+
+
+def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1) -> dict:
+    """One syncer pod (Recreate: the checkpoint volume is ReadWriteOnce); a replaced pod resumes from the PVC."""
+    name = job["metadata"]["name"]
+    labels = {LABEL_JOB: name, LABEL_COMPONENT: "syncer"}
+    token_env = _token_env()
+    token_env["valueFrom"]["secretKeyRef"]["name"] = secret_name(name)
+    command = ["diloco", "syncer", "--config", f"/etc/diloco/{CONFIG_KEY}", "--host", "0.0.0.0",
+               "--port", str(api.SYNCER_PORT), "--state-dir", SYNCER_STATE_DIR, "--token-env", "DILOCO_TOKEN",
+               "--max-body-mb", str(spec.syncer.maxBodyMb)]
+    pod_spec = {
+        "automountServiceAccountToken": False,
+        "containers": [{
+            "name": "syncer", "image": spec.image, "imagePullPolicy": spec.imagePullPolicy, "command": command,
+            "env": [token_env], "ports": [{"name": "api", "containerPort": api.SYNCER_PORT}],
+            "readinessProbe": {"httpGet": {"path": "/healthz", "port": api.SYNCER_PORT}, "periodSeconds": 5},
+            "resources": _resources(spec.syncer.resources),
+            "volumeMounts": [{"name": "config", "mountPath": "/etc/diloco", "readOnly": True},
+                             {"name": "state", "mountPath": SYNCER_STATE_DIR}],
+        }],
+        "volumes": [{"name": "config", "configMap": {"name": config_name(name)}},
+                    {"name": "state", "persistentVolumeClaim": {"claimName": pvc_name(name)}}],
+    }
+    if spec.syncer.nodeSelector:
+        pod_spec["nodeSelector"] = dict(spec.syncer.nodeSelector)
+    if spec.syncer.tolerations:
+        pod_spec["tolerations"] = _tolerations(spec.syncer.tolerations)
+    config_hash = spec_hash(spec.config.model_dump(mode="json"))
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(syncer_name(name), job, labels),
+        "spec": {
+            "replicas": replicas, "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": {**MANAGED_BY, **labels}, "annotations": {
+                "prometheus.io/scrape": "true", "prometheus.io/port": str(api.SYNCER_PORT),
+                "diloco.dev/config-hash": config_hash}}, "spec": pod_spec},
+        },
+    }
+
+
+def syncer_service(job: dict) -> dict:
+    name = job["metadata"]["name"]
+    labels = {LABEL_JOB: name, LABEL_COMPONENT: "syncer"}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(syncer_name(name), job, labels),
+            "spec": {"selector": labels, "ports": [{"name": "api", "port": api.SYNCER_PORT,
+                                                     "targetPort": api.SYNCER_PORT}]}}
+
+
+def unit_spec(job_name: str, spec: api.DilocoJobSpec, template: api.UnitTemplate, index: int,
+              unit_index: int) -> api.LearnerUnitSpec:
+    """The LearnerUnit spec for unit `index` of `template` (everything its pods need, copied from the job)."""
+    return api.LearnerUnitSpec(
+        jobName=job_name, template=template.name, index=index, unitIndex=unit_index, image=spec.image,
+        imagePullPolicy=spec.imagePullPolicy, podsPerUnit=template.podsPerUnit, accelerator=template.accelerator,
+        nodeSelector=template.nodeSelector, tolerations=template.tolerations, resources=template.resources,
+        steps=template.steps, restartPolicy=spec.restartPolicy,
+    )
+
+
+def learner_unit(job: dict, spec: api.LearnerUnitSpec) -> dict:
+    job_name = job["metadata"]["name"]
+    name = unit_name(job_name, spec.template, spec.index)
+    labels = {LABEL_JOB: job_name, LABEL_TEMPLATE: spec.template}
+    return {"apiVersion": api.API_VERSION, "kind": "LearnerUnit", "metadata": _meta(name, job, labels),
+            "spec": spec.model_dump(mode="json", exclude_none=True)}
+
+
+def unit_service(unit: dict) -> dict:
+    """Headless Service giving each pod of a unit a DNS name (rank-R.<unit>) for torch.distributed rendezvous."""
+    spec = api.LearnerUnitSpec.model_validate(unit["spec"])
+    name = unit["metadata"]["name"]
+    selector = {LABEL_JOB: spec.jobName, LABEL_UNIT: name}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, unit, selector),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector,
+                     "ports": [{"name": "dist", "port": api.MASTER_PORT}]}}
+
+
+def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
+    """Pod `rank` of incarnation `incarnation` of a unit, placed by nodeSelector/tolerations/resources."""
+    spec = api.LearnerUnitSpec.model_validate(unit["spec"])
+    name = unit["metadata"]["name"]
+    resource, label, device = api.ACCELERATORS[spec.accelerator.type]
+    node_selector = dict(spec.nodeSelector)
+    tolerations = _tolerations(spec.tolerations)
+    extra: dict[str, int] = {}
+    if resource and label:
+        node_selector[label] = spec.accelerator.type
+        extra[resource] = spec.accelerator.count
+        # Accelerator pools are tainted with their resource name; pods that request it tolerate it.
+        tolerations.append({"key": resource, "operator": "Exists", "effect": "NoSchedule"})
+    if spec.accelerator.topology:
+        node_selector[api.TPU_TOPOLOGY_LABEL] = spec.accelerator.topology
+    command = ["diloco", "learner", "--syncer", syncer_url(spec.jobName), "--learner-id", name,
+               "--unit", str(spec.unitIndex), "--device", device, "--state-dir", LEARNER_STATE_DIR]
+    if spec.steps:
+        command += ["--steps", str(spec.steps)]
+    token_env = _token_env()
+    token_env["valueFrom"]["secretKeyRef"]["name"] = secret_name(spec.jobName)
+    master = f"rank-0.{name}"
+    env = [
+        token_env,
+        {"name": "DILOCO_SYNCER_URL", "value": syncer_url(spec.jobName)},
+        {"name": "DILOCO_UNIT", "value": str(spec.unitIndex)},
+        {"name": "DILOCO_LEARNER_ID", "value": name},
+        {"name": "RANK", "value": str(rank)},
+        {"name": "WORLD_SIZE", "value": str(spec.podsPerUnit)},
+        {"name": "MASTER_ADDR", "value": master},
+        {"name": "MASTER_PORT", "value": str(api.MASTER_PORT)},
+    ]
+    if device == "xla":
+        env += [{"name": "TPU_WORKER_ID", "value": str(rank)},
+                {"name": "TPU_WORKER_HOSTNAMES",
+                 "value": ",".join(f"rank-{r}.{name}" for r in range(spec.podsPerUnit))}]
+    labels = {LABEL_JOB: spec.jobName, LABEL_COMPONENT: "learner", LABEL_UNIT: name, LABEL_TEMPLATE: spec.template,
+              LABEL_INCARNATION: str(incarnation), LABEL_RANK: str(rank)}
+    pod_spec: dict = {
+        "restartPolicy": "Never",  # the operator restarts whole units, counting and backing off
+        "automountServiceAccountToken": False,
+        "hostname": f"rank-{rank}", "subdomain": name,
+        "containers": [{
+            "name": "learner", "image": spec.image, "imagePullPolicy": spec.imagePullPolicy, "command": command,
+            "env": env, "ports": [{"name": "metrics", "containerPort": api.METRICS_PORT}],
+            "resources": _resources(spec.resources, extra),
+            "volumeMounts": [{"name": "state", "mountPath": LEARNER_STATE_DIR}],
+        }],
+        "volumes": [{"name": "state", "emptyDir": {}}],
+    }
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    annotations = {ANNOTATION_SPEC_HASH: spec_hash(unit["spec"]), "prometheus.io/scrape": "true",
+                   "prometheus.io/port": str(api.METRICS_PORT)}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": _meta(pod_name(name, incarnation, rank), unit, labels,
+                                                                  annotations), "spec": pod_spec}

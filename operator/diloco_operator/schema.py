@@ -1,0 +1,208 @@
+"""Generates the CRDs in crds/ from the pydantic models in api.py, so the two cannot drift.
+
+`python -m diloco_operator.schema [--check] [DIR]` writes (or checks) crds/*.yaml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from diloco_operator import api
+
+CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
+_KEEP = ("type", "enum", "pattern", "minLength", "maxLength", "minimum", "maximum", "minItems", "maxItems", "format")
+
+
+def openapi(model: type[BaseModel]) -> dict:
+    """A structural OpenAPI v3 schema for a pydantic model (refs inlined, null-unions and titles removed)."""
+    js = model.model_json_schema(mode="validation")
+    return _convert(js, js.get("$defs", {}))
+
+
+def _convert(node: dict, defs: dict) -> dict:
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        return _convert({**target, **{k: v for k, v in node.items() if k != "$ref"}}, defs)
+    if "anyOf" in node:
+        variants = [v for v in node["anyOf"] if v.get("type") != "null"]
+        types = {v.get("type") for v in variants}
+        if types == {"integer", "string"}:
+            out: dict[str, Any] = {"x-kubernetes-int-or-string": True}
+        else:
+            assert len(variants) == 1, f"unsupported union in schema: {node}"
+            out = _convert(variants[0], defs)
+        if node.get("description"):
+            out["description"] = node["description"]
+        return out
+    out = {k: node[k] for k in _KEEP if k in node}
+    if "const" in node:
+        out["enum"] = [node["const"]]
+    if "description" in node:
+        out["description"] = node["description"].strip().splitlines()[0]
+    # JSON Schema 2020 numeric exclusive bounds -> OpenAPI v3.0 boolean form.
+    for bound, plain in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if bound in node:
+            out[plain], out[bound] = node[bound], True
+    if out.get("type") == "object" or "properties" in node:
+        out["type"] = "object"
+        if "properties" in node:
+            out["properties"] = {k: _convert(v, defs) for k, v in node["properties"].items()}
+            if node.get("required"):
+                out["required"] = list(node["required"])
+        elif isinstance(node.get("additionalProperties"), dict):
+            out["additionalProperties"] = _convert(node["additionalProperties"], defs)
+    if out.get("type") == "array":
+        out["items"] = _convert(node.get("items", {}), defs)
+    return out
+
+
+def _rule(rule: str, message: str, field_path: str | None = None) -> dict:
+    out = {"rule": rule, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+        out["reason"] = "FieldValueInvalid"
+    return out
+
+
+_COUNT = "(has(u.count) ? u.count : 1)"
+_TOTAL = f"(has(self.replicas) ? self.replicas : self.units.map(u, {_COUNT}).sum())"
+_QUORUM = "(has(self.config) && has(self.config.outer) && has(self.config.outer.quorum) ? self.config.outer.quorum : 1)"
+SPEC_RULES = [
+    _rule(f"{_QUORUM} <= {_TOTAL}", "config.outer.quorum (K) must not exceed the number of learner units",
+          ".config.outer.quorum"),
+    _rule("self.units.all(u, self.units.exists_one(v, v.name == u.name))", "units[].name must be unique", ".units"),
+    _rule("!has(self.replicas) || self.replicas >= self.units.map(u, has(u.minCount) ? u.minCount : 0).sum()",
+          "replicas must be >= the sum of units[].minCount", ".replicas"),
+    _rule("!has(self.replicas) || !self.units.all(u, has(u.maxCount)) || "
+          "self.replicas <= self.units.map(u, u.maxCount).sum()",
+          "replicas must be <= the sum of units[].maxCount", ".replicas"),
+]
+TEMPLATE_RULES = [
+    _rule("(has(self.minCount) ? self.minCount : 0) <= (has(self.count) ? self.count : 1)",
+          "minCount must be <= count", ".minCount"),
+    _rule("!has(self.maxCount) || (has(self.count) ? self.count : 1) <= self.maxCount",
+          "count must be <= maxCount", ".count"),
+]
+ACCELERATOR_RULES = [
+    _rule("(!has(self.type) || self.type == 'cpu') ? (!has(self.count) || self.count == 0) : "
+          "(has(self.count) && self.count >= 1)",
+          "count must be 0 for type cpu and at least 1 for GPU and TPU types", ".count"),
+    _rule("!has(self.topology) || (has(self.type) && self.type.startsWith('tpu-'))",
+          "topology applies only to TPU types", ".topology"),
+]
+
+
+def _status_schema(model: type[BaseModel]) -> dict:
+    schema = openapi(model)
+    conds = schema["properties"]["conditions"]
+    conds["x-kubernetes-list-type"] = "map"
+    conds["x-kubernetes-list-map-keys"] = ["type"]
+    return schema
+
+
+def _crd(kind: str, plural: str, short: str, spec: dict, status: dict, columns: list[dict],
+         scale: dict | None = None) -> dict:
+    subresources: dict[str, Any] = {"status": {}}
+    if scale:
+        subresources["scale"] = scale
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{api.GROUP}"},
+        "spec": {
+            "group": api.GROUP,
+            "names": {"kind": kind, "listKind": f"{kind}List", "plural": plural, "singular": kind.lower(),
+                      "shortNames": [short], "categories": ["diloco"]},
+            "scope": "Namespaced",
+            "versions": [{
+                "name": api.VERSION, "served": True, "storage": True,
+                "schema": {"openAPIV3Schema": {
+                    "type": "object", "required": ["spec"],
+                    "properties": {
+                        "apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"},
+                        "spec": spec, "status": status,
+                    },
+                }},
+                "subresources": subresources,
+                "additionalPrinterColumns": columns,
+            }],
+        },
+    }
+
+
+def _col(name: str, path: str, typ: str = "string", priority: int = 0) -> dict:
+    col = {"name": name, "type": typ, "jsonPath": path}
+    if priority:
+        col["priority"] = priority
+    return col
+
+
+def dilocojob_crd() -> dict:
+    """The DilocoJob CRD: schema from DilocoJobSpec/DilocoJobStatus, CEL rules, scale subresource, columns."""
+    spec = openapi(api.DilocoJobSpec)
+    spec["x-kubernetes-validations"] = SPEC_RULES
+    template = spec["properties"]["units"]["items"]
+    template["x-kubernetes-validations"] = TEMPLATE_RULES
+    template["properties"]["accelerator"]["x-kubernetes-validations"] = ACCELERATOR_RULES
+    columns = [
+        _col("Phase", ".status.phase"), _col("Ready", ".status.unitsReady", "integer"),
+        _col("Desired", ".status.unitsDesired", "integer"), _col("Restarts", ".status.restarts", "integer"),
+        _col("Outer-Steps", ".status.outerSteps", "integer"), _col("Age", ".metadata.creationTimestamp", "date"),
+        _col("Syncer", ".status.syncerReady", "boolean", 1), _col("Version", ".status.version", "integer", 1),
+        _col("Message", ".status.message", "string", 1),
+    ]
+    scale = {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+             "labelSelectorPath": ".status.selector"}
+    return _crd("DilocoJob", "dilocojobs", "dj", spec, _status_schema(api.DilocoJobStatus), columns, scale)
+
+
+def learnerunit_crd() -> dict:
+    """The LearnerUnit CRD (created by the operator, one per unit)."""
+    spec = openapi(api.LearnerUnitSpec)
+    spec["properties"]["accelerator"]["x-kubernetes-validations"] = ACCELERATOR_RULES
+    columns = [
+        _col("Job", ".spec.jobName"), _col("Phase", ".status.phase"),
+        _col("Pods-Ready", ".status.podsReady", "integer"), _col("Pods", ".status.podsDesired", "integer"),
+        _col("Restarts", ".status.restarts", "integer"), _col("Pool", ".status.nodePool"),
+        _col("Age", ".metadata.creationTimestamp", "date"),
+        _col("Unit", ".spec.unitIndex", "integer", 1), _col("Message", ".status.message", "string", 1),
+    ]
+    return _crd("LearnerUnit", "learnerunits", "lu", spec, _status_schema(api.LearnerUnitStatus), columns)
+
+
+def render() -> dict[str, str]:
+    """File name -> YAML text of every CRD."""
+    header = "# Generated by `python -m diloco_operator.schema` from operator/diloco_operator/api.py: do not edit.\n"
+    return {f"{api.GROUP}_{crd['spec']['names']['plural']}.yaml": header + yaml.safe_dump(crd, sort_keys=False, width=120)
+            for crd in (dilocojob_crd(), learnerunit_crd())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("dir", nargs="?", default=str(CRD_DIR))
+    parser.add_argument("--check", action="store_true", help="fail if the files differ from the models")
+    args = parser.parse_args(argv)
+    out = Path(args.dir)
+    stale = []
+    for name, text in render().items():
+        path = out / name
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(str(path))
+        else:
+            path.write_text(text)
+            print(f"wrote {path}")
+    if stale:
+        print(f"out of date: {', '.join(stale)}; run python -m diloco_operator.schema", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Pure decisions for one LearnerUnit: from its spec, last status and observed pods to the pods to create or
+delete, the new status and the Events to post. A unit restarts as a whole (all its pods), with backoff."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from diloco_operator import api
+from diloco_operator import conditions as C
+from diloco_operator import objects as O
+
+Event = tuple[str, str, str]  # (Normal|Warning, reason, message)
+TERMINAL_UNIT = ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What the unit logic needs to know about one pod."""
+
+    name: str
+    incarnation: int
+    rank: int
+    phase: str  # Pending | Running | Succeeded | Failed | Unknown
+    ready: bool = False
+    deleting: bool = False
+    node: str | None = None
+    unschedulable: str | None = None  # the scheduler's message while it cannot place the pod
+    failure: str | None = None  # why the container ended (reason, exit code)
+    spec_hash: str | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+
+def pod_view(pod: dict) -> PodView:
+    """Read a Pod manifest into a PodView."""
+    meta, status = pod["metadata"], pod.get("status", {})
+    labels = meta.get("labels", {})
+    conds = status.get("conditions", [])
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+    sched = next((c for c in conds if c.get("type") == "PodScheduled"), None)
+    unschedulable = sched.get("message", "unschedulable") if sched and sched.get("status") == "False" \
+        and sched.get("reason") == "Unschedulable" else None
+    failure = None
+    for cs in status.get("containerStatuses", []):
+        term = cs.get("state", {}).get("terminated")
+        if term and term.get("exitCode", 0) != 0:
+            failure = f"{cs.get('name')}: {term.get('reason', 'Error')} (exit code {term.get('exitCode')})"
+    return PodView(
+        name=meta["name"], incarnation=int(labels.get(O.LABEL_INCARNATION, -1)), rank=int(labels.get(O.LABEL_RANK, -1)),
+        phase=status.get("phase", "Pending"), ready=ready, deleting=bool(meta.get("deletionTimestamp")),
+        node=pod.get("spec", {}).get("nodeName"), unschedulable=unschedulable,
+        failure=failure or (status.get("reason") if status.get("phase") == "Failed" else None),
+        spec_hash=meta.get("annotations", {}).get(O.ANNOTATION_SPEC_HASH),
+    )
+
+
+@dataclass
+class UnitPlan:
+    """What to do for a unit, in order: delete pods, create ranks (of status['incarnation']), write status."""
+
+    status: dict
+    create: list[int] = field(default_factory=list)
+    delete: list[str] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    requeue_after: float | None = None
+
+
+def backoff_seconds(policy: api.RestartPolicy, consecutive_failures: int) -> float:
+    """Exponential backoff before restart number `consecutive_failures` (1-based), capped."""
+    if consecutive_failures <= 0:
+        return 0.0
+    return min(policy.backoffSeconds * 2 ** (consecutive_failures - 1), policy.maxBackoffSeconds)
+
+
+def _failure_cause(spec: api.LearnerUnitSpec, current: list[PodView], want_hash: str) -> tuple[str, str, bool] | None:
+    """Why the launched pod group can no longer run as a whole: (reason, message, counts as a restart)."""
+    by_rank = {p.rank: p for p in current if not p.deleting}
+    failed = [p for p in current if p.phase == "Failed"]
+    if failed:
+        p = failed[0]
+        return C.Reason.POD_FAILED, f"pod {p.name} failed" + (f": {p.failure}" if p.failure else ""), True
+    gone = [r for r in range(spec.podsPerUnit) if r not in by_rank]
+    if gone:
+        return C.Reason.POD_DELETED, f"pod(s) of rank {', '.join(map(str, gone))} deleted", True
+    if any(p.spec_hash and p.spec_hash != want_hash for p in current if not p.terminal):
+        return C.Reason.SPEC_CHANGED, "unit spec changed; recreating its pods", False
+    return None
+
+
+def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | None, pods: list[PodView],
+              now: datetime, *, generation: int | None = None, node_pools: dict[str, str] | None = None,
+              job_finished: bool = False) -> UnitPlan:
+    """Decide one reconcile of a unit. Terminal phases (Succeeded, Failed) stick."""
+    old = dict(status or {})
+    st = {**old}
+    st.setdefault("restarts", 0)
+    st.setdefault("consecutiveFailures", 0)
+    st.setdefault("incarnation", 0)
+    st["podsDesired"] = spec.podsPerUnit
+    st["observedGeneration"] = generation
+    conds = list(old.get("conditions", []))
+    plan = UnitPlan(status=st)
+    inc = st["incarnation"]
+    launched = st.get("launchedIncarnation") == inc
+    current = [p for p in pods if p.incarnation == inc]
+    stale = [p for p in pods if p.incarnation != inc]
+    plan.delete += [p.name for p in stale if not p.deleting]
+
+    if old.get("phase") in TERMINAL_UNIT or job_finished:
+        if old.get("phase") != "Succeeded":  # a failed unit, or any unit of a finished job, holds no accelerators
+            plan.delete += [p.name for p in current if not p.deleting and not p.terminal]
+        if old.get("phase") not in TERMINAL_UNIT:
+            st["phase"], st["message"] = "Failed", "the job finished; unit stopped"
+            plan.events.append(("Normal", C.Reason.JOB_FINISHED, st["message"]))
+        return _finish(plan, st, conds, current, now, node_pools)
+
+    want_hash = O.spec_hash(unit_spec_raw)
+    cause = _failure_cause(spec, current, want_hash) if launched else None
+    if launched and not cause and len(current) == spec.podsPerUnit and all(p.phase == "Succeeded" for p in current):
+        st["phase"], st["message"] = "Succeeded", "all pods completed"
+        plan.events.append(("Normal", C.Reason.COMPLETED, f"unit completed (incarnation {inc})"))
+        return _finish(plan, st, conds, current, now, node_pools)
+    if cause:
+        reason, message, counted = cause
+        plan.delete += [p.name for p in current if not p.deleting]
+        if counted and st["restarts"] >= spec.restartPolicy.maxRestarts:
+            st["phase"] = "Failed"
+            st["message"] = f"{message}; restart limit {spec.restartPolicy.maxRestarts} reached"
+            plan.events.append(("Warning", C.Reason.BACKOFF_LIMIT_EXCEEDED, st["message"]))
+            return _finish(plan, st, conds, [], now, node_pools)
+        delay = 0.0
+        if counted:
+            st["restarts"] += 1
+            st["consecutiveFailures"] += 1
+            delay = backoff_seconds(spec.restartPolicy, st["consecutiveFailures"])
+        st["incarnation"] = inc = inc + 1
+        st["restartAfter"] = C.now_iso(now + timedelta(seconds=delay))
+        st["phase"], st["message"] = "Restarting", message
+        plan.events.append(("Warning" if counted else "Normal", reason,
+                            f"{message}; restarting the whole unit as incarnation {inc}"
+                            + (f" (restart {st['restarts']}/{spec.restartPolicy.maxRestarts}, backoff {delay:g}s)"
+                               if counted else "")))
+        plan.requeue_after = max(delay, 0.2)
+        return _finish(plan, st, conds, [], now, node_pools)
+
+    if not launched:
+        restart_after = C.parse_time(st.get("restartAfter"))
+        if restart_after and now < restart_after:
+            st["phase"] = "Restarting"
+            st["message"] = f"backing off until {st['restartAfter']}"
+            plan.requeue_after = (restart_after - now).total_seconds()
+            return _finish(plan, st, conds, current, now, node_pools, backoff=True)
+        if stale:  # a unit restarts on a clean slate: old pods release their accelerators and DNS names first
+            st["phase"], st["message"] = "Restarting", f"waiting for {len(stale)} old pod(s) to go"
+            plan.requeue_after = 0.5
+            return _finish(plan, st, conds, current, now, node_pools)
+        have = {p.rank for p in current}
+        plan.create = [r for r in range(spec.podsPerUnit) if r not in have]
+        st["launchedIncarnation"] = inc
+        st.pop("restartAfter", None)
+        if plan.create:
+            plan.events.append(("Normal", "PodsCreated",
+                                f"created {len(plan.create)} pod(s) of incarnation {inc} on {spec.accelerator.type}"))
+    ready = sum(1 for p in current if p.phase == "Running" and p.ready and not p.deleting)
+    if ready == spec.podsPerUnit:
+        st["phase"], st["message"], st["consecutiveFailures"] = "Running", "all pods ready", 0
+    else:
+        st["phase"] = "Pending"
+        st["message"] = f"{ready}/{spec.podsPerUnit} pods ready"
+    return _finish(plan, st, conds, current, now, node_pools)
+
+
+def _finish(plan: UnitPlan, st: dict, conds: list[dict], current: list[PodView], now: datetime,
+            node_pools: dict[str, str] | None, backoff: bool = False) -> UnitPlan:
+    live = [p for p in current if not p.deleting and p.name not in plan.delete]
+    ready = sum(1 for p in live if p.phase == "Running" and p.ready)
+    st["podsReady"] = ready
+    st["nodes"] = sorted({p.node for p in live if p.node})
+    pools = sorted({(node_pools or {}).get(n, "") for n in st["nodes"]} - {""})
+    if pools:
+        st["nodePool"] = ",".join(pools)
+    gen = st.get("observedGeneration")
+    all_ready = st["phase"] == "Running"
+    if st["phase"] == "Succeeded":
+        conds = C.set_condition(conds, C.READY, False, C.Reason.COMPLETED, "unit completed", now, gen)
+    elif all_ready:
+        conds = C.set_condition(conds, C.READY, True, C.Reason.PODS_READY, st["message"], now, gen)
+    else:
+        reason = C.Reason.BACKOFF if backoff else C.Reason.PODS_NOT_READY
+        conds = C.set_condition(conds, C.READY, False, reason, st.get("message") or "", now, gen)
+    unsched = next((p for p in live if p.unschedulable), None)
+    was_unschedulable = C.get_condition(conds, C.PODS_SCHEDULED) and not C.is_true(conds, C.PODS_SCHEDULED)
+    if unsched:
+        conds = C.set_condition(conds, C.PODS_SCHEDULED, False, C.Reason.UNSCHEDULABLE,
+                                f"{unsched.name}: {unsched.unschedulable}", now, gen)
+        st["message"] = f"unschedulable: {unsched.unschedulable}"
+        if not was_unschedulable:
+            plan.events.append(("Warning", C.Reason.UNSCHEDULABLE, f"pod {unsched.name} cannot be placed: "
+                                                                  f"{unsched.unschedulable}"))
+    elif live and all(p.node for p in live):
+        conds = C.set_condition(conds, C.PODS_SCHEDULED, True, C.Reason.SCHEDULED, "all pods placed", now, gen)
+    st["conditions"] = conds
+    return plan

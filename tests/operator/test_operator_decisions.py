@@ -1,0 +1,207 @@
+"""Unit tests of the pure reconcile decisions (no cluster): unit healing, scaling, status and conditions."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from diloco_operator import api
+from diloco_operator import conditions as C
+from diloco_operator import jobplan, objects, unitplan
+from diloco_operator.kube import status_patch
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+JOB = {"apiVersion": api.API_VERSION, "kind": "DilocoJob",
+       "metadata": {"name": "demo", "namespace": "ns", "uid": "u-1", "generation": 1}}
+
+
+def job_spec(**kw) -> api.DilocoJobSpec:
+    base = {"image": "img:1", "units": [{"name": "gpu", "count": 2, "podsPerUnit": 2,
+                                         "accelerator": {"type": "nvidia-h100-80gb", "count": 8}},
+                                        {"name": "cpu", "count": 1}]}
+    base.update(kw)
+    return api.DilocoJobSpec.model_validate(base)
+
+
+def unit_spec(pods: int = 2, **policy) -> tuple[api.LearnerUnitSpec, dict]:
+    spec = objects.unit_spec("demo", job_spec(restartPolicy={"backoffSeconds": 2, "maxRestarts": 2, **policy}),
+                             api.UnitTemplate(name="gpu", podsPerUnit=pods), 0, 0)
+    return spec, spec.model_dump(mode="json", exclude_none=True)
+
+
+def pod(rank: int, inc: int = 0, phase: str = "Running", ready: bool = True, h: str | None = None, **kw):
+    return unitplan.PodView(name=f"demo-gpu-0-{inc}-{rank}", incarnation=inc, rank=rank, phase=phase, ready=ready,
+                            node=f"n{rank}", spec_hash=h, **kw)
+
+
+def test_a_new_unit_creates_all_its_pods_and_records_the_launch():
+    spec, raw = unit_spec()
+    plan = unitplan.plan_unit(spec, raw, None, [], T0)
+    assert plan.create == [0, 1] and plan.delete == []
+    assert plan.status["launchedIncarnation"] == 0 and plan.status["phase"] == "Pending"
+
+
+def test_a_running_unit_is_left_alone():
+    spec, raw = unit_spec()
+    h = objects.spec_hash(raw)
+    status = {"incarnation": 0, "launchedIncarnation": 0, "phase": "Running", "restarts": 0}
+    plan = unitplan.plan_unit(spec, raw, status, [pod(0, h=h), pod(1, h=h)], T0)
+    assert plan.create == [] and plan.delete == [] and plan.status["phase"] == "Running"
+    assert plan.status["podsReady"] == 2 and plan.events == []
+
+
+def test_a_deleted_pod_restarts_the_whole_unit_with_backoff_and_counts_it():
+    spec, raw = unit_spec()
+    h = objects.spec_hash(raw)
+    status = {"incarnation": 0, "launchedIncarnation": 0, "phase": "Running", "restarts": 0}
+    plan = unitplan.plan_unit(spec, raw, status, [pod(0, h=h)], T0)  # rank 1 was deleted
+    assert plan.delete == ["demo-gpu-0-0-0"], "the surviving rank is restarted with the group"
+    assert plan.create == [] and plan.status["incarnation"] == 1 and plan.status["restarts"] == 1
+    assert plan.status["phase"] == "Restarting" and plan.status["restartAfter"] == C.now_iso(T0 + timedelta(seconds=2))
+    assert plan.events[0][1] == C.Reason.POD_DELETED
+    # Before the backoff ends nothing is created; afterwards the new incarnation's pods are.
+    waiting = unitplan.plan_unit(spec, raw, plan.status, [], T0 + timedelta(seconds=1))
+    assert waiting.create == [] and waiting.requeue_after == pytest.approx(1.0)
+    later = unitplan.plan_unit(spec, raw, plan.status, [], T0 + timedelta(seconds=2))
+    assert later.create == [0, 1] and later.status["launchedIncarnation"] == 1
+
+
+def test_a_failed_pod_is_a_counted_restart_and_backoff_doubles():
+    spec, raw = unit_spec(maxRestarts=5)
+    status = {"incarnation": 3, "launchedIncarnation": 3, "restarts": 2, "consecutiveFailures": 2}
+    plan = unitplan.plan_unit(spec, raw, status, [pod(0, 3), pod(1, 3, "Failed", False, failure="exit code 137")], T0)
+    assert plan.status["restarts"] == 3 and plan.events[0][1] == C.Reason.POD_FAILED
+    assert "exit code 137" in plan.events[0][2]
+    assert plan.requeue_after == pytest.approx(8.0)  # 2s * 2**(3-1)
+
+
+def test_old_pods_must_be_gone_before_a_new_incarnation_starts():
+    spec, raw = unit_spec()
+    status = {"incarnation": 1, "launchedIncarnation": 0, "restarts": 1, "restartAfter": C.now_iso(T0)}
+    plan = unitplan.plan_unit(spec, raw, status, [pod(0, 0, deleting=True)], T0 + timedelta(seconds=5))
+    assert plan.create == [] and plan.status["phase"] == "Restarting"
+
+
+def test_the_restart_limit_makes_the_unit_failed_and_that_sticks():
+    spec, raw = unit_spec(maxRestarts=1)
+    status = {"incarnation": 1, "launchedIncarnation": 1, "restarts": 1}
+    plan = unitplan.plan_unit(spec, raw, status, [pod(0, 1, "Failed", False)], T0)
+    assert plan.status["phase"] == "Failed" and plan.events[0][1] == C.Reason.BACKOFF_LIMIT_EXCEEDED
+    again = unitplan.plan_unit(spec, raw, plan.status, [], T0 + timedelta(hours=1))
+    assert again.status["phase"] == "Failed" and again.create == []
+
+
+def test_a_changed_spec_recreates_the_pods_without_counting_a_restart():
+    spec, raw = unit_spec()
+    status = {"incarnation": 0, "launchedIncarnation": 0, "restarts": 0}
+    plan = unitplan.plan_unit(spec, raw, status, [pod(0, h="old"), pod(1, h="old")], T0)
+    assert plan.status["restarts"] == 0 and plan.status["incarnation"] == 1
+    assert plan.events[0][1] == C.Reason.SPEC_CHANGED and plan.requeue_after == pytest.approx(0.2)
+
+
+def test_an_unschedulable_pod_sets_pods_scheduled_false_once():
+    spec, raw = unit_spec(pods=1)
+    status = {"incarnation": 0, "launchedIncarnation": 0}
+    p = pod(0, phase="Pending", ready=False, unschedulable="0/8 nodes: Insufficient nvidia.com/gpu")
+    plan = unitplan.plan_unit(spec, raw, status, [p], T0)
+    cond = C.get_condition(plan.status["conditions"], C.PODS_SCHEDULED)
+    assert cond["status"] == "False" and cond["reason"] == C.Reason.UNSCHEDULABLE
+    assert [e[1] for e in plan.events] == [C.Reason.UNSCHEDULABLE]
+    assert unitplan.plan_unit(spec, raw, plan.status, [p], T0).events == [], "the Event is posted on the flip only"
+
+
+def test_condition_transition_time_moves_only_when_status_flips():
+    conds = C.set_condition([], C.READY, False, "A", "", T0)
+    conds = C.set_condition(conds, C.READY, False, "B", "other reason", T0 + timedelta(minutes=1))
+    assert conds[0]["lastTransitionTime"] == C.now_iso(T0) and conds[0]["reason"] == "B"
+    conds = C.set_condition(conds, C.READY, True, "C", "", T0 + timedelta(minutes=2))
+    assert conds[0]["lastTransitionTime"] == C.now_iso(T0 + timedelta(minutes=2))
+
+
+def test_distribute_grows_round_robin_within_max_and_shrinks_from_the_last_template():
+    ts = [api.UnitTemplate(name="a", count=1, maxCount=2), api.UnitTemplate(name="b", count=1, minCount=1)]
+    assert jobplan.distribute(ts, 2) == {"a": 1, "b": 1}
+    assert jobplan.distribute(ts, 5) == {"a": 2, "b": 3}
+    assert jobplan.distribute(ts, 1) == {"a": 0, "b": 1}
+    assert jobplan.distribute(ts, 0) == {"a": 0, "b": 1}, "minCount bounds the shrink"
+
+
+def _views(plan: jobplan.UnitsPlan) -> list[jobplan.UnitView]:
+    return [jobplan.UnitView(n, s.template, s.index, s.unitIndex, "Running", 1, 1, 0, False, False,
+                             s.model_dump(mode="json", exclude_none=True)) for n, s in plan.create.items()]
+
+
+def test_scaling_adds_and_removes_units_without_touching_the_others():
+    spec = job_spec()
+    first = jobplan.plan_units("demo", spec, [])
+    assert sorted(first.create) == ["demo-cpu-0", "demo-gpu-0", "demo-gpu-1"]
+    assert sorted(s.unitIndex for s in first.create.values()) == [0, 1, 2]
+    existing = _views(first)
+    up = jobplan.plan_units("demo", job_spec(replicas=5), existing)
+    assert up.delete == [] and up.update == {} and sorted(up.create) == ["demo-cpu-1", "demo-gpu-2"]
+    assert {s.unitIndex for s in up.create.values()} == {3, 4}, "new units get unused data shards"
+    down = jobplan.plan_units("demo", job_spec(replicas=1), existing)
+    assert down.create == {} and down.update == {} and down.delete == ["demo-gpu-1", "demo-cpu-0"]
+
+
+def test_a_changed_job_image_updates_existing_unit_specs():
+    existing = _views(jobplan.plan_units("demo", job_spec(), []))
+    plan = jobplan.plan_units("demo", job_spec(image="img:2"), existing)
+    assert sorted(plan.update) == ["demo-cpu-0", "demo-gpu-0", "demo-gpu-1"] and not plan.create and not plan.delete
+
+
+def _unit(name: str, phase: str, unschedulable: bool = False, restarts: int = 0) -> jobplan.UnitView:
+    return jobplan.UnitView(name, "gpu", int(name[-1]), int(name[-1]), phase, 1, 1, restarts, unschedulable, False, {})
+
+
+def test_job_status_is_running_and_ready_with_all_units_and_the_syncer_up():
+    st, events = jobplan.job_status("demo", job_spec(), 1, [_unit("u0", "Running"), _unit("u1", "Running"),
+                                                            _unit("u2", "Running")], True, None, T0)
+    assert st["phase"] == "Running" and st["unitsReady"] == 3 and st["unitsDesired"] == 3
+    assert C.is_true(st["conditions"], C.READY) and C.is_true(st["conditions"], C.QUORUM_AVAILABLE)
+    assert not C.is_true(st["conditions"], C.DEGRADED) and not C.is_true(st["conditions"], C.PROGRESSING)
+    assert events == []
+
+
+def test_an_unschedulable_unit_degrades_the_job_and_posts_one_event():
+    units = [_unit("u0", "Running"), _unit("u1", "Pending", unschedulable=True), _unit("u2", "Running")]
+    st, events = jobplan.job_status("demo", job_spec(), 1, units, True, None, T0)
+    deg = C.get_condition(st["conditions"], C.DEGRADED)
+    assert deg["status"] == "True" and deg["reason"] == C.Reason.UNITS_UNSCHEDULABLE and "u1" in deg["message"]
+    assert [e[1] for e in events] == [C.Reason.UNITS_UNSCHEDULABLE]
+    st2, events2 = jobplan.job_status("demo", job_spec(), 1, units, True, st, T0 + timedelta(seconds=5))
+    assert events2 == [] and st2["conditions"] == st["conditions"]
+
+
+def test_too_few_runnable_units_for_the_quorum_fail_the_job_for_good():
+    spec = job_spec(config={"outer": {"quorum": 2}})
+    units = [_unit("u0", "Failed"), _unit("u1", "Failed"), _unit("u2", "Running")]
+    st, events = jobplan.job_status("demo", spec, 1, units, True, None, T0)
+    assert st["phase"] == "Failed" and C.is_true(st["conditions"], C.FAILED)
+    assert any(e[1] == "JobFailed" for e in events)
+    healed = [_unit("u0", "Running"), _unit("u1", "Running"), _unit("u2", "Running")]
+    assert jobplan.job_status("demo", spec, 1, healed, True, st, T0)[0]["phase"] == "Failed"
+
+
+def test_status_patch_writes_only_changes_and_nulls_removed_keys():
+    assert status_patch({"a": 1}, {"a": 1}) is None
+    assert status_patch({"a": 1, "b": 2}, {"a": 3}) == {"a": 3, "b": None}
+
+
+def test_pods_are_placed_on_their_accelerator_pool_with_rendezvous_env():
+    spec = job_spec()
+    tmpl = spec.units[0]
+    uspec = objects.unit_spec("demo", spec, tmpl, 1, 4)
+    unit = objects.learner_unit(JOB, uspec)
+    unit["metadata"]["uid"] = "lu-1"
+    p = objects.unit_pod(unit, incarnation=2, rank=1)
+    env = {e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]}
+    assert p["metadata"]["name"] == "demo-gpu-1-2-1"
+    assert p["spec"]["nodeSelector"]["cloud.google.com/gke-accelerator"] == "nvidia-h100-80gb"
+    assert p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert env["RANK"] == "1" and env["WORLD_SIZE"] == "2" and env["MASTER_ADDR"] == "rank-0.demo-gpu-1"
+    assert env["DILOCO_SYNCER_URL"] == "http://demo-syncer:8470" and env["DILOCO_UNIT"] == "4"
+    cmd = p["spec"]["containers"][0]["command"]
+    assert cmd[:2] == ["diloco", "learner"] and cmd[cmd.index("--device") + 1] == "cuda"
+    assert p["metadata"]["ownerReferences"][0]["uid"] == "lu-1" and p["spec"]["restartPolicy"] == "Never"

@@ -1,0 +1,379 @@
+"""The syncer's aiohttp application: the HTTP API of docs/protocol.md, one merge scheduler per fragment,
+and periodic checkpoints. Merge math and file I/O run in worker threads so the event loop stays responsive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from diloco_trainer.wire import WireError, decode_submission, encode_tensors
+
+from .metrics import SyncerMetrics
+from .state import Rejected, SyncerState
+
+log = logging.getLogger(__name__)
+
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")  # same alphabet as wire.SubmissionMeta ids
+
+
+@dataclass
+class SyncerOptions:
+    token: str
+    max_body_bytes: int = 256 * 2**20
+    checkpoint_every_s: float = 30.0
+    heartbeat_s: float = 2.0
+    live_after_missed: float = 3.0  # a learner is live while seen within this many heartbeat intervals
+
+    @property
+    def live_timeout_s(self) -> float:
+        return self.heartbeat_s * self.live_after_missed
+
+
+class Syncer:
+    """One running syncer: state + options + metrics + background tasks (fragment loops, checkpoints)."""
+
+    def __init__(self, state: SyncerState, options: SyncerOptions):
+        if not options.token:
+            raise ValueError("the syncer needs a non-empty token")
+        self.state, self.opt = state, options
+        self.metrics = SyncerMetrics()
+        self.started = time.monotonic()
+        self._kicks = [asyncio.Event() for _ in range(state.num_fragments)]
+        self._inflight: dict[str, asyncio.Event] = {}
+        self._ckpt_lock = asyncio.Lock()
+        self._cache: dict[object, bytes] = {}
+        self._tasks: list[asyncio.Task] = []
+        self.merging: set[int] = set()
+        for p in range(state.num_fragments):
+            self.metrics.fragment_version.labels(str(p)).set(state.versions[p])
+            self.metrics.outer_steps.labels(str(p))  # export zero before the first merge
+
+    # --- background work ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._fragment_loop(p), name=f"merge-{p}")
+                       for p in range(self.state.num_fragments)]
+        self._tasks.append(asyncio.create_task(self._checkpoint_loop(), name="checkpoint"))
+
+    async def stop(self) -> None:
+        """Stop merging, then write a final checkpoint. An interrupted merge is simply not committed: its
+        contributions stay pending and spooled, so the next start merges them."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        await self.checkpoint()
+
+    async def _fragment_loop(self, p: int) -> None:
+        kick = self._kicks[p]
+        while True:
+            wait = self.state.decide(p, self.opt.live_timeout_s)
+            if wait == 0.0:
+                try:
+                    await self.merge(p)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001 - keep serving; the contributions stay pending and spooled
+                    log.exception("merge of fragment %d failed; retrying in 1 s", p)
+                    await asyncio.sleep(1.0)
+                continue
+            # None: wait for a contribution, but re-check liveness now and then (a dead learner lowers the
+            # effective quorum). Otherwise wait out the grace window unless something arrives first.
+            timeout = self.opt.heartbeat_s if wait is None else wait
+            try:
+                await asyncio.wait_for(kick.wait(), timeout)
+            except TimeoutError:
+                pass
+            kick.clear()
+
+    async def merge(self, p: int) -> int:
+        """Merge every pending contribution of fragment p and publish the new version."""
+        st, m = self.state, self.metrics
+        t0 = time.perf_counter()
+        contribs, current, outer = st.prepare_merge(p)
+        self.merging.add(p)
+        try:
+            result = await asyncio.to_thread(st.compute_merge, p, contribs, current, outer)
+        finally:
+            self.merging.discard(p)
+        staleness = [st.staleness(c) for c in contribs]
+        version = st.commit_merge(result)
+        self._cache.pop(("fragment", p), None)
+        self._cache.pop("state", None)
+        seconds = time.perf_counter() - t0
+        st.policy.observe_sync_time(seconds)
+        m.outer_steps.labels(str(p)).inc()
+        m.fragment_version.labels(str(p)).set(version)
+        m.contributions_per_merge.observe(len(contribs))
+        for s in staleness:
+            m.staleness.observe(s)
+        m.merge_seconds.observe(seconds)
+        m.tokens_merged.inc(sum(c.c_tokens for c in contribs))
+        log.info("fragment %d: merged %d contributions from %s -> version %d (%.3f s)", p, len(contribs),
+                 sorted({c.learner_id for c in contribs}), version, seconds)
+        return version
+
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.opt.checkpoint_every_s)
+            if self.state.dirty:
+                try:
+                    await self.checkpoint()
+                except Exception:  # noqa: BLE001 - a full disk must not stop merging; retried next period
+                    log.exception("checkpoint failed")
+
+    async def checkpoint(self) -> None:
+        """Write a checkpoint of the current state (off the event loop) and drop the spool files it covers."""
+        async with self._ckpt_lock:
+            t0 = time.perf_counter()
+            job = self.state.checkpoint_job()
+            try:
+                await asyncio.to_thread(self.state.write, job)
+            except BaseException:
+                self.state.dirty = True
+                raise
+            self.state.checkpoint_written(job)
+            self.metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
+            self.metrics.checkpoints.inc()
+
+    # --- helpers -----------------------------------------------------------------------------------
+
+    def _fragment_param(self, request: web.Request) -> int:
+        raw = request.match_info["p"]
+        if not raw.isdigit() or int(raw) >= self.state.num_fragments:
+            raise Rejected(404, f"unknown fragment {raw!r}; fragments are 0..{self.state.num_fragments - 1}",
+                           "unknown_fragment")
+        return int(raw)
+
+    def _versions(self) -> dict[str, int]:
+        return {str(p): v for p, v in enumerate(self.state.versions)}
+
+    def _bytes(self, endpoint: str, body: bytes, headers: dict | None = None) -> web.Response:
+        self.metrics.bytes_out.labels(endpoint).inc(len(body))
+        return web.Response(body=body, content_type="application/octet-stream", headers=headers)
+
+    async def _json_body(self, request: web.Request) -> dict:
+        body = await request.read()
+        self.metrics.bytes_in.labels(request.path.rsplit("/", 1)[-1]).inc(len(body))
+        try:
+            data = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise Rejected(400, f"body is not JSON: {exc}", "malformed") from None
+        if not isinstance(data, dict):
+            raise Rejected(400, "body must be a JSON object", "malformed")
+        return data
+
+    # --- handlers ----------------------------------------------------------------------------------
+
+    async def register(self, request: web.Request) -> web.Response:
+        d = await self._json_body(request)
+        lid = _learner_id(d)
+        unit = _int(d, "unit", 0, optional=True)
+        world = _int(d, "world_size", 1, optional=True)
+        device = d.get("device")
+        if device is not None and (not isinstance(device, str) or len(device) > 64):
+            raise Rejected(400, "device must be a string of at most 64 characters", "malformed")
+        info = self.state.seen(lid)
+        info.unit, info.world_size, info.device = unit, world, device
+        log.info("learner %s registered (unit %s, world size %s, device %s)", lid, unit, world, device)
+        st = self.state
+        return web.json_response({
+            "config": st.config.model_dump(mode="json"),
+            "plan": {str(p): names for p, names in enumerate(st.plan)},
+            "versions": self._versions(),
+            "heartbeat_s": self.opt.heartbeat_s,
+        })
+
+    async def heartbeat(self, request: web.Request) -> web.Response:
+        d = await self._json_body(request)
+        lid = _learner_id(d)
+        step = _int(d, "step", 0)
+        tokens = _int(d, "tokens", 0)
+        step_time = d.get("step_time_s")
+        if step_time is not None and (isinstance(step_time, bool) or not isinstance(step_time, (int, float))
+                                      or not 0 <= step_time < 1e6):
+            raise Rejected(400, f"step_time_s must be a number of seconds in [0, 1e6) or null, got {step_time!r}",
+                           "malformed")
+        self.state.heartbeat(lid, step, None if step_time is None else float(step_time), tokens)
+        return web.json_response({"versions": self._versions()})
+
+    async def submit(self, request: web.Request) -> web.Response:
+        st, m = self.state, self.metrics
+        p = self._fragment_param(request)
+        if request.content_length is not None and request.content_length > self.opt.max_body_bytes:
+            raise _too_large(request.content_length, self.opt.max_body_bytes)
+        body = await request.read()
+        m.bytes_in.labels("outer-gradient").inc(len(body))
+        try:
+            meta, deltas = await asyncio.to_thread(decode_submission, body, st.fragment_shapes(p))
+        except WireError as exc:
+            raise Rejected(400, exc.reason, "malformed") from None
+        sid = meta.submission_id
+        while sid in self._inflight:  # the same id is being spooled by a concurrent request
+            await self._inflight[sid].wait()
+        if st.is_known(sid):
+            m.duplicates.inc()
+            st.seen(meta.learner_id)
+            return web.json_response({"accepted": True, "duplicate": True, "pending": len(st.pending[p])},
+                                     status=202)
+        c = st.new_contribution(p, meta, deltas)  # Rejected: nothing changed
+        done = self._inflight[sid] = asyncio.Event()
+        try:
+            await asyncio.to_thread(lambda: st.spool.write(c.spool_name, c.learner_params(), c.spool_meta()))
+        except OSError as exc:
+            raise Rejected(503, f"could not persist the submission ({exc}); retry later", "persist_failed") from None
+        finally:
+            del self._inflight[sid]
+            done.set()
+        # Durable now: from here on the submission is acknowledged and will be merged exactly once.
+        st.add_pending(c)
+        st.seen(meta.learner_id)
+        m.accepted.inc()
+        self._kicks[p].set()
+        return web.json_response({"accepted": True, "duplicate": False, "pending": len(st.pending[p])}, status=202)
+
+    async def get_fragment(self, request: web.Request) -> web.Response:
+        st = self.state
+        p = self._fragment_param(request)
+        after = request.query.get("after")
+        if after is not None:
+            if not re.fullmatch(r"-?[0-9]{1,19}", after):
+                raise Rejected(400, f"after must be an integer version, got {after[:40]!r}", "malformed")
+            if st.versions[p] <= int(after):
+                return web.Response(status=304)
+        version = st.versions[p]
+        cached = self._cache.get(("fragment", p))
+        if cached is None or cached[0] != version:
+            tensors = st.fragment(p)
+            body = await asyncio.to_thread(encode_tensors, tensors, {"fragment": str(p), "version": str(version)})
+            cached = self._cache[("fragment", p)] = (version, body)
+        return self._bytes("fragment", cached[1])
+
+    async def get_state(self, request: web.Request) -> web.Response:
+        st = self.state
+        versions = tuple(st.versions)
+        cached = self._cache.get("state")
+        if cached is None or cached[0] != versions:
+            meta = {"versions": json.dumps(self._versions())}
+            body = await asyncio.to_thread(encode_tensors, dict(st.theta), meta)
+            cached = self._cache["state"] = (versions, body)
+        return self._bytes("state", cached[1])
+
+    async def get_versions(self, request: web.Request) -> web.Response:
+        st = self.state
+        return web.json_response({"versions": self._versions(), "outer_steps": sum(st.outer_steps),
+                                  "tokens_merged": st.tokens_merged})
+
+    async def get_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.status())
+
+    def status(self) -> dict:
+        """The /v1/status document (see docs/protocol.md)."""
+        st = self.state
+        live = st.live_ids(self.opt.live_timeout_s)
+        learners = {lid: {"last_seen": i.last_seen_unix, "step": i.step, "tokens": i.tokens,
+                          "step_time_s": i.step_time_s, "tokens_merged": i.tokens_merged,
+                          "steps_merged": i.steps_merged, "submissions_merged": i.submissions_merged,
+                          "live": lid in live} for lid, i in sorted(st.learners.items())}
+        return {
+            "versions": self._versions(),
+            "outer_steps": sum(st.outer_steps),
+            "outer_steps_per_fragment": {str(p): n for p, n in enumerate(st.outer_steps)},
+            "merges": sum(st.outer_steps),
+            "contributions_merged": st.contributions_merged,
+            "tokens_merged": st.tokens_merged,
+            "learners": learners,
+            "live_learners": len(live),
+            "pending": {str(p): len(pend) for p, pend in enumerate(st.pending)},
+            "grace_s": st.policy.grace_seconds(),
+            "quorum": st.config.outer.quorum,
+            "fragments": st.num_fragments,
+            "uptime_s": time.monotonic() - self.started,
+        }
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def get_metrics(self, request: web.Request) -> web.Response:
+        st, m = self.state, self.metrics
+        m.live_learners.set(len(st.live_ids(self.opt.live_timeout_s)))
+        m.grace_window.set(st.policy.grace_seconds())
+        for p, pend in enumerate(st.pending):
+            m.pending.labels(str(p)).set(len(pend))
+        return web.Response(body=m.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def _learner_id(d: dict) -> str:
+    lid = d.get("learner_id")
+    if not isinstance(lid, str) or not _ID_RE.fullmatch(lid):
+        raise Rejected(400, f"learner_id must be 1-128 characters of [A-Za-z0-9_.:-], got {lid!r}", "malformed")
+    return lid
+
+
+def _int(d: dict, key: str, minimum: int, optional: bool = False) -> int | None:
+    v = d.get(key)
+    if v is None and optional:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise Rejected(400, f"{key} must be an integer >= {minimum}, got {v!r}", "malformed")
+    return v
+
+
+def _too_large(size: int | None, limit: int) -> Rejected:
+    got = "" if size is None else f" ({size} bytes)"
+    return Rejected(413, f"body too large{got}: the limit is {limit} bytes (--max-body-mb)", "too_large")
+
+
+SYNCER = web.AppKey("syncer", Syncer)
+
+
+def make_app(syncer: Syncer) -> web.Application:
+    """The aiohttp application serving `syncer`; starting it starts merging, cleaning it up checkpoints."""
+    expected = f"Bearer {syncer.opt.token}".encode()
+
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        try:
+            if request.path.startswith("/v1/"):
+                given = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    raise Rejected(401, "missing or wrong bearer token", "unauthorized")
+            return await handler(request)
+        except Rejected as r:
+            if request.path.endswith("/outer-gradient"):
+                syncer.metrics.rejected.labels(r.label).inc()
+            return web.json_response({"error": r.reason}, status=r.status)
+        except web.HTTPRequestEntityTooLarge as exc:
+            r = _too_large(None, syncer.opt.max_body_bytes)
+            if request.path.endswith("/outer-gradient"):
+                syncer.metrics.rejected.labels(r.label).inc()
+            return web.json_response({"error": r.reason + f" ({exc.text})"}, status=413)
+
+    app = web.Application(middlewares=[guard], client_max_size=syncer.opt.max_body_bytes)
+    app[SYNCER] = syncer
+    app.router.add_post("/v1/register", syncer.register)
+    app.router.add_post("/v1/heartbeat", syncer.heartbeat)
+    app.router.add_post("/v1/fragments/{p}/outer-gradient", syncer.submit)
+    app.router.add_get("/v1/fragments/{p}", syncer.get_fragment)
+    app.router.add_get("/v1/state", syncer.get_state)
+    app.router.add_get("/v1/versions", syncer.get_versions)
+    app.router.add_get("/v1/status", syncer.get_status)
+    app.router.add_get("/healthz", syncer.healthz)
+    app.router.add_get("/metrics", syncer.get_metrics)
+
+    async def lifecycle(app: web.Application):
+        await syncer.start()
+        yield
+        await syncer.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+

@@ -1,0 +1,102 @@
+"""`diloco syncer`: serve the syncer API (docs/protocol.md) until SIGTERM/SIGINT, then checkpoint and exit."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+from diloco_trainer.config import TrainConfig
+
+log = logging.getLogger("diloco.syncer")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="run config (YAML), handed to every learner")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8470, help="0 picks a free port (see DIR/endpoint.json)")
+    parser.add_argument("--state-dir", required=True, help="checkpoint/ and spool/ live here; resumed on start")
+    parser.add_argument("--token-env", default="DILOCO_TOKEN", help="environment variable holding the token")
+    parser.add_argument("--max-body-mb", type=float, default=256.0, help="larger request bodies get 413")
+    parser.add_argument("--checkpoint-every-s", type=float, default=30.0,
+                        help="checkpoint at most this often after merges (and always at shutdown)")
+    parser.add_argument("--heartbeat-s", type=float, default=2.0, help="heartbeat interval asked of learners")
+    parser.add_argument("--log-every-s", type=float, default=10.0, help="progress line interval (0 = off)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    token = os.environ.get(args.token_env, "")
+    if not token:
+        print(f"diloco syncer: set the shared token in the environment variable {args.token_env}", flush=True)
+        return 2
+    for name in ("max_body_mb", "checkpoint_every_s", "heartbeat_s"):
+        if not getattr(args, name) > 0:
+            print(f"diloco syncer: --{name.replace('_', '-')} must be > 0", flush=True)
+            return 2
+    try:
+        config = TrainConfig.from_yaml(args.config)
+    except (OSError, ValueError) as exc:
+        print(f"diloco syncer: cannot load --config {args.config}: {exc}", flush=True)
+        return 2
+    try:
+        return asyncio.run(_serve(args, config, token))
+    except ValueError as exc:  # e.g. a checkpoint written for another model
+        print(f"diloco syncer: {exc}", flush=True)
+        return 2
+
+
+async def _serve(args: argparse.Namespace, config: TrainConfig, token: str) -> int:
+    from aiohttp import web
+
+    from .app import Syncer, SyncerOptions, make_app
+    from .state import SyncerState
+
+    state_dir = Path(args.state_dir)
+    t0 = time.perf_counter()
+    state = await asyncio.to_thread(SyncerState, config, state_dir)
+    log.info("state loaded from %s in %.2f s: versions %s, %d pending", state_dir, time.perf_counter() - t0,
+             state.versions, sum(len(p) for p in state.pending))
+    syncer = Syncer(state, SyncerOptions(token=token, max_body_bytes=int(args.max_body_mb * 2**20),
+                                         checkpoint_every_s=args.checkpoint_every_s, heartbeat_s=args.heartbeat_s))
+    runner = web.AppRunner(make_app(syncer), handle_signals=False, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    connect = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
+    endpoint = state_dir / "endpoint.json"
+    tmp = endpoint.with_name("endpoint.json.tmp")
+    tmp.write_text(json.dumps({"host": args.host, "port": port, "url": f"http://{connect}:{port}", "pid": os.getpid()}))
+    os.replace(tmp, endpoint)
+    print(f"diloco syncer listening on http://{connect}:{port} (state in {state_dir})", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    progress = asyncio.create_task(_progress(syncer, args.log_every_s)) if args.log_every_s > 0 else None
+    await stop.wait()
+    log.info("stopping: final checkpoint")
+    if progress:
+        progress.cancel()
+    await runner.cleanup()  # stops merging and writes the final checkpoint
+    endpoint.unlink(missing_ok=True)
+    log.info("stopped: versions %s, %d outer steps, %d tokens merged", state.versions, sum(state.outer_steps),
+             state.tokens_merged)
+    return 0
+
+
+async def _progress(syncer, every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        s = syncer.status()
+        log.info("outer steps %d, versions %s, tokens merged %d, live learners %d, pending %s, grace %.2f s",
+                 s["outer_steps"], list(s["versions"].values()), s["tokens_merged"], s["live_learners"],
+                 list(s["pending"].values()), s["grace_s"])

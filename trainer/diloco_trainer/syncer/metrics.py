@@ -1,0 +1,50 @@
+"""Prometheus metrics of one syncer, on a private registry (several syncers can live in one test process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class SyncerMetrics:
+    """Every figure the syncer exports; names start with `diloco_syncer_`."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.outer_steps = Counter("diloco_syncer_outer_steps", "Outer steps (merges) per fragment",
+                                   ["fragment"], registry=r)
+        self.fragment_version = Gauge("diloco_syncer_fragment_version", "Current version of each fragment",
+                                      ["fragment"], registry=r)
+        self.contributions_per_merge = Histogram(
+            "diloco_syncer_contributions_per_merge", "Contributions merged in one outer step",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
+        self.staleness = Histogram(
+            "diloco_syncer_staleness_versions", "Outer steps of the fragment between a contribution's base and "
+            "the version it was merged into", buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
+        self.bytes_in = Counter("diloco_syncer_bytes_received", "Request body bytes received", ["endpoint"],
+                                registry=r)
+        self.bytes_out = Counter("diloco_syncer_bytes_sent", "Response body bytes sent", ["endpoint"], registry=r)
+        self.live_learners = Gauge("diloco_syncer_live_learners", "Learners seen within the liveness timeout",
+                                   registry=r)
+        self.grace_window = Gauge("diloco_syncer_grace_window_seconds", "Current adaptive grace window",
+                                  registry=r)
+        self.merge_seconds = Histogram("diloco_syncer_merge_seconds", "Merge + outer step + publish time",
+                                       buckets=_SECONDS, registry=r)
+        self.accepted = Counter("diloco_syncer_submissions_accepted", "Outer gradients acknowledged (202)",
+                                registry=r)
+        self.duplicates = Counter("diloco_syncer_submissions_duplicate", "Retried submissions already known",
+                                  registry=r)
+        self.rejected = Counter("diloco_syncer_submissions_rejected", "Outer gradients rejected, by reason",
+                                ["reason"], registry=r)
+        self.tokens_merged = Counter("diloco_syncer_tokens_merged", "Learner tokens covered by merged "
+                                     "contributions", registry=r)
+        self.pending = Gauge("diloco_syncer_pending_contributions", "Contributions waiting for a merge",
+                             ["fragment"], registry=r)
+        self.checkpoint_seconds = Histogram("diloco_syncer_checkpoint_seconds", "Time to write a checkpoint",
+                                            buckets=_SECONDS, registry=r)
+        self.checkpoints = Counter("diloco_syncer_checkpoints", "Checkpoints written", registry=r)
+
+    def render(self) -> bytes:
+        """Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)

@@ -1,0 +1,367 @@
+"""The syncer's state: global fragments and their versions, outer Nesterov state per fragment, pending
+contributions and the learner registry. Merge math is pure (it runs in a worker thread on immutable
+snapshots); every mutation happens on the event loop. Durable form: see store.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from diloco_trainer.config import TrainConfig
+from diloco_trainer.fragments import fragment_of, plan_fragments
+from diloco_trainer.merge import NesterovOuter, merge_fragment, reanchor, token_weight
+from diloco_trainer.model import build_model, embedding_names
+from diloco_trainer.quorum import MergePolicy
+from diloco_trainer.wire import SubmissionMeta
+
+from .store import Checkpoint, Spool, VersionReservation, read_checkpoint, write_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class Rejected(Exception):
+    """A request the syncer refuses: HTTP status, a reason for the client, a short label for metrics."""
+
+    def __init__(self, status: int, reason: str, label: str):
+        super().__init__(reason)
+        self.status, self.reason, self.label = status, reason, label
+
+
+@dataclass
+class Contribution:
+    """One acknowledged outer gradient, waiting for its fragment's merge.
+
+    Live submissions keep (anchor = Θ_base, delta = Δ̂); replayed ones keep anchor = θ_m and delta None.
+    Holding Θ_base by reference keeps the contribution valid even after that version leaves the history.
+    """
+
+    submission_id: str
+    learner_id: str
+    fragment: int
+    base_version: int
+    base_step: int  # outer steps of the fragment when base_version was published (for staleness)
+    c_steps: int
+    c_tokens: int
+    anchor: dict[str, Tensor]
+    delta: dict[str, Tensor] | None
+    received_at: float  # monotonic
+    spool_name: str
+
+    def learner_params(self) -> dict[str, Tensor]:
+        """θ_m = Θ_base − Δ̂: the learner's fragment as it reported it (what the spool stores)."""
+        if self.delta is None:
+            return self.anchor
+        return {n: self.anchor[n] - self.delta[n] for n in self.anchor}
+
+    def reanchored(self, current: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Δ' = Θ_current − θ_m (exactly Δ̂ when the base is still current)."""
+        if self.delta is None:
+            return {n: current[n] - self.anchor[n] for n in current}
+        return {n: reanchor(self.anchor[n], current[n], self.delta[n]) for n in current}
+
+    def spool_meta(self) -> dict:
+        return {"submission_id": self.submission_id, "learner_id": self.learner_id, "fragment": self.fragment,
+                "base_version": self.base_version, "base_step": self.base_step, "c_steps": self.c_steps,
+                "c_tokens": self.c_tokens, "accepted_at": time.time()}
+
+
+@dataclass
+class LearnerInfo:
+    """What the syncer knows of one learner: liveness from its requests, merged work from merges."""
+
+    last_seen: float | None = None  # monotonic; None = not seen since this syncer started
+    last_seen_unix: float | None = None
+    unit: int | None = None
+    world_size: int | None = None
+    device: str | None = None
+    step: int = 0
+    step_time_s: float | None = None
+    tokens: int = 0
+    tokens_merged: int = 0
+    steps_merged: int = 0
+    submissions_merged: int = 0
+
+
+@dataclass
+class MergeResult:
+    fragment: int
+    theta: dict[str, Tensor]  # new Θ_p (fresh tensors)
+    outer: NesterovOuter  # new outer state of fragment p (the old one is left untouched)
+    contribs: list[Contribution]
+    weights: list[float]
+
+
+@dataclass
+class CheckpointJob:
+    checkpoint: Checkpoint
+    spool_names: list[str]  # spool files covered by this checkpoint (deleted once it is written)
+
+
+@dataclass
+class _Version:
+    step: int  # outer steps of the fragment when this version was published
+    tensors: dict[str, Tensor]
+
+
+class SyncerState:
+    """Global parameters Θ in P fragments with versions, outer state, pending contributions, learners."""
+
+    def __init__(self, config: TrainConfig, state_dir: Path, clock=time.monotonic):
+        self.config, self.clock, self.dir = config, clock, Path(state_dir)
+        out = config.outer
+        model = build_model(config.model, config.seed)
+        self.embeddings = embedding_names(model)
+        self.theta: dict[str, Tensor] = {n: p.detach().clone().float() for n, p in model.named_parameters()}
+        self.shapes = {n: tuple(t.shape) for n, t in self.theta.items()}
+        self.plan = plan_fragments([(n, t.numel()) for n, t in self.theta.items()], out.fragments)
+        self.fragment_of = fragment_of(self.plan)
+        P = len(self.plan)
+        self.versions = [0] * P
+        self.outer_steps = [0] * P
+        self.outer = [NesterovOuter(out.lr, out.momentum) for _ in range(P)]
+        self.history: list[OrderedDict[int, _Version]] = [OrderedDict() for _ in range(P)]
+        self.pending: list[dict[str, Contribution]] = [{} for _ in range(P)]
+        self.merged_ids: set[str] = set()
+        self.merged_spool: list[str] = []  # spool files merged but not yet in a checkpoint
+        self.learners: dict[str, LearnerInfo] = {}
+        self.tokens_merged = 0
+        self.contributions_merged = 0
+        self.policy = MergePolicy(out.quorum, out.grace, out.overlap)
+        self.first_pending_at: list[float | None] = [None] * P
+        self.quorum_reached_at: list[float | None] = [None] * P
+        self.dirty = False  # merged since the last checkpoint snapshot
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.spool = Spool(self.dir / "spool")
+        self.reservation = VersionReservation(self.dir)
+        self._load()
+
+    # --- queries -----------------------------------------------------------------------------------
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.plan)
+
+    def fragment(self, p: int) -> dict[str, Tensor]:
+        """Current Θ_p (tensors are never mutated once published, so callers may keep them)."""
+        return {n: self.theta[n] for n in self.plan[p]}
+
+    def fragment_shapes(self, p: int) -> dict[str, tuple[int, ...]]:
+        return {n: self.shapes[n] for n in self.plan[p]}
+
+    def pending_learners(self, p: int) -> int:
+        return len({c.learner_id for c in self.pending[p].values()})
+
+    def is_known(self, submission_id: str) -> bool:
+        """Merged, or acknowledged and pending: a retry of it must not be merged again."""
+        return submission_id in self.merged_ids or any(submission_id in pend for pend in self.pending)
+
+    def live_ids(self, timeout_s: float) -> set[str]:
+        """Learners seen (any request) within the last `timeout_s` seconds."""
+        now = self.clock()
+        return {lid for lid, info in self.learners.items()
+                if info.last_seen is not None and now - info.last_seen <= timeout_s}
+
+    # --- learners ----------------------------------------------------------------------------------
+
+    def seen(self, learner_id: str) -> LearnerInfo:
+        info = self.learners.setdefault(learner_id, LearnerInfo())
+        info.last_seen, info.last_seen_unix = self.clock(), time.time()
+        return info
+
+    def heartbeat(self, learner_id: str, step: int, step_time_s: float | None, tokens: int) -> None:
+        info = self.seen(learner_id)
+        info.step, info.tokens = step, tokens
+        if step_time_s is not None and step_time_s > 0:
+            info.step_time_s = step_time_s
+            self.policy.observe_step_time(step_time_s)
+
+    # --- submissions -------------------------------------------------------------------------------
+
+    def check_base(self, p: int, base_version: int) -> _Version:
+        """The kept version a submission is based on; Rejected (409 too old / lost, 400 never issued) if none."""
+        kept = self.history[p]
+        if base_version in kept:
+            return kept[base_version]
+        current = self.versions[p]
+        if base_version > current and base_version >= self.reservation.floor:
+            raise Rejected(400, f"base_version {base_version} of fragment {p} is newer than the current "
+                                f"version {current}", "base_newer")
+        if base_version > current:
+            raise Rejected(409, f"base_version {base_version} of fragment {p} is not known to this syncer "
+                                f"(published before a restart and lost); current is {current}: re-adopt",
+                           "base_lost")
+        raise Rejected(409, f"base_version {base_version} of fragment {p} is older than the versions kept "
+                            f"({min(kept)}..{current}); re-adopt the current version", "base_too_old")
+
+    def new_contribution(self, p: int, meta: SubmissionMeta, deltas: dict[str, Tensor]) -> Contribution:
+        """Validate a decoded submission against fragment p; nothing is changed (Rejected on a bad one)."""
+        if meta.fragment != p:
+            raise Rejected(400, f"metadata fragment {meta.fragment} does not match the URL fragment {p}",
+                           "fragment_mismatch")
+        if set(deltas) != set(self.plan[p]):
+            raise Rejected(400, f"parameters do not match fragment {p}", "bad_parameters")
+        base = self.check_base(p, meta.base_version)
+        return Contribution(meta.submission_id, meta.learner_id, p, meta.base_version, base.step, meta.c_steps,
+                            meta.c_tokens, base.tensors, deltas, self.clock(), self.spool.reserve_name())
+
+    def add_pending(self, c: Contribution) -> None:
+        """Register an acknowledged (already spooled) contribution for its fragment's next merge."""
+        assert not self.is_known(c.submission_id), c.submission_id
+        p = c.fragment
+        self.pending[p][c.submission_id] = c
+        if self.first_pending_at[p] is None:
+            self.first_pending_at[p] = c.received_at
+        if self.quorum_reached_at[p] is None and self.pending_learners(p) >= self.config.outer.quorum:
+            self.quorum_reached_at[p] = self.clock()
+            self.policy.observe_quorum_time(self.quorum_reached_at[p] - self.first_pending_at[p])
+
+    def decide(self, p: int, live_timeout_s: float) -> float | None:
+        """MergePolicy's answer for fragment p now: None (wait for contributions), 0.0 (merge), or seconds."""
+        # A learner with a pending contribution counts as alive (MergePolicy's contract: |live ∪ pending|).
+        alive = self.live_ids(live_timeout_s) | {c.learner_id for c in self.pending[p].values()}
+        return self.policy.decide(self.pending_learners(p), self.first_pending_at[p], self.quorum_reached_at[p],
+                                  self.clock(), n_live=len(alive))
+
+    # --- merge -------------------------------------------------------------------------------------
+
+    def prepare_merge(self, p: int) -> tuple[list[Contribution], dict[str, Tensor], NesterovOuter]:
+        """Snapshot what a merge of fragment p needs (the contributions stay pending until commit)."""
+        return list(self.pending[p].values()), self.fragment(p), self.outer[p]
+
+    def compute_merge(self, p: int, contribs: list[Contribution], current: dict[str, Tensor],
+                      outer: NesterovOuter) -> MergeResult:
+        """Pure: re-anchor, weight, merge (RDA / mean) and take the outer Nesterov step on copies."""
+        out = self.config.outer
+        deltas = [c.reanchored(current) for c in contribs]
+        weights = [token_weight(c.c_tokens, c.c_steps) if out.token_weights else 1.0 for c in contribs]
+        merged = merge_fragment(deltas, weights, self.embeddings, out.merge)
+        fresh = NesterovOuter(out.lr, out.momentum)
+        fresh.load_state_dict(outer.state_dict())  # clones: the published outer state is never mutated
+        theta = {n: t.clone() for n, t in current.items()}
+        fresh.step(theta, merged)
+        return MergeResult(p, theta, fresh, contribs, weights)
+
+    def commit_merge(self, r: MergeResult) -> int:
+        """Publish a merge: new Θ_p and version, outer state, counters. Returns the new version."""
+        p = r.fragment
+        version = max(self.versions[p] + 1, self.reservation.floor)
+        self.reservation.ensure(version)  # durable before any learner can see the id
+        self.theta.update(r.theta)
+        self.versions[p] = version
+        self.outer[p] = r.outer
+        self.outer_steps[p] += 1
+        self._remember(p, version, r.theta)
+        for c in r.contribs:
+            del self.pending[p][c.submission_id]
+            self.merged_ids.add(c.submission_id)
+            self.merged_spool.append(c.spool_name)
+            info = self.learners.setdefault(c.learner_id, LearnerInfo())
+            info.tokens_merged += c.c_tokens
+            info.steps_merged += c.c_steps
+            info.submissions_merged += 1
+            self.tokens_merged += c.c_tokens
+            self.contributions_merged += 1
+        # Contributions that arrived during the merge start a new round: quorum is counted afresh.
+        self.first_pending_at[p] = min((c.received_at for c in self.pending[p].values()), default=None)
+        self.quorum_reached_at[p] = None
+        if self.first_pending_at[p] is not None and self.pending_learners(p) >= self.config.outer.quorum:
+            self.quorum_reached_at[p] = self.clock()
+        self.dirty = True
+        return version
+
+    def staleness(self, c: Contribution) -> int:
+        """Outer steps of c's fragment published since its base (0 = merged into the next version)."""
+        return max(0, self.outer_steps[c.fragment] - c.base_step)
+
+    def _remember(self, p: int, version: int, tensors: dict[str, Tensor]) -> None:
+        kept = self.history[p]
+        kept[version] = _Version(self.outer_steps[p], tensors)
+        while len(kept) > self.config.outer.versions_kept:
+            kept.popitem(last=False)
+
+    # --- durability --------------------------------------------------------------------------------
+
+    def checkpoint_job(self) -> CheckpointJob:
+        """A consistent snapshot (references to immutable tensors) to write from a worker thread."""
+        momentum = {n: t for opt in self.outer for n, t in opt.state_dict().items()}
+        state = {
+            "config": self.config.model_dump(mode="json"),
+            "versions": {str(p): v for p, v in enumerate(self.versions)},
+            "outer_steps": {str(p): n for p, n in enumerate(self.outer_steps)},
+            "tokens_merged": self.tokens_merged,
+            "contributions_merged": self.contributions_merged,
+            "learners": {lid: {"tokens_merged": i.tokens_merged, "steps_merged": i.steps_merged,
+                               "submissions_merged": i.submissions_merged} for lid, i in self.learners.items()},
+            "merged_ids": sorted(self.merged_ids),
+            "policy": self.policy.state_dict(),
+            "written_at": time.time(),
+        }
+        self.dirty = False
+        return CheckpointJob(Checkpoint(dict(self.theta), momentum, state), list(self.merged_spool))
+
+    def write(self, job: CheckpointJob) -> None:
+        """Write a checkpoint, then drop the spool files it covers (I/O: call from a worker thread)."""
+        write_checkpoint(self.dir, job.checkpoint)
+        self.spool.remove(job.spool_names)
+
+    def checkpoint_written(self, job: CheckpointJob) -> None:
+        covered = set(job.spool_names)
+        self.merged_spool = [n for n in self.merged_spool if n not in covered]
+
+    def _load(self) -> None:
+        ckpt = read_checkpoint(self.dir)
+        if ckpt is not None:
+            self._load_checkpoint(ckpt)
+        for p in range(self.num_fragments):
+            self._remember(p, self.versions[p], self.fragment(p))
+        self.reservation.floor = max(self.reservation.floor, max(self.versions) + 1)
+        replayed = 0
+        for e in self.spool.load_all():
+            m = e.meta
+            if m["submission_id"] in self.merged_ids:
+                self.spool.remove([e.name])  # in the checkpoint already; only the deletion was lost
+                continue
+            p = int(m["fragment"])
+            if not 0 <= p < self.num_fragments or set(e.tensors) != set(self.plan[p]):
+                log.error("spool file %s does not match this run's fragment plan; left in place", e.name)
+                continue
+            c = Contribution(m["submission_id"], m["learner_id"], p, int(m["base_version"]), int(m["base_step"]),
+                             int(m["c_steps"]), int(m["c_tokens"]), e.tensors, None, self.clock(), e.name)
+            if not self.is_known(c.submission_id):
+                self.add_pending(c)
+                replayed += 1
+        if ckpt is not None or replayed:
+            log.info("syncer state: versions %s, %d contributions replayed from the spool", self.versions, replayed)
+
+    def _load_checkpoint(self, ckpt: Checkpoint) -> None:
+        saved = ckpt.state["config"]
+        mine = self.config.model_dump(mode="json")
+        for key in ("model", "seed"):
+            if saved.get(key) != mine[key]:
+                raise ValueError(f"checkpoint in {self.dir} was written for a different {key} "
+                                 f"({saved.get(key)} vs {mine[key]}); use a fresh --state-dir")
+        if saved["outer"]["fragments"] != mine["outer"]["fragments"]:
+            raise ValueError(f"checkpoint in {self.dir} has {saved['outer']['fragments']} fragments, the config "
+                             f"asks for {mine['outer']['fragments']}; use a fresh --state-dir")
+        if set(ckpt.theta) != set(self.theta):
+            raise ValueError(f"checkpoint in {self.dir} names different parameters than the model")
+        self.theta = {n: ckpt.theta[n].float() for n in self.theta}
+        s = ckpt.state
+        self.versions = [int(s["versions"][str(p)]) for p in range(self.num_fragments)]
+        self.outer_steps = [int(s["outer_steps"][str(p)]) for p in range(self.num_fragments)]
+        for p, names in enumerate(self.plan):
+            self.outer[p].load_state_dict({n: ckpt.momentum[n] for n in names if n in ckpt.momentum})
+        self.tokens_merged = int(s["tokens_merged"])
+        self.contributions_merged = int(s.get("contributions_merged", 0))
+        for lid, d in s["learners"].items():
+            self.learners[lid] = LearnerInfo(tokens_merged=d["tokens_merged"], steps_merged=d["steps_merged"],
+                                             submissions_merged=d["submissions_merged"])
+        self.merged_ids = set(s["merged_ids"])
+        self.policy.load_state_dict(s.get("policy") or {})

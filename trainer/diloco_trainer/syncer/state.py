@@ -193,7 +193,7 @@ class SyncerState:
         if base_version > current and base_version >= self.reservation.floor:
             raise Rejected(400, f"base_version {base_version} of fragment {p} is newer than the current "
                                 f"version {current}", "base_newer")
-        if base_version > current:
+        if base_version > min(kept):  # a gap in the ids: published before a crash, never checkpointed
             raise Rejected(409, f"base_version {base_version} of fragment {p} is not known to this syncer "
                                 f"(published before a restart and lost); current is {current}: re-adopt",
                            "base_lost")

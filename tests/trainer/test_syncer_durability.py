@@ -1,0 +1,164 @@
+"""Syncer durability: spool before the 202, atomic checkpoints, restart = checkpoint + spool replay, exactly once."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from diloco_trainer.config import MODEL_PRESETS
+from diloco_trainer.syncer.state import SyncerState
+from syncer_kit import (AUTH, assert_unchanged, body, deltas_for, first_outer_step, make_syncer, snapshot, start,
+                        tiny_config, wait_for)
+
+
+def _spooled(state_dir):
+    return sorted(p.name for p in (state_dir / "spool").glob("*.safetensors"))
+
+
+async def test_an_acknowledged_submission_is_merged_exactly_once_after_a_crash(aiohttp_client, tmp_path):
+    cfg = tiny_config(quorum=1)
+    live, crashed = tmp_path / "live", tmp_path / "crashed"
+    syncer = make_syncer(live, cfg)
+    client = await start(aiohttp_client, syncer)
+    st = syncer.state
+    theta0 = st.fragment(0)
+    d = deltas_for(st, 0, seed=1)
+    payload = body(st, 0, d, sid="acked-before-crash", c_tokens=777)
+    r = await client.post("/v1/fragments/0/outer-gradient", data=payload, headers=AUTH)
+    assert r.status == 202
+    await wait_for(lambda: st.versions[0] == 1)
+    assert not (live / "checkpoint").exists() and len(_spooled(live)) == 1
+    shutil.copytree(live, crashed)  # the disk as a crash (kill -9) would leave it: no checkpoint yet
+
+    revived = make_syncer(crashed, cfg)
+    assert [len(p) for p in revived.state.pending] == [1, 0], "the spooled submission is pending again"
+    client2 = await start(aiohttp_client, revived)
+    st2 = revived.state
+    await wait_for(lambda: st2.pending[0] == {}, what="the replayed merge")
+    # Version 1 was published (learners may hold it) but lost: the new version must not reuse its id.
+    assert st2.versions[0] > 1 and st2.versions[1] == 0
+    assert st2.tokens_merged == 777 and st2.contributions_merged == 1
+    for n in st2.plan[0]:
+        want = first_outer_step(theta0[n], d[n], cfg.outer.lr, cfg.outer.momentum)
+        torch.testing.assert_close(st2.theta[n], want, rtol=1e-5, atol=1e-6)
+    retry = await client2.post("/v1/fragments/0/outer-gradient", data=payload, headers=AUTH)
+    assert (await retry.json())["duplicate"] is True
+    # A learner that adopted the lost version 1 is told to re-adopt (409), not silently mis-anchored.
+    lost = await client2.post("/v1/fragments/0/outer-gradient",
+                              data=body(st2, 0, d, sid="on-lost-version", base=1), headers=AUTH)
+    assert lost.status == 409 and "lost" in (await lost.json())["error"]
+
+    await client2.close()  # clean shutdown: final checkpoint, spool emptied
+    assert _spooled(crashed) == []
+    again = make_syncer(crashed, cfg)
+    assert again.state.tokens_merged == 777 and again.state.contributions_merged == 1
+    assert [len(p) for p in again.state.pending] == [0, 0]
+    assert again.state.versions == st2.versions
+    assert all(torch.equal(again.state.theta[n], st2.theta[n]) for n in st2.theta)
+    client3 = await start(aiohttp_client, again)  # merged ids come from the checkpoint now
+    retry = await client3.post("/v1/fragments/0/outer-gradient", data=payload, headers=AUTH)
+    assert retry.status == 202 and (await retry.json())["duplicate"] is True
+    assert again.state.pending == [{}, {}] and again.state.tokens_merged == 777
+
+
+async def test_a_restart_resumes_from_the_checkpoint_with_momentum_and_counters(aiohttp_client, tmp_path):
+    cfg = tiny_config(quorum=1)
+    syncer = make_syncer(tmp_path, cfg)
+    client = await start(aiohttp_client, syncer)
+    st = syncer.state
+    for i, p in enumerate([0, 1, 0]):
+        r = await client.post(f"/v1/fragments/{p}/outer-gradient",
+                              data=body(st, p, deltas_for(st, p, seed=i), sid=f"s{i}", base=st.versions[p]),
+                              headers=AUTH)
+        assert r.status == 202
+        await wait_for(lambda: sum(st.outer_steps) == i + 1)
+    st.policy.observe_step_time(0.25)
+    before = snapshot(st)
+    await client.close()
+
+    resumed = make_syncer(tmp_path, cfg).state
+    after = snapshot(resumed)
+    assert_unchanged({**before, "spool": []}, after)
+    assert resumed.versions == [2, 1] and resumed.outer_steps == [2, 1]
+    assert resumed.policy.step_time.value == pytest.approx(0.25)
+    client2 = await start(aiohttp_client, make_syncer(tmp_path, cfg))
+    # The checkpointed current version is a valid base; the next version continues the sequence.
+    r = await client2.post("/v1/fragments/1/outer-gradient",
+                           data=body(resumed, 1, deltas_for(resumed, 1, seed=7), sid="s9", base=1), headers=AUTH)
+    assert r.status == 202
+
+
+async def test_spool_files_are_deleted_only_once_a_checkpoint_covers_them(aiohttp_client, tmp_path):
+    syncer = make_syncer(tmp_path, tiny_config(quorum=2))
+    client = await start(aiohttp_client, syncer)
+    st = syncer.state
+    for lid in ("a", "b", "c"):
+        await client.post("/v1/register", json={"learner_id": lid}, headers=AUTH)
+    for lid in ("a", "b"):
+        await client.post("/v1/fragments/0/outer-gradient",
+                          data=body(st, 0, deltas_for(st, 0, seed=1), learner=lid, sid=f"{lid}0"), headers=AUTH)
+    await wait_for(lambda: st.versions[0] == 1)
+    await client.post("/v1/fragments/1/outer-gradient",
+                      data=body(st, 1, deltas_for(st, 1, seed=1), learner="c", sid="c1"), headers=AUTH)
+    assert len(_spooled(tmp_path)) == 3, "merged but not checkpointed: still spooled"
+    shutil.copytree(tmp_path / "spool", tmp_path / "spool-copy")
+    await syncer.checkpoint()
+    (left,) = _spooled(tmp_path)
+    with safe_open(str(tmp_path / "spool" / left), "pt") as f:
+        assert json.loads(f.metadata()["submission"])["submission_id"] == "c1"  # pending: kept
+    state = json.loads((tmp_path / "checkpoint" / "state.json").read_text())
+    assert sorted(state["merged_ids"]) == ["a0", "b0"] and state["versions"] == {"0": 1, "1": 0}
+    # Killed after the checkpoint but before the deletions: the covered files must not be merged again.
+    for f in (tmp_path / "spool-copy").iterdir():
+        shutil.copy(f, tmp_path / "spool" / f.name)
+    resumed = SyncerState(tiny_config(quorum=2), tmp_path)
+    assert sorted(resumed.pending[1]) == ["c1"] and resumed.pending[0] == {}
+    assert _spooled(tmp_path) == [left] and resumed.tokens_merged == 2048
+
+
+async def test_checkpoints_and_spool_hold_only_safetensors_and_json(aiohttp_client, tmp_path):
+    syncer = make_syncer(tmp_path, tiny_config(quorum=1))
+    client = await start(aiohttp_client, syncer)
+    st = syncer.state
+    await client.post("/v1/fragments/0/outer-gradient", data=body(st, 0, deltas_for(st, 0, seed=1)), headers=AUTH)
+    await wait_for(lambda: st.versions[0] == 1)
+    await client.post("/v1/register", json={"learner_id": "a"}, headers=AUTH)
+    await client.post("/v1/register", json={"learner_id": "b"}, headers=AUTH)
+    await syncer.checkpoint()
+    files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert "checkpoint/theta.safetensors" in files and "checkpoint/momentum.safetensors" in files
+    assert "checkpoint/state.json" in files
+    for rel in files:
+        path = tmp_path / rel
+        if rel.endswith(".safetensors"):
+            with safe_open(str(path), "pt") as f:  # parses as safetensors, nothing else
+                assert list(f.keys())
+        else:
+            assert rel.endswith(".json"), rel
+            json.loads(path.read_text())
+        assert not path.read_bytes().startswith(b"\x80"), f"{rel} looks like a pickle"
+    with safe_open(str(tmp_path / "checkpoint" / "momentum.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(st.plan[0])  # momentum exists only for merged fragments
+
+
+def test_a_checkpoint_written_for_another_model_is_refused(tmp_path):
+    syncer = make_syncer(tmp_path)
+    syncer.state.write(syncer.state.checkpoint_job())
+    other = tiny_config()
+    other.model = MODEL_PRESETS["tiny"].model_copy(update={"d_model": 32})
+    with pytest.raises(ValueError, match="different model"):
+        SyncerState(other, tmp_path)
+    with pytest.raises(ValueError, match="fragments"):
+        SyncerState(tiny_config(fragments=3), tmp_path)
+
+
+def test_a_crash_between_checkpoint_renames_falls_back_to_the_previous_checkpoint(tmp_path):
+    syncer = make_syncer(tmp_path)
+    syncer.state.write(syncer.state.checkpoint_job())
+    (tmp_path / "checkpoint").rename(tmp_path / "checkpoint.old")  # as if killed between the two renames
+    (tmp_path / "checkpoint.tmp").mkdir()  # and a half-written new one
+    resumed = SyncerState(tiny_config(), tmp_path)
+    assert resumed.versions == [0, 0]
+    assert all(torch.equal(resumed.theta[n], syncer.state.theta[n]) for n in resumed.theta)

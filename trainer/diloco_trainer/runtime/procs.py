@@ -73,9 +73,10 @@ class Child:
 class Supervisor:
     """Owns the children of one run. Use as a context manager: leaving it kills every child."""
 
-    def __init__(self, processes_json: Path | None = None):
+    def __init__(self, processes_json: Path | None = None, events_jsonl: Path | None = None):
         self.children: dict[str, Child] = {}
         self.processes_json = processes_json
+        self.events_jsonl = events_jsonl
         self.stopping = False
         self.events: list[dict] = []  # start / exit / restart records, for the run directory
 
@@ -179,7 +180,11 @@ class Supervisor:
         return [c for c in self.children.values() if c.alive and (role is None or c.role == role)]
 
     def _event(self, child: Child, kind: str, **extra) -> None:
-        self.events.append({"time": time.time(), "name": child.name, "role": child.role, "event": kind, **extra})
+        event = {"time": time.time(), "name": child.name, "role": child.role, "event": kind, **extra}
+        self.events.append(event)
+        if self.events_jsonl is not None:
+            with open(self.events_jsonl, "a") as f:
+                f.write(json.dumps(event) + "\n")
 
     def write_processes_json(self) -> None:
         """Current PIDs and roles, atomically, so an external chaos tool can pick victims."""

@@ -1,0 +1,128 @@
+"""Run directory readers, config overrides and the communication figures the local runtime reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from diloco_trainer.runtime import report
+from diloco_trainer.runtime.rundir import last_jsonl, learner_totals, make_run_dir, read_jsonl, split_incarnations
+from diloco_trainer.runtime.session import load_config, parse_slowdown
+from diloco_trainer.runtime.summary import goodput, learner_curve
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _rec(t, step, tokens, acked_tokens, loss=3.0):
+    return {"time": t, "step": step, "tokens": tokens, "acked_tokens": acked_tokens, "loss": loss}
+
+
+def test_totals_sum_each_incarnations_last_line_because_counters_restart_at_zero():
+    records = [_rec(10, 5, 500, 0), _rec(11, 10, 1000, 400),  # first life, killed after step 10
+               _rec(21, 5, 500, 200), _rec(22, 8, 800, 800)]  # restarted at t=20
+    totals = learner_totals(records, starts=[9.0, 20.0])
+    assert totals["step"] == 18 and totals["tokens"] == 1800 and totals["acked_tokens"] == 1200
+    assert totals["incarnations"] == 2
+    groups = split_incarnations(records, [9.0, 20.0])
+    assert [len(g) for g in groups] == [2, 2]
+
+
+def test_an_incarnation_killed_before_its_first_log_line_counts_nothing():
+    records = [_rec(10, 5, 500, 100), _rec(31, 3, 300, 0)]
+    groups = split_incarnations(records, [9.0, 20.0, 30.0])
+    assert [len(g) for g in groups] == [1, 0, 1]
+    assert learner_totals(records, [9.0, 20.0, 30.0])["step"] == 8
+
+
+def test_learner_curve_accumulates_tokens_across_restarts_and_marks_them():
+    records = [_rec(10, 5, 500, 0), _rec(21, 5, 500, 0)]
+    curve = learner_curve("learner-0", records, [9.0, 20.0], t0=9.0)
+    assert curve.tokens == [500.0, 1000.0]
+    assert curve.restarts_s == [11.0]
+
+
+def test_a_torn_last_line_from_a_killed_writer_is_skipped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1}) + "\n" + json.dumps({"step": 2}) + "\n" + '{"step": 3, "lo')
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2]
+    assert last_jsonl(path)["step"] == 2
+    assert last_jsonl(tmp_path / "missing.jsonl") is None
+
+
+def test_goodput_is_merged_steps_over_trained_steps():
+    per_learner = {"a": {"step": 100}, "b": {"step": 100}}
+    merged = {"a": {"steps_merged": 100, "tokens_merged": 0}, "b": {"steps_merged": 50, "tokens_merged": 0}}
+    assert goodput(merged, per_learner) == pytest.approx(0.75)
+    assert goodput({}, {"a": {"step": 0}}) is None
+
+
+def test_run_dir_refuses_a_non_empty_directory(tmp_path):
+    run = make_run_dir(tmp_path / "run")
+    assert (run / "learners").is_dir() and (run / "final").is_dir()
+    (run / "something").write_text("x")
+    with pytest.raises(ValueError, match="not empty"):
+        make_run_dir(run)
+
+
+def test_default_run_dirs_are_unique_per_start(tmp_path):
+    a = make_run_dir(None, root=tmp_path)
+    b = make_run_dir(None, root=tmp_path)
+    assert a != b and a.parent == b.parent == tmp_path.resolve()
+
+
+def test_config_overrides_set_nested_fields_and_bad_ones_name_the_field(tmp_path):
+    cfg = load_config(CONFIGS / "tiny.yaml", ["outer.compression=int8", "inner.batch_size=4"])
+    assert cfg.outer.compression == "int8" and cfg.inner.batch_size == 4
+    with pytest.raises(SystemExit, match="compression"):
+        load_config(CONFIGS / "tiny.yaml", ["outer.compression=int3"])
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        load_config(CONFIGS / "tiny.yaml", ["outer.compression"])
+    with pytest.raises(SystemExit, match="not found"):
+        load_config(tmp_path / "nope.yaml", [])
+
+
+@pytest.mark.parametrize("name", ["local", "tiny", "100m"])
+def test_shipped_configs_are_valid_and_their_model_splits_into_p_fragments(name):
+    import torch
+
+    from diloco_trainer.fragments import plan_fragments
+    from diloco_trainer.model import GPT
+
+    cfg = load_config(CONFIGS / f"{name}.yaml", [])
+    with torch.device("meta"):  # shapes only: no 100M-parameter init in a unit test
+        model = GPT(cfg.model)
+    plan = plan_fragments([(n, p.numel()) for n, p in model.named_parameters()], cfg.outer.fragments)
+    assert len(plan) == cfg.outer.fragments
+
+
+def test_slowdown_takes_one_factor_per_learner_or_one_for_all():
+    assert parse_slowdown("1,1,1,2", 4) == [1, 1, 1, 2]
+    assert parse_slowdown("1.5", 3) == [1.5, 1.5, 1.5]
+    for bad in ("1,2", "0.5", "fast"):
+        with pytest.raises(SystemExit):
+            parse_slowdown(bad, 4)
+
+
+def test_ddp_bytes_follow_the_ring_all_reduce_formula():
+    # 2·(N−1)/N · 4 B per parameter per step; tends to 8 B per parameter for large N.
+    assert report.ddp_bytes_per_step(1000, 4) == pytest.approx(2 * 3 / 4 * 4 * 1000)
+    assert report.ddp_bytes_per_step(1000, 2) == pytest.approx(4000)
+    assert report.ring_allreduce_bytes(1000, 4, every=10) == pytest.approx(600)
+
+
+def test_int4_wire_estimate_is_an_eighth_of_fp32_plus_scales():
+    est = report.wire_bytes_estimate(params=6400, compression="int4", block_size=64, sync_every=16)
+    assert est == pytest.approx((6400 * 0.5 + 100 * 4) / 16)
+    with pytest.raises(ValueError):
+        report.wire_bytes_estimate(10, "int2", 64, 1)
+
+
+def test_prometheus_sum_reads_a_labelled_counter():
+    text = ('# TYPE diloco_syncer_bytes_received counter\n'
+            'diloco_syncer_bytes_received_total{endpoint="outer-gradient"} 1234.0\n'
+            'diloco_syncer_bytes_received_total{endpoint="register"} 10.0\n')
+    assert report.prometheus_sum(text, "diloco_syncer_bytes_received", endpoint="outer-gradient") == 1234.0
+    assert report.prometheus_sum(text, "diloco_syncer_bytes_received") == 1244.0
+    assert report.prometheus_sum(text, "nope") is None

@@ -1,0 +1,265 @@
+"""`diloco baseline ddp|sync-diloco`: the two baselines Decoupled DiLoCo is measured against, same code path.
+
+Same model, data shards, per-learner batch, inner AdamW, `--slowdown`, metrics.jsonl format, run directory
+and final evaluation as `diloco local`; N worker processes talk over torch.distributed (gloo, loopback).
+- ddp: gradients all-reduced (averaged) every step; one model.
+- sync-diloco: H inner steps each, then all-reduce of Δ = Θ − θ (full model, fp32), the same `NesterovOuter`
+  step everywhere, θ ← Θ; everyone waits for the slowest worker at every outer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import signal
+import socket
+import time
+from pathlib import Path
+
+from .runtime import procs
+from .runtime.procs import Child, Supervisor
+from .runtime.rundir import append_jsonl, make_run_dir, write_config, write_json
+from .runtime.session import RunSession, load_config, parse_slowdown
+
+MODES = ("ddp", "sync-diloco")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    from .local import DEFAULT_CONFIG
+
+    parser.add_argument("mode", choices=MODES, help="ddp: all-reduce gradients every step; sync-diloco: "
+                        "all-reduce Δ every H steps with a Nesterov outer step, everyone waits")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="run config YAML (same as diloco local)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    parser.add_argument("--learners", type=int, default=4, help="worker processes (default 4)")
+    parser.add_argument("--steps", type=int, default=300, help="inner steps per worker")
+    parser.add_argument("--minutes", type=float, default=4.0, help="wall-clock budget for training")
+    parser.add_argument("--slowdown", default="1", help="per-worker slowdown factors, e.g. 1,1,1,2")
+    parser.add_argument("--jitter", type=float, default=0.0, help="random extra step time (fraction)")
+    parser.add_argument("--run-dir", default=None, help="where to write the run (default runs/<timestamp>/)")
+    parser.add_argument("--log-every", type=int, default=5, help="metrics line every N steps")
+    parser.add_argument("--snapshots", type=int, default=3, help="model snapshots evaluated at the end")
+    parser.add_argument("--eval-batches", type=int, default=16, help="validation batches for the final eval")
+    parser.add_argument("--plain", action="store_true", help="plain progress lines instead of the live table")
+    # Internal: how the supervisor starts each worker.
+    parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--master-port", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.rank is not None:
+        return _worker(args)
+    cfg = load_config(args.config, args.set)
+    if args.learners < 1 or args.steps < 1 or args.minutes <= 0:
+        raise SystemExit("diloco baseline: --learners and --steps must be >= 1, --minutes > 0")
+    slowdown = parse_slowdown(args.slowdown, args.learners)
+    run_dir = make_run_dir(args.run_dir)
+    config_path = write_config(run_dir, cfg)
+    session = RunSession(run_dir, cfg, mode=args.mode, learners=args.learners, plain=args.plain,
+                         eval_batches=args.eval_batches, snapshots=args.snapshots)
+    session.prepare_data()
+    port = _free_port()
+    env = procs.child_env()
+
+    from .local import _StopFlag
+
+    stop = _StopFlag()
+    with Supervisor(run_dir / "processes.json", run_dir / "events.jsonl") as sup, stop.installed():
+        for rank in range(args.learners):
+            name = f"learner-{rank}"
+            state_dir = run_dir / "learners" / name
+            argv = procs.diloco_argv(
+                "baseline", args.mode, "--config", str(config_path), "--learners", str(args.learners),
+                "--rank", str(rank), "--master-port", str(port), "--run-dir", str(run_dir),
+                "--steps", str(args.steps), "--minutes", f"{args.minutes:g}", "--slowdown", f"{slowdown[rank]:g}",
+                "--jitter", f"{args.jitter:g}", "--log-every", str(args.log_every),
+                "--snapshots", str(args.snapshots))
+            # A synchronous job cannot lose a worker: no restarts (that is what the baseline demonstrates).
+            sup.add(Child(name, "learner", argv, env, run_dir / "logs" / f"{name}.log", restart=False,
+                          meta={"state_dir": str(state_dir), "rank": rank}))
+            session.add_learner(name, state_dir, args.steps, slowdown[rank])
+            sup.start(name)
+        started = time.monotonic()
+        reason = session.supervise(sup, stop, started, budget_s=args.minutes * 60, steps=args.steps,
+                                   fail_fast=True)
+        session.message(f"stopping: {reason}")
+        train_end = time.monotonic()
+        sup.stop([c.name for c in sup.children.values()], timeout=60.0)
+        sup.poll()
+        session.close_display()
+    summary = session.finish(sup, train_end - started, stop_reason=reason)
+    return 0 if summary.get("val_loss") is not None else 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------- worker
+
+
+def _worker(args: argparse.Namespace) -> int:
+    """One rank: train, synchronize as the mode says, log metrics.jsonl, rank 0 writes snapshots and Θ."""
+    import torch
+    import torch.distributed as dist
+
+    from .config import TrainConfig
+    from .data import ShardSampler, load_corpus
+    from .merge import NesterovOuter
+    from .model import build_model, count_parameters
+    from .runtime.report import ring_allreduce_bytes
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig.from_yaml(args.config)
+    rank, world, run_dir = args.rank, args.learners, Path(args.run_dir)
+    name = f"learner-{rank}"
+    state_dir = run_dir / "learners" / name
+    state_dir.mkdir(parents=True, exist_ok=True)
+    stopping = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stopping.update(flag=True))
+    signal.signal(signal.SIGINT, lambda *_: stopping.update(flag=True))
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.master_port}", rank=rank,
+                            world_size=world)
+    corpus = load_corpus(cfg.data)
+    sampler = ShardSampler(corpus.train, rank, world, cfg.inner.batch_size, cfg.model.seq_len, cfg.seed)
+    model = build_model(cfg.model, cfg.seed)
+    params = [p for p in model.parameters()]
+    names = [n for n, _ in model.named_parameters()]
+    n_params = count_parameters(model)
+    opt, schedule = inner_optimizer(model, cfg)
+    sync_every = cfg.outer.sync_every if args.mode == "sync-diloco" else 1
+    outer = NesterovOuter(cfg.outer.lr, cfg.outer.momentum) if args.mode == "sync-diloco" else None
+    theta = {n: p.detach().clone() for n, p in model.named_parameters()} if outer else None
+    per_sync_bytes = ring_allreduce_bytes(n_params, world)  # fp32 ring all-reduce of the full vector
+    rng = random.Random(rank)
+    tokens_per_step = cfg.inner.batch_size * cfg.model.seq_len
+    deadline = time.time() + args.minutes * 60
+    t0 = time.time()
+    syncs = bytes_up = 0
+    synced_tokens = synced_steps = 0
+    snap_every = max(1, args.steps // (args.snapshots + 1))
+    if rank == 0:
+        _save_snapshot(run_dir, 0, model, 0)
+    metrics = open(state_dir / "metrics.jsonl", "a")
+    step, loss_val, step_time = 0, float("nan"), 0.0
+    while step < args.steps:
+        t_step = time.time()
+        x, y = sampler.next_batch()
+        for g in opt.param_groups:
+            g["lr"] = schedule(step)
+        _, loss = model(x, y)
+        loss.backward()
+        step += 1
+        loss_val = loss.item()
+        compute = time.time() - t_step
+        _slow_down(compute, float(args.slowdown), args.jitter, rng)
+        last = step >= args.steps
+        want_stop = stopping["flag"] or time.time() >= deadline
+        if outer is None:  # DDP: average gradients (the stop flag rides along) and step everyone together
+            flat = torch.cat([p.grad.reshape(-1) for p in params] + [torch.tensor([float(want_stop)])])
+            dist.all_reduce(flat)
+            stop_all = flat[-1].item() > 0
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset: offset + p.numel()].view_as(p).div_(world))
+                offset += p.numel()
+            torch.nn.utils.clip_grad_norm_(params, cfg.inner.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            syncs, bytes_up = syncs + 1, bytes_up + per_sync_bytes
+            synced_steps, synced_tokens = step, step * tokens_per_step
+        else:
+            torch.nn.utils.clip_grad_norm_(params, cfg.inner.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            stop_all = False
+            if step % sync_every == 0 or last:
+                # Outer step: Δ = Θ − θ averaged over all workers (everyone waits here), Nesterov, θ ← Θ.
+                flat = torch.cat([(theta[n] - p.detach()).reshape(-1) for n, p in zip(names, params)]
+                                 + [torch.tensor([float(want_stop)])])
+                dist.all_reduce(flat)
+                stop_all = flat[-1].item() > 0
+                flat.div_(world)
+                delta, offset = {}, 0
+                for n, p in zip(names, params):
+                    delta[n] = flat[offset: offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                outer.step(theta, delta)
+                with torch.no_grad():
+                    for n, p in zip(names, params):
+                        p.copy_(theta[n])
+                syncs, bytes_up = syncs + 1, bytes_up + per_sync_bytes
+                synced_steps, synced_tokens = step, step * tokens_per_step
+        step_time = time.time() - t_step
+        done = last or stop_all
+        if step % args.log_every == 0 or done:
+            rec = {"time": time.time(), "learner_id": name, "step": step, "loss": loss_val,
+                   "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / max(step_time, 1e-9),
+                   "step_time_s": step_time, "versions": {"all": syncs}, "sent": syncs, "acked": syncs,
+                   "acked_tokens": synced_tokens, "acked_steps": synced_steps, "rejected": 0, "adoptions": syncs,
+                   "syncer_up": True, "bytes_up": bytes_up, "bytes_down": bytes_up}
+            if done:
+                rec["param_sha256"] = _param_digest(model if outer is None else theta)
+            metrics.write(json.dumps(rec) + "\n")
+            metrics.flush()
+        if rank == 0 and step % snap_every == 0 and step // snap_every <= args.snapshots and not done:
+            _save_snapshot(run_dir, step // snap_every, model if outer is None else theta,
+                           step * tokens_per_step * world)
+        if done:
+            break
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        final = theta if outer is not None else {n: p.detach() for n, p in model.named_parameters()}
+        save_file({n: t.contiguous() for n, t in final.items()}, str(run_dir / "final" / "theta.safetensors"))
+        write_json(run_dir / "final" / "state.json", {"mode": args.mode, "steps": step, "outer_steps": syncs,
+                                                      "learners": world, "wall_s": time.time() - t0})
+    metrics.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def inner_optimizer(model, cfg):
+    """AdamW with the config's hyper-parameters and a linear warm-up, as the learners use."""
+    import torch
+
+    inner = cfg.inner
+    opt = torch.optim.AdamW(model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2),
+                            weight_decay=inner.weight_decay)
+
+    def schedule(step: int) -> float:
+        return inner.lr * min(1.0, (step + 1) / max(1, inner.warmup_steps))
+
+    return opt, schedule
+
+
+def _slow_down(compute_s: float, factor: float, jitter: float, rng: random.Random) -> None:
+    """Imitate slower hardware: a step takes `factor` times its compute time, plus random jitter."""
+    extra = (factor - 1.0) * compute_s + (rng.uniform(0, jitter) * compute_s if jitter else 0.0)
+    if extra > 0:
+        time.sleep(extra)
+
+
+def _param_digest(params) -> str:
+    """SHA-256 over the parameters' bytes: equal digests mean bit-identical replicas."""
+    items = params.items() if isinstance(params, dict) else params.named_parameters()
+    h = hashlib.sha256()
+    for n, t in sorted(items, key=lambda kv: kv[0]):
+        h.update(n.encode())
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _save_snapshot(run_dir: Path, k: int, params, tokens: int) -> None:
+    from safetensors.torch import save_file
+
+    items = params.items() if isinstance(params, dict) else params.named_parameters()
+    name = f"snapshot-{k:02d}.safetensors"
+    save_file({n: t.detach().contiguous().clone() for n, t in items}, str(run_dir / "snapshots" / name))
+    append_jsonl(run_dir / "snapshots" / "index.jsonl", {"file": name, "time": time.time(), "tokens": tokens})

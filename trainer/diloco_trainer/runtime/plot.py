@@ -1,0 +1,96 @@
+"""The run's PNG: training loss per learner and the global model's validation loss, against wall time and tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class Curve:
+    """One learner's training loss over the run (all incarnations), with its restart times."""
+
+    name: str
+    time_s: list[float] = field(default_factory=list)  # seconds since the run started
+    tokens: list[float] = field(default_factory=list)  # this learner's cumulative tokens
+    loss: list[float] = field(default_factory=list)
+    restarts_s: list[float] = field(default_factory=list)
+
+
+def smooth(values: list[float]) -> np.ndarray:
+    """Centered moving average over ~5% of the points (the raw training loss is noisy; a centered window
+    does not lag behind the curve the way an EMA does)."""
+    v = np.asarray(values, dtype=float)
+    half = len(v) // 40
+    if half == 0:
+        return v
+    csum = np.concatenate([[0.0], np.cumsum(v)])
+    idx = np.arange(len(v))
+    lo, hi = np.maximum(0, idx - half), np.minimum(len(v), idx + half + 1)
+    return (csum[hi] - csum[lo]) / (hi - lo)
+
+
+def total_tokens_at(curves: list[Curve], times: np.ndarray) -> np.ndarray:
+    """Tokens trained by all learners together at each time (each learner's counter interpolated)."""
+    total = np.zeros(len(times))
+    for c in curves:
+        if c.time_s:
+            total += np.interp(times, c.time_s, c.tokens, left=0.0)
+    return total
+
+
+def plot_run(path: Path, curves: list[Curve], evals: list[tuple[float, float, float]], unigram: float | None,
+             title: str) -> Path:
+    """Write the PNG: left loss vs wall time, right loss vs tokens trained by the whole run.
+
+    `evals` are (time_s, total_tokens, val_loss) points of the global model (final included).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_n) = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, c in enumerate(curves):
+        if not c.time_s:
+            continue
+        color = colors[i % len(colors)]
+        t = np.array(c.time_s) / 60
+        run_tokens = total_tokens_at(curves, np.array(c.time_s))
+        smoothed = smooth(c.loss)
+        for ax, x in ((ax_t, t), (ax_n, run_tokens)):
+            ax.plot(x, c.loss, color=color, alpha=0.18, linewidth=0.8)
+            ax.plot(x, smoothed, color=color, linewidth=1.6, label=f"{c.name} (train)")
+        for r in c.restarts_s:  # where the learner came back after dying
+            y = float(np.interp(r, c.time_s, smoothed))
+            ax_t.plot([r / 60], [y], marker="v", color=color, markersize=8, markeredgecolor="black")
+    if evals:
+        et, en, ev = (np.array(v) for v in zip(*sorted(evals)))
+        for ax, x in ((ax_t, et / 60), (ax_n, en)):
+            ax.plot(x, ev, "o-", color="black", linewidth=2, markersize=6, label="global model (validation)",
+                    zorder=5)
+        ax_t.annotate(f"{ev[-1]:.3f}", (et[-1] / 60, ev[-1]), textcoords="offset points", xytext=(6, 6))
+    if unigram is not None:
+        for ax in (ax_t, ax_n):
+            ax.axhline(unigram, color="grey", linestyle="--", linewidth=1, label=f"unigram baseline {unigram:.2f}")
+    ax_t.set_xlabel("wall time (minutes)")
+    ax_n.set_xlabel("tokens trained by all learners")
+    ax_t.set_ylabel("cross-entropy (nats / byte)")
+    for ax in (ax_t, ax_n):
+        ax.grid(alpha=0.3)
+    all_loss = [v for c in curves for v in c.loss] + [e[2] for e in evals]
+    if all_loss:
+        top = max(unigram or 0, np.percentile(all_loss, 98)) * 1.05
+        ax_t.set_ylim(min(all_loss) * 0.95, top)
+    ax_n.legend(loc="upper right", fontsize=8, framealpha=0.9)
+    if any(c.restarts_s for c in curves):
+        ax_t.plot([], [], "v", color="grey", markeredgecolor="black", label="learner restarted")
+        ax_t.legend(loc="upper right", fontsize=8, handles=ax_t.get_legend_handles_labels()[0][-1:])
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,119 @@
+"""Live progress for a local run: a rich table per learner plus a syncer line, or plain lines when not a TTY.
+
+Pure rendering: the caller gathers a `View` (from metrics.jsonl tails, the supervisor and `/v1/status`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+
+@dataclass
+class LearnerView:
+    name: str
+    status: str  # running | restarting | done | stopped | starting
+    restarts: int = 0
+    last: dict | None = None  # the last metrics.jsonl record of the current incarnation
+    total_steps: int = 0  # over all incarnations
+    target_steps: int | None = None
+    slowdown: float = 1.0
+
+
+@dataclass
+class View:
+    title: str
+    elapsed_s: float
+    budget_s: float | None
+    learners: list[LearnerView] = field(default_factory=list)
+    syncer: dict | None = None  # the last /v1/status answer, None while the syncer is away
+    syncer_restarts: int = 0
+    goodput: float | None = None
+    tokens_trained: int = 0
+    messages: list[str] = field(default_factory=list)  # recent events (restarts, exits)
+
+
+def human(n: float | int | None, unit: str = "") -> str:
+    """1234567 -> '1.23M' (SI prefixes), None -> '-'."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for prefix in ("", "k", "M", "G", "T"):
+        if abs(n) < 1000 or prefix == "T":
+            return f"{n:.0f}{prefix}{unit}" if prefix == "" else f"{n:.2f}{prefix}{unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def versions_text(versions: dict | None) -> str:
+    """Adopted fragment versions, compactly: 'v3..5' (min..max over fragments)."""
+    if not versions:
+        return "-"
+    vals = [int(v) for v in versions.values()]
+    lo, hi = min(vals), max(vals)
+    return f"v{lo}" if lo == hi else f"v{lo}..{hi}"
+
+
+def _status_style(status: str) -> str:
+    return {"running": "green", "done": "cyan", "restarting": "yellow", "stopped": "dim"}.get(status, "red")
+
+
+def render(view: View) -> Group:
+    """The rich renderable: header, learner table, syncer line, recent events."""
+    budget = f" / {view.budget_s / 60:.1f} min" if view.budget_s else ""
+    header = Text.assemble((view.title, "bold"), f"   elapsed {view.elapsed_s / 60:.1f} min{budget}")
+    table = Table(expand=False, pad_edge=False, box=None, header_style="bold")
+    for col, justify in [("learner", "left"), ("state", "left"), ("step", "right"), ("loss", "right"),
+                         ("tok/s", "right"), ("versions", "left"), ("adopted", "right"),
+                         ("sent/acked", "right"), ("up/down", "right"), ("syncer", "left")]:
+        table.add_column(col, justify=justify)
+    for lv in view.learners:
+        m = lv.last or {}
+        target = f"/{lv.target_steps}" if lv.target_steps else ""
+        restarts = f" ↻{lv.restarts}" if lv.restarts else ""
+        slow = f" ×{lv.slowdown:g}" if lv.slowdown != 1 else ""
+        up, down = m.get("bytes_up"), m.get("bytes_down")
+        table.add_row(
+            lv.name + slow,
+            Text(lv.status + restarts, style=_status_style(lv.status)),
+            f"{lv.total_steps}{target}",
+            f"{m['loss']:.3f}" if m.get("loss") is not None else "-",
+            human(m.get("tokens_per_s")),
+            versions_text(m.get("versions")),
+            str(m.get("adoptions", "-")),
+            f"{m.get('sent', '-')}/{m.get('acked', '-')}",
+            f"{human(up, 'B')}/{human(down, 'B')}" if up is not None else "-",
+            Text("up", style="green") if m.get("syncer_up", True) else Text("away", style="yellow"),
+        )
+    return Group(header, table, syncer_text(view), *[Text(msg, style="dim") for msg in view.messages[-4:]])
+
+
+def syncer_text(view: View) -> Text:
+    s = view.syncer
+    goodput = f"{100 * view.goodput:.1f}%" if view.goodput is not None else "-"
+    restarts = f", restarts {view.syncer_restarts}" if view.syncer_restarts else ""
+    if s is None:
+        return Text(f"syncer: away{restarts}", style="yellow")
+    live = sum(1 for ls in (s.get("learners") or {}).values() if ls.get("live"))
+    pending = sum(int(v) for v in (s.get("pending") or {}).values())
+    return Text(
+        f"syncer: outer steps {s.get('outer_steps', 0)}, merges {s.get('merges', 0)}, "
+        f"tokens merged {human(s.get('tokens_merged'))} of {human(view.tokens_trained)} trained, "
+        f"goodput {goodput}, live learners {live}, pending {pending}, "
+        f"grace {float(s.get('grace_s') or 0):.2f}s{restarts}"
+    )
+
+
+def plain_line(view: View) -> str:
+    """One log line for non-interactive output (CI logs, tests)."""
+    parts = [f"[{view.elapsed_s:6.1f}s]"]
+    for lv in view.learners:
+        m = lv.last or {}
+        loss = f"{m['loss']:.3f}" if m.get("loss") is not None else "-"
+        parts.append(f"{lv.name}:{lv.status[0]} s{lv.total_steps} L{loss} {versions_text(m.get('versions'))}")
+    s = view.syncer
+    parts.append(f"| syncer outer={s.get('outer_steps', 0)} merges={s.get('merges', 0)}" if s else "| syncer away")
+    return " ".join(parts)

@@ -1,0 +1,117 @@
+"""The run directory every local run and baseline leaves behind, and readers for the metrics inside it.
+
+Layout: config.yaml, processes.json, events.jsonl, syncer.jsonl, learners/<id>/metrics.jsonl,
+logs/<name>.log, final/{theta.safetensors,state.json}, snapshots/, summary.json, plot.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import yaml
+
+from ..config import TrainConfig
+
+
+def make_run_dir(path: str | Path | None, root: str | Path = "runs") -> Path:
+    """Create the run directory: `path` if given (must be empty or new), else runs/<timestamp>/."""
+    if path is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run = Path(root) / stamp
+        n = 1
+        while run.exists():  # two runs started in the same second
+            n += 1
+            run = Path(root) / f"{stamp}-{n}"
+    else:
+        run = Path(path)
+        if run.exists() and any(run.iterdir()):
+            raise ValueError(f"--run-dir {str(run)!r} exists and is not empty; pick a new directory")
+    for sub in ("learners", "logs", "final", "snapshots"):
+        (run / sub).mkdir(parents=True, exist_ok=True)
+    return run.resolve()
+
+
+def write_config(run: Path, cfg: TrainConfig) -> Path:
+    """config.yaml: the exact config every process of the run reads."""
+    path = run / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
+def write_json(path: Path, obj) -> None:
+    """Write JSON atomically (temp + rename): readers never see half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False))
+    os.replace(tmp, path)
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """All complete JSON lines of a file (a torn last line, from a killed writer, is skipped)."""
+    if not path.exists():
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def last_jsonl(path: Path, window: int = 16384) -> dict | None:
+    """The last complete JSON line of a file, reading only its tail (cheap enough to poll every second)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - window))
+            tail = f.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return None
+    for line in reversed(tail.splitlines()):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue
+    return None
+
+
+def split_incarnations(records: list[dict], starts: list[float]) -> list[list[dict]]:
+    """Group a learner's metrics lines by process incarnation, using the supervisor's start times.
+
+    Counters in metrics.jsonl (step, tokens, acked_tokens) restart from zero in each incarnation, so
+    totals are sums over incarnations of each one's last line.
+    """
+    if not starts:
+        return [records] if records else []
+    groups: list[list[dict]] = [[] for _ in starts]
+    for rec in records:
+        t = float(rec.get("time", 0.0))
+        k = max((i for i, s in enumerate(starts) if s <= t), default=0)
+        groups[k].append(rec)
+    return groups
+
+
+def learner_totals(records: list[dict], starts: list[float]) -> dict:
+    """Totals over all incarnations of one learner: steps, tokens, acked tokens/steps, sent, rejected."""
+    keys = ("step", "tokens", "acked_tokens", "acked_steps", "sent", "acked", "rejected", "adoptions")
+    total = {k: 0 for k in keys}
+    for group in split_incarnations(records, starts):
+        if group:
+            last = group[-1]
+            for k in keys:
+                total[k] += int(last.get(k, 0) or 0)
+    total["incarnations"] = max(1, len(starts)) if records else len(starts)
+    return total

@@ -1,0 +1,316 @@
+"""One local run from the supervisor's side: the watch loop, syncer sampling, model snapshots and the final report.
+
+Used by `diloco local` (with a syncer) and `diloco baseline` (without one), so both leave the same run directory.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from ..config import TrainConfig
+from . import progress, report
+from .procs import Supervisor
+from .rundir import append_jsonl, last_jsonl, learner_totals, read_jsonl
+from .summary import build_summary, write_outputs
+from .syncer_client import SyncerClient, wait_for_endpoint
+
+CRASH_LOOP = 3  # this many consecutive incarnations that each lived < CRASH_LOOP_S: give up
+CRASH_LOOP_S = 15.0
+
+
+def load_config(path: str | Path, overrides: list[str]) -> TrainConfig:
+    """The run config from YAML plus `KEY=VALUE` overrides (dotted keys, YAML values); errors name the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"config file {str(path)!r} not found (pass --config)")
+    raw = yaml.safe_load(path.read_text()) or {}
+    from ..config import MODEL_PRESETS
+
+    if isinstance(raw.get("model"), str):
+        raw["model"] = MODEL_PRESETS[raw["model"]].model_dump()
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise SystemExit(f"--set {key}: {part!r} is not a section")
+        node[leaf] = yaml.safe_load(value)
+    try:
+        return TrainConfig.model_validate(raw)
+    except ValueError as exc:
+        raise SystemExit(f"invalid config {str(path)!r}: {exc}") from None
+
+
+def parse_slowdown(text: str, n: int) -> list[float]:
+    """'1,1,1,2' → one factor per learner (>= 1); a single value applies to every learner."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--slowdown expects comma-separated numbers, got {text!r}") from None
+    if len(values) == 1:
+        values = values * n
+    if len(values) != n:
+        raise SystemExit(f"--slowdown has {len(values)} factors for {n} learners")
+    if any(v < 1 for v in values):
+        raise SystemExit(f"--slowdown factors must be >= 1 (1 = full speed), got {text!r}")
+    return values
+
+
+class RunSession:
+    """State the supervisor keeps while a run is live, and what it writes into the run directory."""
+
+    def __init__(self, run_dir: Path, cfg: TrainConfig, mode: str, learners: int, plain: bool = False,
+                 eval_batches: int = 16, snapshots: int = 3):
+        self.run_dir, self.cfg, self.mode, self.n = run_dir, cfg, mode, learners
+        self.plain = plain or not sys.stdout.isatty()
+        self.eval_batches, self.n_snapshots = eval_batches, snapshots
+        self.learners: dict[str, dict] = {}
+        self.client: SyncerClient | None = None
+        self.status: dict | None = None
+        self.messages: list[str] = []
+        self.bytes_up: dict[int, float] = {}  # syncer incarnation -> outer-gradient bytes received so far
+        self.snapshots_taken = 0
+        self.started = time.monotonic()
+        self.started_wall = time.time()
+        self.budget_s: float | None = None
+        self.corpus = None
+        self.unigram: float | None = None
+        self._live = None
+        self._last_plain = 0.0
+
+    # ------------------------------------------------------------------ set-up
+
+    def prepare_data(self) -> None:
+        """Load (and cache) the corpus once, check every shard is big enough, compute the unigram baseline."""
+        from ..data import load_corpus, shard_bounds, unigram_loss
+
+        self.corpus = load_corpus(self.cfg.data)
+        start, end = shard_bounds(len(self.corpus.train), self.n - 1, self.n)
+        if end - start < 2 * (self.cfg.model.seq_len + 1):
+            raise SystemExit(f"the training split ({len(self.corpus.train)} tokens) is too small for "
+                             f"{self.n} shards of seq_len {self.cfg.model.seq_len}")
+        self.unigram = unigram_loss(self.corpus.train, self.corpus.val)
+        self.message(f"corpus: {len(self.corpus.train):,} train / {len(self.corpus.val):,} validation bytes, "
+                     f"unigram baseline {self.unigram:.3f} nats/byte")
+
+    def wait_for_syncer(self, sup: Supervisor, endpoint_path: Path, token: str, timeout: float = 120.0) -> dict:
+        """Block until the syncer listens; returns endpoint.json ({url, port, ...})."""
+        try:
+            endpoint = wait_for_endpoint(endpoint_path, lambda: sup.children["syncer"].alive, timeout)
+        except RuntimeError as exc:
+            raise SystemExit(f"{exc}; see {sup.children['syncer'].log_path}") from None
+        self.client = SyncerClient(endpoint["url"], token)
+        self.message(f"syncer listening on {endpoint['url']}")
+        self._snapshot(force=True)  # Θ₀: the first point of the global model's validation curve
+        return endpoint
+
+    def add_learner(self, name: str, state_dir: Path, steps: int, slowdown: float) -> None:
+        self.learners[name] = {"state_dir": state_dir, "steps": steps, "slowdown": slowdown,
+                               "done_before": 0, "tokens_before": 0, "seen_starts": 1, "last": None}
+
+    def message(self, text: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        self.messages.append(f"{stamp} {text}")
+        if self._live is None:
+            print(f"{stamp} {text}", flush=True)
+
+    # ------------------------------------------------------------------ the watch loop
+
+    def supervise(self, sup: Supervisor, stop, started: float, budget_s: float, steps: int,
+                  fail_fast: bool = False) -> str:
+        """Watch the run until every learner finished, the budget ran out or a stop was requested.
+
+        `fail_fast` (synchronous baselines): one worker that fails ends the run, as it ends a real DDP job.
+        """
+        self.started, self.budget_s = started, budget_s
+        self.started_wall = time.time() - (time.monotonic() - started)
+        self._open_display()
+        next_sample = 0.0
+        while True:
+            for event in sup.poll():
+                self._on_event(sup, event, steps)
+            now = time.monotonic()
+            if now >= next_sample:
+                next_sample = now + 1.0
+                self._sample(sup)
+            self._refresh(sup)
+            learners = [c for c in sup.children.values() if c.role == "learner"]
+            if learners and all(c.finished for c in learners):
+                return "every learner finished its steps"
+            if stop:
+                return f"{stop.requested} received"
+            if fail_fast and any(c.exits and c.exits[-1] != 0 for c in learners):
+                return "a worker failed; a synchronous job cannot continue without it"
+            if now - started >= budget_s:
+                return f"time budget of {budget_s / 60:.1f} min used"
+            for c in sup.children.values():
+                lives = [e - s for s, e in zip(c.starts, self._exit_times(sup, c.name))]
+                if len(lives) >= CRASH_LOOP and all(x < CRASH_LOOP_S for x in lives[-CRASH_LOOP:]):
+                    raise SystemExit(f"{c.name} crashed {CRASH_LOOP} times in a row within {CRASH_LOOP_S:.0f}s "
+                                     f"of starting; see {c.log_path}")
+            time.sleep(0.25)
+
+    @staticmethod
+    def _exit_times(sup: Supervisor, name: str) -> list[float]:
+        return [e["time"] for e in sup.events if e["name"] == name and e["event"] == "exit" and e["code"] != 0]
+
+    def _on_event(self, sup: Supervisor, event: dict, steps: int) -> None:
+        name, kind = event["name"], event["event"]
+        if kind == "exit" and event["code"] != 0:
+            child = sup.children[name]
+            when = f"; restarting in {child.restart_delay:g}s" if child.restart_at is not None else ""
+            self.message(f"{name} exited with code {event['code']}{when}")
+            if name in self.learners:  # the restarted learner trains only the steps still missing
+                info = self.learners[name]
+                done = learner_totals(read_jsonl(info["state_dir"] / "metrics.jsonl"), child.starts)["step"]
+                argv = child.argv
+                argv[argv.index("--steps") + 1] = str(max(1, steps - done))
+        elif kind == "start" and len(sup.children[name].starts) > 1:
+            self.message(f"{name} restarted (pid {event['pid']}, restart #{sup.children[name].restarts})")
+
+    def _sample(self, sup: Supervisor) -> None:
+        """Once a second: the syncer's status into syncer.jsonl, its byte counter, and due snapshots."""
+        if self.client is None:
+            return
+        self.status = self.client.status()
+        record = {"time": time.time(), "elapsed_s": time.monotonic() - self.started, "up": self.status is not None}
+        if self.status is not None:
+            record.update(self.status)
+        append_jsonl(self.run_dir / "syncer.jsonl", record)
+        if self.status is not None and int(record["elapsed_s"]) % 5 == 0:
+            self._scrape_bytes(sup)
+        self._snapshot()
+
+    def _scrape_bytes(self, sup: Supervisor) -> None:
+        text = self.client.metrics_text() if self.client else None
+        if text is None:
+            return
+        value = report.prometheus_sum(text, "diloco_syncer_bytes_received", endpoint="outer-gradient")
+        if value is not None:  # per syncer incarnation: a restarted syncer starts its counters at zero
+            self.bytes_up[len(sup.children["syncer"].starts)] = value
+
+    def _progress_fraction(self) -> float:
+        elapsed = (time.monotonic() - self.started) / self.budget_s if self.budget_s else 0.0
+        done = [self._total_steps(n) / info["steps"] for n, info in self.learners.items()]
+        return max(elapsed, sum(done) / len(done) if done else 0.0)
+
+    def _snapshot(self, force: bool = False) -> None:
+        """Save Θ at k/(S+1) of the run (evaluated after training, when the CPU is free)."""
+        k = self.snapshots_taken
+        if not force and (k > self.n_snapshots or self._progress_fraction() < k / (self.n_snapshots + 1)):
+            return
+        data = self.client.state_bytes()
+        if data is None:
+            return
+        name = f"snapshot-{k:02d}.safetensors"
+        (self.run_dir / "snapshots" / name).write_bytes(data)
+        append_jsonl(self.run_dir / "snapshots" / "index.jsonl",
+                     {"file": name, "time": time.time(), "tokens": self._tokens_trained()})
+        self.snapshots_taken += 1
+
+    # ------------------------------------------------------------------ display
+
+    def _learner_tail(self, name: str) -> dict | None:
+        info = self.learners[name]
+        rec = last_jsonl(info["state_dir"] / "metrics.jsonl")
+        info["last"] = rec
+        return rec
+
+    def _total_steps(self, name: str) -> int:
+        info = self.learners[name]
+        rec = info["last"] or {}
+        return info["done_before"] + int(rec.get("step", 0))
+
+    def _tokens_trained(self) -> int:
+        return sum(info["tokens_before"] + int((info["last"] or {}).get("tokens", 0)) for info in self.learners.values())
+
+    def _view(self, sup: Supervisor) -> progress.View:
+        views = []
+        for name, info in self.learners.items():
+            child = sup.children.get(name)
+            if child is not None and len(child.starts) != info["seen_starts"]:
+                # A new incarnation: fold the old one's counters into the totals shown.
+                prev = info["last"] or {}
+                info["done_before"] += int(prev.get("step", 0))
+                info["tokens_before"] += int(prev.get("tokens", 0))
+                info["seen_starts"] = len(child.starts)
+                info["last"] = None
+            rec = self._learner_tail(name)
+            if rec is not None and child is not None and child.starts and rec.get("time", 0) < child.starts[-1]:
+                info["last"] = rec = None  # the previous incarnation's line: nothing new logged yet
+            status = "stopped"
+            if child is not None:
+                status = ("running" if child.alive else "done" if child.finished
+                          else "restarting" if child.restart_at is not None else "stopped")
+            views.append(progress.LearnerView(name, status, child.restarts if child else 0, rec,
+                                              self._total_steps(name), info["steps"], info["slowdown"]))
+        syncer = sup.children.get("syncer")
+        return progress.View(
+            title=f"diloco {self.mode} — {self.run_dir}", elapsed_s=time.monotonic() - self.started,
+            budget_s=self.budget_s, learners=views, syncer=self.status,
+            syncer_restarts=syncer.restarts if syncer else 0, goodput=self._live_goodput(),
+            tokens_trained=self._tokens_trained(), messages=self.messages)
+
+    def _live_goodput(self) -> float | None:
+        if not self.status:
+            return None
+        trained = self._tokens_trained()
+        return min(1.0, float(self.status.get("tokens_merged", 0)) / trained) if trained else None
+
+    def _open_display(self) -> None:
+        if self.plain:
+            return
+        from rich.live import Live
+
+        self._live = Live(auto_refresh=False, transient=False)  # no refresh thread: we refresh from the loop
+        self._live.start()
+
+    def _refresh(self, sup: Supervisor) -> None:
+        view = self._view(sup)
+        if self._live is not None:
+            self._live.update(progress.render(view), refresh=True)
+        elif time.monotonic() - self._last_plain >= 10.0:
+            self._last_plain = time.monotonic()
+            print(progress.plain_line(view), flush=True)
+
+    def close_display(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    # ------------------------------------------------------------------ shutdown and report
+
+    def drain_syncer(self, sup: Supervisor, timeout: float) -> None:
+        """After the learners stopped: wait (bounded) until nothing is pending, so Θ includes every ack."""
+        if self.client is None or not sup.children["syncer"].alive:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._sample(sup)
+            pending = (self.status or {}).get("pending") or {}
+            if self.status is not None and not any(int(v) for v in pending.values()):
+                break
+            time.sleep(0.5)
+        self._scrape_bytes(sup)
+
+    def finish(self, sup: Supervisor, wall_time_s: float, stop_reason: str) -> dict:
+        """Evaluate the final global model (and snapshots), write summary.json and plot.png, print the report."""
+        self.message("evaluating the global model on the validation split ...")
+        outer_bytes = sum(self.bytes_up.values()) if self.bytes_up else None
+        summary, curves, evals = build_summary(
+            self.run_dir, self.cfg, self.mode, self.n, self.corpus.val, self.unigram, wall_time_s, stop_reason,
+            self.eval_batches, self.started_wall, outer_bytes)
+        write_outputs(self.run_dir, summary, curves, evals,
+                      title=f"{self.mode}: {self.n} learners, {summary['params']:,} parameters")
+        for line in report.summary_lines(summary):
+            print(line)
+        print(f"plot: {self.run_dir / 'plot.png'}")
+        return summary

@@ -1,0 +1,137 @@
+"""summary.json and plot.png of a finished run, computed from the run directory alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..config import TrainConfig
+from . import report
+from .plot import Curve, plot_run
+from .rundir import learner_totals, read_jsonl, split_incarnations, write_json
+
+
+def learner_starts(events: list[dict]) -> dict[str, list[float]]:
+    """Wall-clock start times of every incarnation of every process, from events.jsonl."""
+    starts: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("event") == "start":
+            starts.setdefault(e["name"], []).append(float(e["time"]))
+    return starts
+
+
+def learner_curve(name: str, records: list[dict], starts: list[float], t0: float) -> Curve:
+    """Training loss over the run with tokens accumulated across incarnations."""
+    curve = Curve(name)
+    carried = 0.0
+    for i, group in enumerate(split_incarnations(records, starts)):
+        if i > 0:
+            curve.restarts_s.append(starts[i] - t0)
+        for rec in group:
+            if rec.get("loss") is None:
+                continue
+            curve.time_s.append(float(rec["time"]) - t0)
+            curve.tokens.append(carried + float(rec.get("tokens", 0)))
+            curve.loss.append(float(rec["loss"]))
+        if group:
+            carried += float(group[-1].get("tokens", 0))
+    return curve
+
+
+def merged_by_learner(state: dict) -> dict[str, dict]:
+    """Per-learner merged counters from the syncer's state.json / status ({id: {tokens_merged, steps_merged}})."""
+    learners = state.get("learners") or {}
+    return {lid: {"tokens_merged": int(v.get("tokens_merged", 0)), "steps_merged": int(v.get("steps_merged", 0))}
+            for lid, v in learners.items() if isinstance(v, dict)}
+
+
+def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, val_tokens, unigram: float | None,
+                  wall_time_s: float, stop_reason: str, eval_batches: int, t0: float,
+                  outer_gradient_bytes: float | None = None) -> tuple[dict, list[Curve], list[tuple]]:
+    """Everything worth keeping about a run: losses, tokens, goodput, restarts, bytes vs DDP.
+
+    Returns (summary, learner curves, global-model eval points) so the caller can also plot.
+    """
+    from ..model import build_model, count_parameters
+
+    events = read_jsonl(run_dir / "events.jsonl")
+    starts = learner_starts(events)
+    params = count_parameters(build_model(cfg.model, cfg.seed))
+    per_learner, curves = {}, []
+    for d in sorted((run_dir / "learners").iterdir()) if (run_dir / "learners").exists() else []:
+        records = read_jsonl(d / "metrics.jsonl")
+        per_learner[d.name] = learner_totals(records, starts.get(d.name, []))
+        per_learner[d.name]["bytes_up"] = sum(
+            float(g[-1].get("bytes_up", 0) or 0) for g in split_incarnations(records, starts.get(d.name, [])) if g)
+        per_learner[d.name]["final_loss"] = records[-1].get("loss") if records else None
+        if records and records[-1].get("param_sha256"):
+            per_learner[d.name]["param_sha256"] = records[-1]["param_sha256"]
+        curves.append(learner_curve(d.name, records, starts.get(d.name, []), t0))
+    steps = sum(v["step"] for v in per_learner.values())
+    tokens = sum(v["tokens"] for v in per_learner.values())
+
+    evals: list[tuple[float, float, float]] = []
+    index = read_jsonl(run_dir / "snapshots" / "index.jsonl")
+    for snap in index:
+        theta = report.load_theta(run_dir / "snapshots" / snap["file"])
+        loss = report.evaluate_theta(cfg, theta, val_tokens, eval_batches, cfg.inner.batch_size)
+        evals.append((float(snap["time"]) - t0, float(snap.get("tokens", 0)), loss))
+    val_loss = None
+    final = run_dir / "final" / "theta.safetensors"
+    if final.exists():
+        val_loss = report.evaluate_theta(cfg, report.load_theta(final), val_tokens, eval_batches,
+                                         cfg.inner.batch_size)
+        evals.append((wall_time_s, float(tokens), val_loss))
+
+    summary: dict = {
+        "mode": mode, "run_dir": str(run_dir), "learners": n_learners, "params": params,
+        "stop_reason": stop_reason, "wall_time_s": wall_time_s, "val_loss": val_loss, "unigram_loss": unigram,
+        "steps_trained": steps, "tokens_trained": tokens,
+        "restarts": {n: len(s) - 1 for n, s in starts.items() if len(s) > 1},
+        "per_learner": per_learner,
+        "global_evals": [{"time_s": t, "tokens": n, "val_loss": v} for t, n, v in evals],
+    }
+    state_path = run_dir / "final" / "state.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    if mode == "decoupled":
+        merged = merged_by_learner(state)
+        summary["syncer"] = {k: state.get(k) for k in ("outer_steps", "versions") if k in state}
+        summary["merged"] = merged
+        summary["tokens_merged"] = sum(m["tokens_merged"] for m in merged.values())
+        summary["goodput"] = goodput(merged, per_learner)
+    else:
+        acked = sum(v["acked_steps"] for v in per_learner.values())
+        summary["goodput"] = acked / steps if steps else None
+        summary["tokens_merged"] = sum(v["acked_tokens"] for v in per_learner.values())
+
+    measured = sum(v["bytes_up"] for v in per_learner.values())
+    if mode == "decoupled":
+        source = "measured by the learners" if measured else "measured at the syncer"
+        sent = measured or outer_gradient_bytes
+    else:
+        source, sent = f"ring all-reduce formula, N={n_learners}", measured
+    ddp = report.ddp_bytes_per_step(params, n_learners)
+    summary["bytes"] = {
+        "sent_per_learner_step": sent / steps if sent and steps else None,
+        "source": source,
+        "ddp_per_learner_step": ddp,
+        "ddp_formula": f"2·(N−1)/N · 4 B · params = 2·{n_learners - 1}/{n_learners} · 4 · {params:,} "
+                       f"= {ddp:,.0f} B (ring all-reduce of fp32 gradients every step)",
+        "wire_estimate_per_learner_step": report.wire_bytes_estimate(
+            params, cfg.outer.compression, cfg.outer.block_size, cfg.outer.sync_every),
+    }
+    return summary, curves, evals
+
+
+def goodput(merged: dict[str, dict], per_learner: dict[str, dict]) -> float | None:
+    """Steps whose contribution was merged / steps trained (over all learners and incarnations)."""
+    trained = sum(v["step"] for v in per_learner.values())
+    if not trained:
+        return None
+    return min(1.0, sum(m["steps_merged"] for m in merged.values()) / trained)
+
+
+def write_outputs(run_dir: Path, summary: dict, curves: list[Curve], evals: list[tuple], title: str) -> None:
+    """summary.json and plot.png."""
+    write_json(run_dir / "summary.json", summary)
+    plot_run(run_dir / "plot.png", curves, evals, summary.get("unigram_loss"), title)

@@ -19,16 +19,14 @@ import time
 from pathlib import Path
 
 from .runtime import procs
-from .runtime.procs import Child, Supervisor
+from .runtime.procs import Child, StopFlag, Supervisor
 from .runtime.rundir import append_jsonl, make_run_dir, write_config, write_json
-from .runtime.session import RunSession, load_config, parse_slowdown
+from .runtime.session import DEFAULT_CONFIG, RunSession, load_config, parse_slowdown
 
 MODES = ("ddp", "sync-diloco")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from .local import DEFAULT_CONFIG
-
     parser.add_argument("mode", choices=MODES, help="ddp: all-reduce gradients every step; sync-diloco: "
                         "all-reduce Δ every H steps with a Nesterov outer step, everyone waits")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="run config YAML (same as diloco local)")
@@ -63,9 +61,7 @@ def run(args: argparse.Namespace) -> int:
     port = _free_port()
     env = procs.child_env()
 
-    from .local import _StopFlag
-
-    stop = _StopFlag()
+    stop = StopFlag()
     with Supervisor(run_dir / "processes.json", run_dir / "events.jsonl") as sup, stop.installed():
         for rank in range(args.learners):
             name = f"learner-{rank}"

@@ -7,6 +7,7 @@ learners before the syncer) and under `runtime.guard` (the kernel stops it if th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -203,3 +204,28 @@ class Supervisor:
         tmp = self.processes_json.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, self.processes_json)
+
+
+class StopFlag:
+    """First Ctrl+C / SIGTERM: stop cleanly (learners, then the syncer). Second: stop right now."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.requested is not None
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested is not None:
+            raise KeyboardInterrupt  # the Supervisor context still kills every child on the way out
+        self.requested = signal.Signals(signum).name
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Handle SIGINT and SIGTERM inside the block; the previous handlers come back afterwards."""
+        old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)

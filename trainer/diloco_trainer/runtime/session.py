@@ -18,6 +18,7 @@ from .rundir import append_jsonl, last_jsonl, learner_totals, read_jsonl
 from .summary import build_summary, write_outputs
 from .syncer_client import SyncerClient, wait_for_endpoint
 
+DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "local.yaml"  # the repository's configs/
 CRASH_LOOP = 3  # this many consecutive incarnations that each lived < CRASH_LOOP_S: give up
 CRASH_LOOP_S = 15.0
 

@@ -83,11 +83,13 @@ async def test_a_restart_resumes_from_the_checkpoint_with_momentum_and_counters(
     assert_unchanged({**before, "spool": []}, after)
     assert resumed.versions == [2, 1] and resumed.outer_steps == [2, 1]
     assert resumed.policy.step_time.value == pytest.approx(0.25)
-    client2 = await start(aiohttp_client, make_syncer(tmp_path, cfg))
-    # The checkpointed current version is a valid base; the next version continues the sequence.
+    syncer2 = make_syncer(tmp_path, cfg)
+    client2 = await start(aiohttp_client, syncer2)
+    # The checkpointed current version is a valid base; after a clean stop the ids continue without a gap.
     r = await client2.post("/v1/fragments/1/outer-gradient",
                            data=body(resumed, 1, deltas_for(resumed, 1, seed=7), sid="s9", base=1), headers=AUTH)
     assert r.status == 202
+    await wait_for(lambda: syncer2.state.versions == [2, 2])
 
 
 async def test_spool_files_are_deleted_only_once_a_checkpoint_covers_them(aiohttp_client, tmp_path):

@@ -71,6 +71,8 @@ class Syncer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         await self.checkpoint()
+        # Every published version is in that checkpoint: a clean restart needs no jump in version ids.
+        await asyncio.to_thread(self.state.reservation.release, list(self.state.versions))
 
     async def _fragment_loop(self, p: int) -> None:
         kick = self._kicks[p]

@@ -139,7 +139,7 @@ class SyncerState:
         self.dirty = False  # merged since the last checkpoint snapshot
         self.dir.mkdir(parents=True, exist_ok=True)
         self.spool = Spool(self.dir / "spool")
-        self.reservation = VersionReservation(self.dir)
+        self.reservation = VersionReservation(self.dir, P)
         self._load()
 
     # --- queries -----------------------------------------------------------------------------------
@@ -190,7 +190,7 @@ class SyncerState:
         if base_version in kept:
             return kept[base_version]
         current = self.versions[p]
-        if base_version > current and base_version >= self.reservation.floor:
+        if base_version > current and base_version >= self.reservation.floor[p]:
             raise Rejected(400, f"base_version {base_version} of fragment {p} is newer than the current "
                                 f"version {current}", "base_newer")
         if base_version > min(kept):  # a gap in the ids: published before a crash, never checkpointed
@@ -251,8 +251,8 @@ class SyncerState:
     def commit_merge(self, r: MergeResult) -> int:
         """Publish a merge: new Θ_p and version, outer state, counters. Returns the new version."""
         p = r.fragment
-        version = max(self.versions[p] + 1, self.reservation.floor)
-        self.reservation.ensure(version)  # durable before any learner can see the id
+        version = max(self.versions[p] + 1, self.reservation.floor[p])
+        self.reservation.ensure(p, version)  # durable before any learner can see the id
         self.theta.update(r.theta)
         self.versions[p] = version
         self.outer[p] = r.outer
@@ -321,7 +321,7 @@ class SyncerState:
             self._load_checkpoint(ckpt)
         for p in range(self.num_fragments):
             self._remember(p, self.versions[p], self.fragment(p))
-        self.reservation.floor = max(self.reservation.floor, max(self.versions) + 1)
+        self.reservation.floor = [max(f, v + 1) for f, v in zip(self.reservation.floor, self.versions)]
         replayed = 0
         for e in self.spool.load_all():
             m = e.meta

@@ -152,19 +152,29 @@ def read_checkpoint(root: Path) -> Checkpoint | None:
 # --- version reservation -----------------------------------------------------------------------------
 
 class VersionReservation:
-    """Durable bound: every version id this syncer ever published is below `below`.
+    """Durable bound per fragment: every version id of fragment p ever published is below `below[p]`.
 
     Versions published after the last checkpoint are lost in a crash; learners may hold them. A restarted
-    syncer publishes its next versions from `below` upward, so one version id never names two contents.
+    syncer publishes fragment p's next version from `floor[p]` (the old bound) upward, so one version id
+    never names two contents. A clean shutdown lowers the bounds to what the final checkpoint holds.
     """
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, num_fragments: int):
         self.path = root / "versions-reserved.json"
-        self.below = json.loads(self.path.read_text())["below"] if self.path.exists() else 0
-        self.floor = self.below  # first id this incarnation may publish (ids below may be lost ones)
+        saved = json.loads(self.path.read_text())["below"] if self.path.exists() else {}
+        self.below = [int(saved.get(str(p), 0)) for p in range(num_fragments)]
+        self.floor = list(self.below)  # first id of each fragment this incarnation may publish
 
-    def ensure(self, version: int) -> None:
-        """Make `version` publishable: extend the durable reservation before it is handed out."""
-        if version >= self.below:
-            self.below = version + RESERVE_STEP
-            atomic_write(self.path, json.dumps({"below": self.below}).encode())
+    def ensure(self, p: int, version: int) -> None:
+        """Make `version` of fragment p publishable: extend the durable bound before it is handed out."""
+        if version >= self.below[p]:
+            self.below[p] = version + RESERVE_STEP
+            self._write()
+
+    def release(self, versions: list[int]) -> None:
+        """After a final checkpoint: nothing beyond `versions` was published, so no gap is needed."""
+        self.below = [v + 1 for v in versions]
+        self._write()
+
+    def _write(self) -> None:
+        atomic_write(self.path, json.dumps({"below": {str(p): b for p, b in enumerate(self.below)}}).encode())

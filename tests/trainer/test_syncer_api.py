@@ -323,3 +323,31 @@ async def test_a_dead_learner_does_not_hold_up_a_quorum_of_two(aiohttp_client, t
     await wait_for(lambda: st.versions[0] == 1, timeout=3.0, what="merge once learner-b is no longer live")
     status = await (await client.get("/v1/status", headers=AUTH)).json()
     assert status["learners"]["learner-b"]["live"] is False
+
+
+async def test_a_contribution_in_the_grace_window_joins_the_merge_and_the_window_then_closes(aiohttp_client,
+                                                                                              tmp_path):
+    syncer = make_syncer(tmp_path, tiny_config(quorum=1, grace=0.5, overlap=2))
+    client = await start(aiohttp_client, syncer)
+    st = syncer.state
+    await register(client, "learner-a")
+    await register(client, "learner-b")
+    st.policy.load_state_dict({"step_time": 1.0, "quorum_time": 0.0, "sync_time": 0.0})
+    assert st.policy.grace_seconds() == pytest.approx(1.0)  # 0.5 · (2 · 1.0 − 0)
+    await client.post("/v1/fragments/0/outer-gradient", data=body(st, 0, deltas_for(st, 0, 1), sid="a0"),
+                      headers=AUTH)
+    await asyncio.sleep(0.2)
+    assert st.versions[0] == 0, "K=1 reached, but the grace window is open for the other live learner"
+    await client.post("/v1/fragments/0/outer-gradient",
+                      data=body(st, 0, deltas_for(st, 0, 2), learner="learner-b", sid="b0"), headers=AUTH)
+    await wait_for(lambda: st.versions[0] == 1, timeout=0.5, what="a merge as soon as every live learner is in")
+    assert st.contributions_merged == 2
+    # Nobody else comes for fragment 1: the merge waits out the window, then goes ahead with one contribution.
+    await client.post("/v1/fragments/1/outer-gradient", data=body(st, 1, deltas_for(st, 1, 1), sid="a1"),
+                      headers=AUTH)
+    t0 = asyncio.get_running_loop().time()
+    await wait_for(lambda: st.versions[1] == 1, timeout=3.0)
+    waited = asyncio.get_running_loop().time() - t0
+    assert 0.5 < waited < 2.0, waited
+    status = await (await client.get("/v1/status", headers=AUTH)).json()
+    assert status["grace_s"] == pytest.approx(st.policy.grace_seconds()) and status["grace_s"] > 0

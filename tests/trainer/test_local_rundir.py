@@ -55,6 +55,7 @@ def test_goodput_is_merged_steps_over_trained_steps():
     per_learner = {"a": {"step": 100}, "b": {"step": 100}}
     merged = {"a": {"steps_merged": 100, "tokens_merged": 0}, "b": {"steps_merged": 50, "tokens_merged": 0}}
     assert goodput(merged, per_learner) == pytest.approx(0.75)
+    assert goodput(merged, per_learner, fragments=2) == pytest.approx(0.375)  # counted per fragment
     assert goodput({}, {"a": {"step": 0}}) is None
 
 

@@ -35,7 +35,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=300, help="inner steps per worker")
     parser.add_argument("--minutes", type=float, default=4.0, help="wall-clock budget for training")
     parser.add_argument("--slowdown", default="1", help="per-worker slowdown factors, e.g. 1,1,1,2")
-    parser.add_argument("--jitter", type=float, default=0.0, help="random extra step time (fraction)")
+    parser.add_argument("--jitter", type=float, default=0.0,
+                        help="random spread of the slowdown: factor F*(1+J*u), u uniform in [-1, 1] (as learners)")
     parser.add_argument("--run-dir", default=None, help="where to write the run (default runs/<timestamp>/)")
     parser.add_argument("--log-every", type=int, default=5, help="metrics line every N steps")
     parser.add_argument("--snapshots", type=int, default=3, help="model snapshots evaluated at the end")
@@ -44,11 +45,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     # Internal: how the supervisor starts each worker.
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--master-port", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)  # unix time to stop
 
 
 def run(args: argparse.Namespace) -> int:
     if args.rank is not None:
         return _worker(args)
+    started = time.monotonic()  # --minutes counts from here, as in diloco local
     cfg = load_config(args.config, args.set)
     if args.learners < 1 or args.steps < 1 or args.minutes <= 0:
         raise SystemExit("diloco baseline: --learners and --steps must be >= 1, --minutes > 0")
@@ -59,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
                          eval_batches=args.eval_batches, snapshots=args.snapshots)
     session.prepare_data()
     port = _free_port()
+    deadline = time.time() + args.minutes * 60 - (time.monotonic() - started)  # the workers agree on it
     env = procs.child_env()
 
     stop = StopFlag()
@@ -69,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
             argv = procs.diloco_argv(
                 "baseline", args.mode, "--config", str(config_path), "--learners", str(args.learners),
                 "--rank", str(rank), "--master-port", str(port), "--run-dir", str(run_dir),
-                "--steps", str(args.steps), "--minutes", f"{args.minutes:g}", "--slowdown", f"{slowdown[rank]:g}",
+                "--steps", str(args.steps), "--deadline", f"{deadline:.3f}", "--slowdown", f"{slowdown[rank]:g}",
                 "--jitter", f"{args.jitter:g}", "--log-every", str(args.log_every),
                 "--snapshots", str(args.snapshots))
             # A synchronous job cannot lose a worker: no restarts (that is what the baseline demonstrates).
@@ -77,7 +81,6 @@ def run(args: argparse.Namespace) -> int:
                           meta={"state_dir": str(state_dir), "rank": rank}))
             session.add_learner(name, state_dir, args.steps, slowdown[rank])
             sup.start(name)
-        started = time.monotonic()
         reason = session.supervise(sup, stop, started, budget_s=args.minutes * 60, steps=args.steps,
                                    fail_fast=True)
         session.message(f"stopping: {reason}")
@@ -105,6 +108,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     from .config import TrainConfig
     from .data import ShardSampler, load_corpus
+    from .learner import step_sleep
     from .merge import NesterovOuter
     from .model import build_model, count_parameters
     from .runtime.report import ring_allreduce_bytes
@@ -134,7 +138,7 @@ def _worker(args: argparse.Namespace) -> int:
     per_sync_bytes = ring_allreduce_bytes(n_params, world)  # fp32 ring all-reduce of the full vector
     rng = random.Random(rank)
     tokens_per_step = cfg.inner.batch_size * cfg.model.seq_len
-    deadline = time.time() + args.minutes * 60
+    deadline = args.deadline if args.deadline is not None else time.time() + args.minutes * 60
     t0 = time.time()
     syncs = bytes_up = 0
     synced_tokens = synced_steps = 0
@@ -142,18 +146,18 @@ def _worker(args: argparse.Namespace) -> int:
     if rank == 0:
         _save_snapshot(run_dir, 0, model, 0)
     metrics = open(state_dir / "metrics.jsonl", "a")
-    step, loss_val, step_time = 0, float("nan"), 0.0
+    step = 0
+    win_loss, win_steps, win_busy, win_start = 0.0, 0, 0.0, time.time()  # one log window, as the learner logs
     while step < args.steps:
         t_step = time.time()
         x, y = sampler.next_batch()
         for g in opt.param_groups:
-            g["lr"] = schedule(step)
+            g["lr"] = schedule(step + 1)
         _, loss = model(x, y)
         loss.backward()
         step += 1
-        loss_val = loss.item()
-        compute = time.time() - t_step
-        _slow_down(compute, float(args.slowdown), args.jitter, rng)
+        win_loss, win_steps = win_loss + loss.item(), win_steps + 1
+        time.sleep(step_sleep(time.time() - t_step, float(args.slowdown), args.jitter, rng))
         last = step >= args.steps
         want_stop = stopping["flag"] or time.time() >= deadline
         if outer is None:  # DDP: average gradients (the stop flag rides along) and step everyone together
@@ -191,18 +195,21 @@ def _worker(args: argparse.Namespace) -> int:
                         p.copy_(theta[n])
                 syncs, bytes_up = syncs + 1, bytes_up + per_sync_bytes
                 synced_steps, synced_tokens = step, step * tokens_per_step
-        step_time = time.time() - t_step
+        win_busy += time.time() - t_step
         done = last or stop_all
         if step % args.log_every == 0 or done:
-            rec = {"time": time.time(), "learner_id": name, "step": step, "loss": loss_val,
-                   "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / max(step_time, 1e-9),
-                   "step_time_s": step_time, "versions": {"all": syncs}, "sent": syncs, "acked": syncs,
+            now = time.time()
+            rec = {"time": now, "learner_id": name, "step": step, "loss": win_loss / win_steps,
+                   "tokens": step * tokens_per_step,
+                   "tokens_per_s": win_steps * tokens_per_step / max(now - win_start, 1e-9),
+                   "step_time_s": win_busy / win_steps, "versions": {"all": syncs}, "sent": syncs, "acked": syncs,
                    "acked_tokens": synced_tokens, "acked_steps": synced_steps, "rejected": 0, "adoptions": syncs,
                    "syncer_up": True, "bytes_up": bytes_up, "bytes_down": bytes_up}
             if done:
                 rec["param_sha256"] = _param_digest(model if outer is None else theta)
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
+            win_loss, win_steps, win_busy, win_start = 0.0, 0, 0.0, now
         if rank == 0 and step % snap_every == 0 and step // snap_every <= args.snapshots and not done:
             _save_snapshot(run_dir, step // snap_every, model if outer is None else theta,
                            step * tokens_per_step * world)
@@ -222,24 +229,17 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def inner_optimizer(model, cfg):
-    """AdamW with the config's hyper-parameters and a linear warm-up, as the learners use."""
+    """AdamW exactly as the learner builds it (no decay on norms/biases) and the learner's warm-up schedule."""
     import torch
 
+    from .learner import inner_lr
+
     inner = cfg.inner
-    opt = torch.optim.AdamW(model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2),
-                            weight_decay=inner.weight_decay)
-
-    def schedule(step: int) -> float:
-        return inner.lr * min(1.0, (step + 1) / max(1, inner.warmup_steps))
-
-    return opt, schedule
-
-
-def _slow_down(compute_s: float, factor: float, jitter: float, rng: random.Random) -> None:
-    """Imitate slower hardware: a step takes `factor` times its compute time, plus random jitter."""
-    extra = (factor - 1.0) * compute_s + (rng.uniform(0, jitter) * compute_s if jitter else 0.0)
-    if extra > 0:
-        time.sleep(extra)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": inner.weight_decay},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=inner.lr, betas=(inner.beta1, inner.beta2))
+    return opt, lambda step: inner_lr(step, inner.lr, inner.warmup_steps)
 
 
 def _param_digest(params) -> str:

@@ -263,7 +263,7 @@ class RunSession:
     def _live_goodput(self) -> float | None:
         if not self.status:
             return None
-        trained = self._tokens_trained()
+        trained = self._tokens_trained() * self.cfg.outer.fragments  # merged tokens are counted per fragment
         return min(1.0, float(self.status.get("tokens_merged", 0)) / trained) if trained else None
 
     def _open_display(self) -> None:

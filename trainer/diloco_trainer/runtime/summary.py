@@ -52,11 +52,15 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
 
     Returns (summary, learner curves, global-model eval points) so the caller can also plot.
     """
+    import torch
+
     from ..model import build_model, count_parameters
 
     events = read_jsonl(run_dir / "events.jsonl")
     starts = learner_starts(events)
     params = count_parameters(build_model(cfg.model, cfg.seed))
+    if params < 5_000_000:  # small matmuls gain nothing from threads, and lose a lot on a busy machine
+        torch.set_num_threads(1)
     per_learner, curves = {}, []
     for d in sorted((run_dir / "learners").iterdir()) if (run_dir / "learners").exists() else []:
         records = read_jsonl(d / "metrics.jsonl")
@@ -98,7 +102,7 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
         summary["syncer"] = {k: state.get(k) for k in ("outer_steps", "versions") if k in state}
         summary["merged"] = merged
         summary["tokens_merged"] = sum(m["tokens_merged"] for m in merged.values())
-        summary["goodput"] = goodput(merged, per_learner)
+        summary["goodput"] = goodput(merged, per_learner, cfg.outer.fragments)
     else:
         acked = sum(v["acked_steps"] for v in per_learner.values())
         summary["goodput"] = acked / steps if steps else None
@@ -123,9 +127,13 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
     return summary, curves, evals
 
 
-def goodput(merged: dict[str, dict], per_learner: dict[str, dict]) -> float | None:
-    """Steps whose contribution was merged / steps trained (over all learners and incarnations)."""
-    trained = sum(v["step"] for v in per_learner.values())
+def goodput(merged: dict[str, dict], per_learner: dict[str, dict], fragments: int = 1) -> float | None:
+    """Steps whose contribution was merged / steps trained (over all learners and incarnations).
+
+    Every inner step contributes to each of the P fragments, and the syncer counts merged steps per
+    fragment submission (c_steps), so a fully merged run has Σ steps_merged = P · steps trained.
+    """
+    trained = sum(v["step"] for v in per_learner.values()) * fragments
     if not trained:
         return None
     return min(1.0, sum(m["steps_merged"] for m in merged.values()) / trained)

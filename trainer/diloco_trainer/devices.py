@@ -1,9 +1,12 @@
-"""Device selection (cpu / cuda / xla) and the few device-specific calls, so the algorithm code never branches."""
+"""Device selection (cpu / cuda / xla), the few device-specific calls, and the unit's process group, so the
+learner loop branches neither on the device nor on the number of processes in its unit."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import logging
+import os
 
 import torch
 
@@ -61,3 +64,103 @@ def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return str(device)
+
+
+class UnitGroup:
+    """The processes of one learner unit (torch.distributed, env:// variables); one process is a group of one.
+
+    Every collective is a no-op for a group of one, so the learner loop reads the same either way.
+    """
+
+    def __init__(self, rank: int = 0, world_size: int = 1, device: torch.device | None = None):
+        self.rank, self.world_size = rank, world_size
+        self.is_main = rank == 0
+        # gloo moves CPU tensors; nccl needs them on the GPU.
+        self.comm_device = device if device is not None and dist_backend(device) != "gloo" else torch.device("cpu")
+
+    @classmethod
+    def from_env(cls, device: torch.device) -> "UnitGroup":
+        """Join the unit's process group when WORLD_SIZE > 1 (MASTER_ADDR, MASTER_PORT, RANK from the env)."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls()
+        import torch.distributed as dist
+
+        rank = int(os.environ.get("RANK", "0"))
+        if device.type == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+            torch.cuda.set_device(local)
+            device = torch.device("cuda", local)
+        dist.init_process_group(dist_backend(device), init_method="env://", rank=rank, world_size=world)
+        log.info("joined unit process group: rank %d of %d (%s)", rank, world, dist_backend(device))
+        return cls(rank, world, device)
+
+    def broadcast_json(self, obj):
+        """Rank 0's JSON-able object on every rank (JSON bytes in a tensor: never pickle)."""
+        if self.world_size == 1:
+            return obj
+        import torch.distributed as dist
+
+        data = json.dumps(obj).encode() if self.is_main else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.comm_device)
+        dist.broadcast(size, src=0)
+        buf = torch.zeros(int(size), dtype=torch.uint8, device=self.comm_device)
+        if self.is_main:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        dist.broadcast(buf, src=0)
+        return json.loads(bytes(buf.cpu().tolist()))
+
+    def broadcast_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """Overwrite these tensors on every rank with rank 0's values (in place)."""
+        if self.world_size == 1 or not tensors:
+            return
+        import torch.distributed as dist
+
+        flat = torch.cat([t.detach().reshape(-1).to(self.comm_device, torch.float32) for t in tensors])
+        dist.broadcast(flat, src=0)
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def average_grads(self, params: list[torch.Tensor], loss: torch.Tensor) -> float:
+        """All-reduce the gradients (mean over the unit, one flat bucket) and return the unit's mean loss."""
+        if self.world_size == 1:
+            return float(loss)
+        import torch.distributed as dist
+
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [loss.reshape(1).to(grads[0].dtype)]).to(self.comm_device)
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        offset = 0
+        for p, g in zip(params, grads):
+            p.grad = flat[offset: offset + g.numel()].view_as(g).to(g.device)
+            offset += g.numel()
+        return float(flat[-1])
+
+    def step_header(self, stop: bool, adopted: list[tuple[int, int]], slots: int) -> tuple[bool, list[tuple[int, int]]]:
+        """One collective per step: whether any rank must stop, and rank 0's (fragment, version) adoptions."""
+        if self.world_size == 1:
+            return stop, adopted
+        import torch.distributed as dist
+
+        assert len(adopted) <= slots
+        header = torch.zeros(2 + 2 * slots, dtype=torch.int64, device=self.comm_device)
+        header[0] = int(stop)
+        if self.is_main:  # everyone else adds zeros, so the sum carries rank 0's list
+            header[1] = len(adopted)
+            for i, (p, v) in enumerate(adopted):
+                header[2 + 2 * i], header[3 + 2 * i] = p, v
+        dist.all_reduce(header)
+        n = int(header[1])
+        values = header[2: 2 + 2 * n].tolist()
+        return bool(header[0]), [(values[2 * i], values[2 * i + 1]) for i in range(n)]
+
+    def close(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()

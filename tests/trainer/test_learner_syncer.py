@@ -1,0 +1,146 @@
+"""Learner processes against a real `diloco syncer` process on loopback (tiny model, CPU)."""
+
+import json
+import signal
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from learner_kit import (
+    SyncerProcess,
+    child_env,
+    finish,
+    free_port,
+    last_step,
+    metrics,
+    start_learner,
+    wait_for,
+    write_config,
+)
+
+pytestmark = pytest.mark.timeout(400)
+
+
+@pytest.fixture
+def syncer(tmp_path):
+    proc = SyncerProcess(write_config(tmp_path / "run.yaml"), tmp_path / "syncer", tmp_path / "syncer.log")
+    yield proc
+    proc.stop()
+
+
+def _versions_never_decrease(records):
+    for before, after in zip(records, records[1:]):
+        for p, v in before["versions"].items():
+            assert after["versions"][p] >= v, f"fragment {p} went back from {v} to {after['versions'][p]}"
+
+
+def test_learner_trains_and_every_acknowledged_token_is_merged_then_a_restart_resumes_its_shard(tmp_path, syncer):
+    syncer.start()
+    state = tmp_path / "l0"
+    log = tmp_path / "l0.log"
+    finish(start_learner(syncer.url, "l0", state, 48, log_path=log), log)
+
+    recs = metrics(state)
+    final = recs[-1]
+    assert final["final"] and final["step"] == 48 and final["tokens"] == 48 * 8 * 64
+    assert final["queued"] == final["sent"] >= 20, "with the syncer up, every Δ is delivered, none superseded"
+    assert final["acked"] == final["sent"] and final["rejected"] == 0 and final["pending"] == 0
+    assert final["adoptions"] > 0 and all(v > 0 for v in final["versions"].values())
+    _versions_never_decrease(recs)
+    assert recs[-2]["loss"] < recs[0]["loss"] - 0.5, "training must reduce the loss"
+    wait_for(lambda: not any(syncer.status()["pending"].values()), 30, "the syncer to merge everything pending")
+    mine = syncer.status()["learners"]["l0"]
+    assert mine["tokens_merged"] == final["acked_tokens"] > 0
+    assert mine["steps_merged"] == final["acked_steps"]
+    assert mine["submissions_merged"] == final["acked"]
+
+    first = json.loads((state / "position.json").read_text())
+    assert first == {"shard": 0, "num_shards": 1, "offset": 48 * 8, "epoch": 0}
+    finish(start_learner(syncer.url, "l0", state, 10, log_path=log), log)
+    assert json.loads((state / "position.json").read_text())["offset"] == first["offset"] + 10 * 8
+    assert "resuming shard 0/1 at epoch 0, offset 384" in log.read_text()
+    second_run = metrics(state)[len(recs):]
+    assert second_run[-1]["step"] == 10, "counters restart with the process"
+    assert all(second_run[0]["versions"][p] >= v for p, v in final["versions"].items()), \
+        "a restarted learner starts from the current Θ, never from older versions"
+
+
+def test_learner_waits_for_a_late_syncer_keeps_stepping_while_it_is_away_and_loses_no_acknowledged_update(
+        tmp_path):
+    port = free_port()
+    syncer = SyncerProcess(write_config(tmp_path / "run.yaml"), tmp_path / "syncer", tmp_path / "syncer.log", port)
+    state, log = tmp_path / "l0", tmp_path / "l0.log"
+    learner = start_learner(f"http://127.0.0.1:{port}", "l0", state, 1_000_000, "--drain-s", "30", log_path=log)
+    try:
+        time.sleep(3.0)  # the learner is up and retrying its registration against nothing
+        assert learner.poll() is None, log.read_text()
+        assert last_step(state) == 0, "no step before the initial pull of Θ"
+        syncer.start()
+        wait_for(lambda: metrics(state) and metrics(state)[-1]["acked"] >= 3, 120, "the first acknowledgements")
+
+        syncer.send(signal.SIGSTOP)  # the syncer hangs: requests get no answer
+        before = last_step(state)
+        time.sleep(4.0)
+        during = last_step(state)
+        acked_at_stop = metrics(state)[-1]["acked"]
+        syncer.send(signal.SIGCONT)
+        assert during >= before + 10, f"learner stalled while the syncer was stopped ({before} -> {during})"
+        wait_for(lambda: metrics(state)[-1]["acked"] >= acked_at_stop + 3, 60, "syncing again")
+        syncer.send(signal.SIGKILL)  # crash: acknowledged submissions must survive via the spool
+        syncer.proc.wait()
+        before = last_step(state)
+        wait_for(lambda: not metrics(state)[-1]["syncer_up"], 30, "the learner to notice the syncer is gone")
+        time.sleep(2.0)
+        assert last_step(state) >= before + 10, "learner stalled while the syncer was dead"
+        acked_while_dead = metrics(state)[-1]["acked"]
+        syncer.start()  # same port, same state directory: resumes from checkpoint + spool
+        wait_for(lambda: metrics(state)[-1]["acked"] > acked_while_dead + 3 and metrics(state)[-1]["syncer_up"],
+                 60, "acknowledgements from the restarted syncer")
+        learner.send_signal(signal.SIGTERM)  # a clean stop: drain, last metrics line, exit 0
+        finish(learner, log, timeout=90)
+
+        final = metrics(state)[-1]
+        # Versions published after the syncer's last checkpoint died with it: Δs based on them are refused as
+        # stale (409) and the learner re-adopts. Nothing else may be refused.
+        assert final["final"] and final["pending"] == 0 and final["rejected"] == final["stale"]
+        wait_for(lambda: not any(syncer.status()["pending"].values()), 30, "the syncer to merge what is pending")
+        mine = syncer.status()["learners"]["l0"]
+        assert mine["tokens_merged"] == final["acked_tokens"], "acknowledged tokens lost or double counted"
+        assert mine["submissions_merged"] == final["acked"]
+        _versions_never_decrease(metrics(state))
+    finally:
+        if learner.poll() is None:
+            learner.kill()
+        syncer.stop()
+
+
+def test_two_process_unit_all_reduces_inside_and_only_rank_0_talks_to_the_syncer(tmp_path, syncer):
+    syncer.start()
+    state, dump = tmp_path / "u0", tmp_path / "params"
+    port = free_port()
+    procs, logs = [], []
+    for rank in (0, 1):
+        env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+        logs.append(tmp_path / f"u0-rank{rank}.log")
+        procs.append(start_learner(syncer.url, "u0", state, 32, "--save-params", str(dump), env=env,
+                                   log_path=logs[-1]))
+    for proc, log in zip(procs, logs):
+        finish(proc, log)
+
+    syncer_log = (tmp_path / "syncer.log").read_text()
+    assert syncer_log.count("learner u0 registered") == 1 and "world size 2" in syncer_log
+    assert "syncer reachable" not in logs[1].read_text(), "rank 1 must not talk to the syncer"
+    final = metrics(state)[-1]
+    assert final["world_size"] == 2 and final["tokens"] == 32 * 2 * 8 * 64, "the unit trains 2 x batch per step"
+    assert final["acked"] > 0 and final["adoptions"] > 0
+
+    rank0, rank1 = (load_file(str(dump / f"params-rank{r}.safetensors")) for r in (0, 1))
+    assert rank0.keys() == rank1.keys()
+    assert all(torch.equal(rank0[n], rank1[n]) for n in rank0), "ranks of one unit must hold identical parameters"
+    meta = [safe_open(str(dump / f"params-rank{r}.safetensors"), "pt").metadata() for r in (0, 1)]
+    assert meta[0]["versions"] == meta[1]["versions"] and meta[0]["step"] == meta[1]["step"] == "32"
+    assert json.loads(meta[0]["versions"]) == final["versions"]
+    assert json.loads((state / "position.json").read_text())["offset"] == 32 * 2 * 8, "one unit-wide position"

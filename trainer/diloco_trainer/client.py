@@ -1,0 +1,391 @@
+"""The learner's network side: a background thread with its own asyncio loop and aiohttp session that registers,
+heartbeats, submits outer gradients with retries, and fetches newer fragments into mailboxes the compute loop reads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import aiohttp
+from torch import Tensor
+
+from .wire import decode_tensors
+
+log = logging.getLogger(__name__)
+
+
+class SyncerRefused(RuntimeError):
+    """The syncer answered but will never accept this learner as configured (e.g. a wrong token)."""
+
+
+@dataclass
+class Bootstrap:
+    """What a (re)starting learner pulls before its first step: the run config, plan and all of Θ."""
+
+    config: dict
+    plan: list[list[str]]
+    versions: dict[int, int]
+    heartbeat_s: float
+    theta: dict[str, Tensor]
+
+
+@dataclass
+class Submission:
+    """One compressed outer gradient for a fragment; a resend of the same Δ-from-base reuses `submission_id`."""
+
+    fragment: int
+    base_version: int
+    submission_id: str
+    body: bytes
+    c_steps: int
+    c_tokens: int
+
+
+@dataclass
+class Answer:
+    """The syncer's final answer to a submission: accepted (2xx; `c_steps`/`c_tokens` are the counters it
+    holds) or rejected (4xx; 409 = base version too old). Retried failures never produce an Answer."""
+
+    fragment: int
+    base_version: int
+    submission_id: str
+    status: int
+    c_steps: int
+    c_tokens: int
+    duplicate: bool = False
+    reason: str = ""
+
+    @property
+    def accepted(self) -> bool:
+        return 200 <= self.status < 300
+
+
+@dataclass
+class FragmentUpdate:
+    """A newer global version of a fragment, fetched and waiting to be adopted."""
+
+    fragment: int
+    version: int
+    tensors: dict[str, Tensor]
+
+
+@dataclass
+class ClientStats:
+    sent: int = 0  # submissions delivered to the syncer (any HTTP answer)
+    acked: int = 0
+    acked_tokens: int = 0
+    acked_steps: int = 0
+    rejected: int = 0  # 4xx answers, stale bases (409) included; those submissions are dropped
+    stale: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    syncer_up: bool = False
+    last_error: str = ""
+    superseded: int = 0
+
+
+class SyncerClient:
+    """Network client of one learner unit (rank 0 only). All public methods are thread-safe and never block,
+    except `bootstrap`, which retries until the syncer answers (or `stop_flag` is set)."""
+
+    def __init__(self, url: str, token: str, learner_id: str, *, unit: int = 0, world_size: int = 1,
+                 device: str = "cpu", poll_s: float = 0.25, timeout_s: float = 30.0,
+                 backoff_s: float = 0.2, backoff_max_s: float = 5.0):
+        self.url = url.rstrip("/")
+        self.learner_id = learner_id
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._register_body = {"learner_id": learner_id, "unit": unit, "world_size": world_size, "device": device}
+        self.poll_s, self.timeout_s = poll_s, timeout_s
+        self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
+        self.heartbeat_s = 5.0
+        self.stats = ClientStats()
+        self._lock = threading.Lock()
+        self._outbox: OrderedDict[str, Submission] = OrderedDict()  # submission id -> latest body
+        self._maybe_delivered: dict[str, Submission] = {}  # first attempt whose fate is unknown, per id
+        self._acked_ids: set[str] = set()
+        self._updates: dict[int, FragmentUpdate] = {}  # fragment -> newest fetched, not yet adopted
+        self._answers: list[Answer] = []
+        self._have: dict[int, int] = {}  # fragment -> newest version fetched (handed to the learner)
+        self._report = {"learner_id": learner_id, "step": 0, "step_time_s": 0.0, "tokens": 0}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="syncer-client", daemon=True)
+        self._session: aiohttp.ClientSession | None = None
+        self._wake_sender = asyncio.Event()
+        self._wake_poller = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._thread.start()
+
+    # ------------------------------------------------------------------ compute-thread API
+
+    def bootstrap(self, stop_flag: threading.Event | None = None) -> Bootstrap:
+        """Register and pull all of Θ, retrying with backoff until the syncer answers; then start syncing."""
+        fut = asyncio.run_coroutine_threadsafe(self._bootstrap(stop_flag or threading.Event()), self._loop)
+        return fut.result()
+
+    def submit(self, sub: Submission) -> None:
+        """Queue a submission; a queued, unsent one with the same id is replaced (it is superseded)."""
+        with self._lock:
+            if sub.submission_id in self._acked_ids:
+                return  # already acknowledged: the learner should not even have built it
+            if sub.submission_id in self._outbox:
+                self.stats.superseded += 1
+            self._outbox[sub.submission_id] = sub
+        self._loop.call_soon_threadsafe(self._wake_sender.set)
+
+    def take_updates(self) -> list[FragmentUpdate]:
+        """Newer fragment versions fetched since the last call (one per fragment, the newest)."""
+        with self._lock:
+            updates, self._updates = list(self._updates.values()), {}
+        return sorted(updates, key=lambda u: u.fragment)
+
+    def take_answers(self) -> list[Answer]:
+        """The syncer's answers (acknowledgements and rejections) received since the last call."""
+        with self._lock:
+            answers, self._answers = self._answers, []
+        return answers
+
+    def report(self, step: int, step_time_s: float, tokens: int) -> None:
+        """Progress the next heartbeat carries (the latest values win)."""
+        with self._lock:
+            self._report.update(step=step, step_time_s=step_time_s, tokens=tokens)
+
+    def pending(self) -> int:
+        """Submissions not yet answered by the syncer."""
+        with self._lock:
+            return len(self._outbox)
+
+    def snapshot(self) -> dict:
+        """Counters for metrics.jsonl and /metrics."""
+        with self._lock:
+            s = self.stats
+            return {"sent": s.sent, "acked": s.acked, "acked_tokens": s.acked_tokens, "acked_steps": s.acked_steps,
+                    "rejected": s.rejected, "stale": s.stale, "superseded": s.superseded, "bytes_up": s.bytes_up,
+                    "bytes_down": s.bytes_down, "syncer_up": s.syncer_up, "pending": len(self._outbox)}
+
+    def close(self, drain_s: float = 0.0) -> bool:
+        """Wait up to `drain_s` for queued submissions to be answered, then stop; True if nothing was left."""
+        deadline = time.monotonic() + drain_s
+        while self.pending() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        drained = not self.pending()
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        return drained
+
+    # ------------------------------------------------------------------ loop plumbing
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(headers=self._headers,
+                                                  timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return self._session
+
+    def _set_up(self, up: bool, error: str = "") -> None:
+        with self._lock:
+            if up != self.stats.syncer_up:
+                log.info("syncer %s%s", "reachable" if up else "unreachable", f": {error}" if error else "")
+            self.stats.syncer_up, self.stats.last_error = up, error
+
+    def _delay(self, attempt: int) -> float:
+        """Exponential backoff with full jitter (spreads retries of many learners after a syncer restart)."""
+        return random.uniform(0.5, 1.0) * min(self.backoff_max_s, self.backoff_s * 2 ** min(attempt, 16))
+
+    # ------------------------------------------------------------------ start-up
+
+    async def _bootstrap(self, stop_flag: threading.Event) -> Bootstrap:
+        attempt = 0
+        while True:
+            if stop_flag.is_set():
+                raise InterruptedError("stopped while waiting for the syncer")
+            try:
+                reg = await self._register()
+                theta, versions = await self._fetch_state()
+                break
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                self._set_up(False, str(exc) or type(exc).__name__)
+                if attempt % 10 == 0:
+                    log.info("waiting for the syncer at %s (%s)", self.url, str(exc) or type(exc).__name__)
+                await asyncio.sleep(self._delay(attempt))
+                attempt += 1
+        plan = [list(reg["plan"][str(p)]) for p in range(len(reg["plan"]))]
+        with self._lock:
+            self._have = dict(versions)
+        self._tasks = [asyncio.create_task(coro) for coro in (self._sender(), self._poller(), self._heartbeat())]
+        return Bootstrap(reg["config"], plan, versions, self.heartbeat_s, theta)
+
+    async def _register(self) -> dict:
+        async with self._get_session().post(f"{self.url}/v1/register", json=self._register_body) as resp:
+            if resp.status in (401, 403) or 400 <= resp.status < 500:
+                raise SyncerRefused(f"syncer refused registration ({resp.status}): {await resp.text()}")
+            if resp.status != 200:
+                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
+                                                  message=await resp.text())
+            reg = await resp.json()
+        self._set_up(True)
+        self.heartbeat_s = float(reg.get("heartbeat_s") or self.heartbeat_s)
+        return reg
+
+    async def _fetch_state(self) -> tuple[dict[str, Tensor], dict[int, int]]:
+        async with self._get_session().get(f"{self.url}/v1/state") as resp:
+            resp.raise_for_status()
+            body = await resp.read()
+        tensors, meta = decode_tensors(body)
+        with self._lock:
+            self.stats.bytes_down += len(body)
+        versions = {int(p): int(v) for p, v in json.loads(meta["versions"]).items()}
+        return tensors, versions
+
+    # ------------------------------------------------------------------ background tasks
+
+    async def _sender(self) -> None:
+        """Send queued submissions one at a time, oldest first; retry connection errors and 5xx with backoff."""
+        attempt = 0
+        while True:
+            with self._lock:
+                sub = next(iter(self._outbox.values()), None)
+            if sub is None:
+                self._wake_sender.clear()
+                await self._wake_sender.wait()
+                continue
+            try:
+                status, answer = await self._post_submission(sub)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                # The body may or may not have reached the syncer: remember the first such attempt, so a
+                # later "duplicate" answer is accounted with the counters the syncer actually holds.
+                with self._lock:
+                    self._maybe_delivered.setdefault(sub.submission_id, sub)
+                self._set_up(False, str(exc) or type(exc).__name__)
+                await asyncio.sleep(self._delay(attempt))
+                attempt += 1
+                continue
+            if status >= 500:
+                self._set_up(False, f"HTTP {status}: {answer.get('error', '')}")
+                await asyncio.sleep(self._delay(attempt))
+                attempt += 1
+                continue
+            attempt = 0
+            self._set_up(True)
+            self._settle(sub, status, answer)
+
+    async def _post_submission(self, sub: Submission) -> tuple[int, dict]:
+        url = f"{self.url}/v1/fragments/{sub.fragment}/outer-gradient"
+        headers = {"Content-Type": "application/octet-stream"}
+        async with self._get_session().post(url, data=sub.body, headers=headers) as resp:
+            text = await resp.text()
+            with self._lock:
+                self.stats.bytes_up += len(sub.body)
+        try:
+            answer = json.loads(text) if text else {}
+        except json.JSONDecodeError:
+            answer = {"error": text[:200]}
+        return resp.status, answer if isinstance(answer, dict) else {}
+
+    def _settle(self, sub: Submission, status: int, answer: dict) -> None:
+        """Book the syncer's answer to `sub` and drop its id from the outbox: a fresher Δ queued meanwhile
+        with the same id comes from the same base, so it is either already counted or equally refused."""
+        reason = str(answer.get("error", ""))
+        with self._lock:
+            self.stats.sent += 1
+            self._outbox.pop(sub.submission_id, None)
+            held = sub
+            if 200 <= status < 300:
+                if answer.get("duplicate"):  # the syncer kept an earlier attempt whose answer we never saw
+                    held = self._maybe_delivered.get(sub.submission_id, sub)
+                self._acked_ids.add(sub.submission_id)
+                self.stats.acked += 1
+                self.stats.acked_tokens += held.c_tokens
+                self.stats.acked_steps += held.c_steps
+            else:
+                self.stats.rejected += 1
+                self.stats.stale += status == 409
+            self._maybe_delivered.pop(sub.submission_id, None)
+            self._answers.append(Answer(sub.fragment, sub.base_version, sub.submission_id, status, held.c_steps,
+                                        held.c_tokens, bool(answer.get("duplicate")), reason))
+        if 200 <= status < 300 or status == 409:
+            # After an ack a merge is likely soon; after 409 the learner must re-adopt: look for versions now.
+            self._wake_poller.set()
+        if status == 409:
+            log.warning("fragment %d: base version %d is too old for the syncer (%s); re-adopting the current one",
+                        sub.fragment, sub.base_version, reason)
+        elif not 200 <= status < 300:
+            log.error("fragment %d: submission %s rejected with %d: %s", sub.fragment, sub.submission_id,
+                      status, reason)
+
+    async def _poller(self) -> None:
+        """Fetch every fragment whose global version is newer than the one handed to the learner."""
+        attempt = 0
+        while True:
+            try:
+                async with self._get_session().get(f"{self.url}/v1/versions") as resp:
+                    resp.raise_for_status()
+                    versions = {int(p): int(v) for p, v in (await resp.json())["versions"].items()}
+                for p, v in sorted(versions.items()):
+                    if v > self._have.get(p, -1):
+                        await self._fetch_fragment(p)
+                self._set_up(True)
+                attempt = 0
+                delay = self.poll_s
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, KeyError, ValueError) as exc:
+                self._set_up(False, str(exc) or type(exc).__name__)
+                delay = self._delay(attempt)
+                attempt += 1
+            self._wake_poller.clear()
+            try:
+                await asyncio.wait_for(self._wake_poller.wait(), timeout=delay)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _fetch_fragment(self, p: int) -> None:
+        after = self._have.get(p)
+        params = {} if after is None else {"after": str(after)}
+        async with self._get_session().get(f"{self.url}/v1/fragments/{p}", params=params) as resp:
+            if resp.status == 304:
+                return
+            resp.raise_for_status()
+            body = await resp.read()
+        tensors, meta = decode_tensors(body)
+        version = int(meta["version"])
+        with self._lock:
+            self.stats.bytes_down += len(body)
+            if version > self._have.get(p, -1):
+                self._have[p] = version
+                self._updates[p] = FragmentUpdate(p, version, tensors)
+
+    async def _heartbeat(self) -> None:
+        """Tell the syncer this learner is alive (and its step time); re-register if the syncer forgot it."""
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            with self._lock:
+                body = dict(self._report)
+            try:
+                async with self._get_session().post(f"{self.url}/v1/heartbeat", json=body) as resp:
+                    if resp.status == 404:  # a syncer restarted without this learner in its state
+                        await self._register()
+                        continue
+                    resp.raise_for_status()
+                    versions = (await resp.json()).get("versions", {})
+                self._set_up(True)
+                if any(int(v) > self._have.get(int(p), -1) for p, v in versions.items()):
+                    self._wake_poller.set()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, SyncerRefused) as exc:
+                self._set_up(False, str(exc) or type(exc).__name__)

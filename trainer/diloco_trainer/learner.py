@@ -1,0 +1,456 @@
+"""One learner unit of Decoupled DiLoCo: inner AdamW on its own shard, outer gradients per due fragment sent in the
+background, newer global fragments adopted by overwrite at step boundaries. The compute loop never waits on the network."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import secrets
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import devices
+from .devices import UnitGroup
+from .client import FragmentUpdate, Submission, SyncerClient
+from .config import TrainConfig
+from .data import ShardSampler, load_corpus, write_json_atomic
+from .fragments import due_fragments
+from .model import build_model
+from .wire import ErrorFeedback, SubmissionMeta, encode_submission
+
+log = logging.getLogger(__name__)
+
+POSITION_EVERY = 10  # steps between two saves of the data position (a SIGKILL replays at most this many batches)
+
+
+@dataclass
+class LearnerOptions:
+    """Command-line settings of one learner unit (see `diloco learner --help`)."""
+
+    syncer: str
+    learner_id: str
+    token: str
+    unit: int = 0
+    units: int = 1
+    device: str = "auto"
+    state_dir: Path | None = None
+    steps: int | None = None  # None: train until stopped
+    slowdown: float = 1.0
+    jitter: float = 0.0
+    log_every: int = 10
+    metrics_port: int = 0
+    drain_s: float = 10.0
+    seed: int = 0
+    data_cache: Path | None = None
+    poll_s: float = 0.25
+    save_params: Path | None = None  # write the final local θ here (params-rank{r}.safetensors), for inspection
+
+
+@dataclass
+class FragmentState:
+    """What the learner knows about one fragment since it last adopted a global version of it."""
+
+    version: int
+    base: dict[str, torch.Tensor]  # Θ_p as adopted: the reference the outer gradient is taken against
+    c_steps: int = 0
+    c_tokens: int = 0
+    acked: bool = False  # a Δ from this base was acknowledged: send nothing until a newer version is adopted
+    in_flight: bool = False  # a Δ from this base is queued and unanswered (a fresh one supersedes it)
+    ef_before: dict[str, torch.Tensor | None] | None = None  # residuals before the unacknowledged compression
+
+
+@dataclass
+class Window:
+    """Figures accumulated between two metrics lines."""
+
+    started: float = field(default_factory=time.monotonic)
+    steps: int = 0
+    loss: float = 0.0
+    tokens: int = 0
+    busy_s: float = 0.0
+
+
+def submission_id(learner_id: str, nonce: str, fragment: int, base_version: int) -> str:
+    """One id per (learner incarnation, fragment, base version): a superseding Δ from the same base reuses it,
+    so the syncer can never merge two Δs that overlap in the steps they cover."""
+    return f"{learner_id}.{nonce}.p{fragment}.v{base_version}"
+
+
+def inner_lr(step: int, lr: float, warmup_steps: int) -> float:
+    """Linear warmup to `lr` over `warmup_steps`, then constant (an asynchronous run has no known end)."""
+    return lr * min(1.0, step / warmup_steps) if warmup_steps else lr
+
+
+def step_sleep(compute_s: float, slowdown: float, jitter: float, rng: random.Random) -> float:
+    """Seconds to sleep so the step takes slowdown·(1 + jitter·u)·compute, u uniform in [-1, 1], never < compute."""
+    factor = max(1.0, slowdown * (1.0 + jitter * rng.uniform(-1.0, 1.0)))
+    return (factor - 1.0) * compute_s
+
+
+class Learner:
+    """A learner unit's state and loop; `run()` returns the process exit code."""
+
+    def __init__(self, opts: LearnerOptions):
+        self.opts = opts
+        self.group = UnitGroup()  # joined in _start(), once the device (and so the backend) is known
+        self.stop_flag = threading.Event()
+        self.client: SyncerClient | None = None
+        self.nonce = secrets.token_hex(4)
+        self.ef = ErrorFeedback()
+        self.frags: list[FragmentState] = []
+        self.step = 0
+        self.tokens = 0
+        self.queued = 0  # outer gradients built and handed to the client (a superseding one included)
+        self.adoptions = 0
+        self.step_time_ema = 0.0
+        self.last_loss: float | None = None
+        self.rng = random.Random(opts.seed * 1_000_003 + opts.unit)
+        self.metrics_state: dict = {}
+
+    # ------------------------------------------------------------------ start-up
+
+    def _start(self) -> None:
+        """Pull Θ, versions, plan and config from the syncer (rank 0; broadcast to the unit), build everything."""
+        self.device = devices.select_device(self.opts.device)
+        self.group = UnitGroup.from_env(self.device)
+        if self.group.is_main:
+            self.client = SyncerClient(self.opts.syncer, self.opts.token, self.opts.learner_id, unit=self.opts.unit,
+                                       world_size=self.group.world_size, device=devices.describe(self.device),
+                                       poll_s=self.opts.poll_s)
+            boot = self.client.bootstrap(self.stop_flag)
+            info = {"config": boot.config, "plan": boot.plan, "versions": {str(k): v for k, v in boot.versions.items()}}
+        else:
+            boot, info = None, None
+        info = self.group.broadcast_json(info)
+        if info is None:  # rank 0 was stopped before the syncer answered
+            raise InterruptedError("stopped while waiting for the syncer")
+        self.cfg = TrainConfig.model_validate(info["config"])
+        self.plan: list[list[str]] = info["plan"]
+        versions = {int(k): int(v) for k, v in info["versions"].items()}
+
+        self.model = build_model(self.cfg.model, self.cfg.seed).to(self.device)
+        self.params = dict(self.model.named_parameters())
+        planned = [n for frag in self.plan for n in frag]
+        if sorted(planned) != sorted(self.params) or len(self.plan) != self.cfg.outer.fragments:
+            raise ValueError("the syncer's fragment plan does not match this learner's model "
+                             f"(plan: {len(planned)} tensors in {len(self.plan)} fragments, model: {len(self.params)})")
+        if boot is not None:
+            missing = sorted(set(self.params) - set(boot.theta))
+            if missing:
+                raise ValueError(f"the syncer's state lacks parameters {missing[:5]}")
+            with torch.no_grad():
+                for name, p in self.params.items():
+                    p.copy_(boot.theta[name].to(self.device, p.dtype))
+        self.group.broadcast_tensors([p.data for p in self.params.values()])
+        self.frags = [FragmentState(versions[p], self._copy(names)) for p, names in enumerate(self.plan)]
+
+        decay = [p for p in self.params.values() if p.dim() >= 2]
+        no_decay = [p for p in self.params.values() if p.dim() < 2]
+        inner = self.cfg.inner
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": inner.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}],
+                                     lr=inner.lr, betas=(inner.beta1, inner.beta2))
+
+        corpus = load_corpus(self.cfg.data, self.opts.data_cache)
+        if corpus.vocab_needed > self.cfg.model.vocab_size:
+            raise ValueError(f"the corpus needs a vocabulary of {corpus.vocab_needed} tokens, "
+                             f"model.vocab_size is {self.cfg.model.vocab_size}")
+        # One unit-wide sampler (same on every rank); each rank trains its own slice of the unit's batch, so the
+        # position file describes the unit and survives a restart with a different number of processes.
+        self.batch = inner.batch_size
+        self.sampler = ShardSampler(corpus.train, self.opts.unit, self.opts.units, self.batch * self.group.world_size,
+                                    self.cfg.model.seq_len, seed=self.cfg.seed)
+        self._load_position()
+        self.tokens_per_step = self.batch * self.group.world_size * self.cfg.model.seq_len
+
+    def _copy(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return {n: self.params[n].detach().clone() for n in names}
+
+    def _position_path(self) -> Path | None:
+        return self.opts.state_dir / "position.json" if self.opts.state_dir else None
+
+    def _load_position(self) -> None:
+        path = self._position_path()
+        if path is None or not path.exists():
+            return
+        try:
+            self.sampler.load_state_dict(json.loads(path.read_text()))
+            log.info("resuming shard %d/%d at epoch %d, offset %d", self.sampler.shard, self.sampler.num_shards,
+                     self.sampler.epoch, self.sampler.offset)
+        except (ValueError, OSError) as exc:  # another shard layout, or a damaged file: start the shard over
+            log.warning("ignoring the saved data position %s: %s", path, exc)
+
+    def _save_position(self) -> None:
+        path = self._position_path()
+        if path is not None and self.group.is_main:
+            write_json_atomic(path, self.sampler.state_dict())
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        """Train until --steps or a stop signal, then drain in-flight submissions (bounded) and exit 0."""
+        self._install_signal_handlers()
+        try:
+            self._start()
+        except InterruptedError:
+            log.info("stopped before the syncer answered")
+            if self.group.is_main and self.group.world_size > 1:
+                self.group.broadcast_json(None)  # release the other ranks waiting for the bootstrap
+            if self.client is not None:
+                self.client.close()
+            self.group.close()
+            return 0
+        server = self._serve_metrics()
+        window = Window()
+        log.info("learner %s (unit %d of %d, %d process%s on %s) starting at versions %s", self.opts.learner_id,
+                 self.opts.unit, self.opts.units, self.group.world_size, "" if self.group.world_size == 1 else "es",
+                 self.device, self._versions())
+        while self.opts.steps is None or self.step < self.opts.steps:
+            started = time.monotonic()
+            loss = self._inner_step()
+            compute_s = time.monotonic() - started
+            self.stop_flag.wait(step_sleep(compute_s, self.opts.slowdown, self.opts.jitter, self.rng))
+
+            self.step += 1
+            self.tokens += self.tokens_per_step
+            for fs in self.frags:
+                fs.c_steps += 1
+                fs.c_tokens += self.tokens_per_step
+            self._book_answers()
+            # Due fragments go out before adoption: a version landing on the step p is due must not erase
+            # the work this Δ carries.
+            if self.group.is_main:
+                for p in due_fragments(self.step, self.cfg.outer.sync_every, self.cfg.outer.fragments):
+                    self._send(p)
+            stop = self._adopt_updates()
+
+            step_s = time.monotonic() - started
+            self.step_time_ema = step_s if self.step == 1 else 0.9 * self.step_time_ema + 0.1 * step_s
+            self.last_loss = loss
+            window.steps, window.loss, window.tokens = window.steps + 1, window.loss + loss, window.tokens + self.tokens_per_step
+            window.busy_s += step_s
+            if self.client is not None:
+                self.client.report(self.step, self.step_time_ema, self.tokens)
+            if self.step % POSITION_EVERY == 0:
+                self._save_position()
+            if self.step % self.opts.log_every == 0:
+                self._log(window)
+                window = Window()
+            if stop:
+                log.info("stop requested: leaving the loop after step %d", self.step)
+                break
+        return self._finish(window, server)
+
+    def _inner_step(self) -> float:
+        """One AdamW step on this rank's slice of the unit batch; gradients averaged across the unit."""
+        x, y = self.sampler.next_batch()
+        r = self.group.rank
+        x, y = x[r * self.batch:(r + 1) * self.batch].to(self.device), y[r * self.batch:(r + 1) * self.batch].to(self.device)
+        for group in self.opt.param_groups:
+            group["lr"] = inner_lr(self.step + 1, self.cfg.inner.lr, self.cfg.inner.warmup_steps)
+        _, loss = self.model(x, y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        loss_value = self.group.average_grads(list(self.params.values()), loss.detach())
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
+        self.opt.step()
+        devices.sync(self.device)
+        return loss_value
+
+    # ------------------------------------------------------------------ outer gradients
+
+    def _send(self, p: int) -> None:
+        """Queue Δ_p = Θ_p(base) − θ_p, compressed with error feedback (rank 0 only)."""
+        fs = self.frags[p]
+        if fs.acked or fs.c_steps == 0:
+            return
+        names = self.plan[p]
+        if fs.ef_before is not None:  # superseding an unanswered Δ: compress from the residuals it started from
+            self._restore_residuals(fs.ef_before)
+        else:
+            fs.ef_before = {n: self.ef.residual(n) for n in names}
+        with torch.no_grad():
+            deltas = {n: fs.base[n] - self.params[n].detach() for n in names}
+        outer = self.cfg.outer
+        parts = self.ef.compress(deltas, outer.compression, outer.block_size)
+        sid = submission_id(self.opts.learner_id, self.nonce, p, fs.version)
+        meta = SubmissionMeta(self.opts.learner_id, sid, p, fs.version, fs.c_steps, fs.c_tokens)
+        body = encode_submission(meta, parts, outer.compression, outer.block_size,
+                                 {n: tuple(self.params[n].shape) for n in names})
+        self.client.submit(Submission(p, fs.version, sid, body, fs.c_steps, fs.c_tokens))
+        fs.in_flight = True
+        self.queued += 1
+
+    def _restore_residuals(self, before: dict[str, torch.Tensor | None]) -> None:
+        state = self.ef.state_dict()
+        for name, residual in before.items():
+            state.pop(name, None)
+            if residual is not None:
+                state[name] = residual
+        self.ef.load_state_dict(state)
+
+    def _book_answers(self) -> None:
+        """Apply the syncer's answers to the fragments they concern (an answer for an older base is history)."""
+        if self.client is None:
+            return
+        for ans in self.client.take_answers():
+            fs = self.frags[ans.fragment]
+            if ans.base_version != fs.version:
+                continue
+            fs.in_flight = False
+            if ans.accepted:
+                fs.acked, fs.ef_before = True, None
+
+    # ------------------------------------------------------------------ adoption
+
+    def _adopt_updates(self) -> bool:
+        """Overwrite fragments with newer global versions (rank 0 fetched them; every rank applies them at this
+        same step). Returns True when any rank of the unit was asked to stop."""
+        updates: list[FragmentUpdate] = self.client.take_updates() if self.client is not None else []
+        updates = [u for u in updates if u.version > self.frags[u.fragment].version]
+        stop, adopted = self.group.step_header(self.stop_flag.is_set(), [(u.fragment, u.version) for u in updates],
+                                               slots=len(self.plan))
+        by_fragment = {u.fragment: u for u in updates}
+        for p, version in adopted:
+            names = self.plan[p]
+            tensors = [self.params[n].data for n in names]
+            if self.group.is_main:
+                with torch.no_grad():
+                    for n, t in zip(names, tensors):
+                        t.copy_(by_fragment[p].tensors[n].to(self.device, t.dtype))
+            self.group.broadcast_tensors(tensors)
+            # Overwrite the parameters, keep the AdamW moments (Decision); the counters restart at this version.
+            fs = self.frags[p]
+            fs.version, fs.base = version, self._copy(names)
+            fs.c_steps = fs.c_tokens = 0
+            fs.acked = fs.in_flight = False
+            fs.ef_before = None
+            self.adoptions += 1
+        return stop
+
+    # ------------------------------------------------------------------ reporting and shutdown
+
+    def _versions(self) -> dict[str, int]:
+        return {str(p): fs.version for p, fs in enumerate(self.frags)}
+
+    def _record(self, window: Window) -> dict:
+        elapsed = max(1e-9, time.monotonic() - window.started)
+        net = self.client.snapshot() if self.client is not None else {}
+        return {
+            "time": time.time(), "learner_id": self.opts.learner_id, "unit": self.opts.unit,
+            "world_size": self.group.world_size, "step": self.step,
+            "loss": window.loss / window.steps if window.steps else self.last_loss,
+            "tokens": self.tokens, "tokens_per_s": window.tokens / elapsed if window.steps else 0.0,
+            "step_time_s": window.busy_s / window.steps if window.steps else self.step_time_ema,
+            "versions": self._versions(), "queued": self.queued, "superseded": net.get("superseded", 0),
+            "sent": net.get("sent", 0), "acked": net.get("acked", 0),
+            "acked_tokens": net.get("acked_tokens", 0), "acked_steps": net.get("acked_steps", 0),
+            "rejected": net.get("rejected", 0), "stale": net.get("stale", 0), "adoptions": self.adoptions,
+            "syncer_up": net.get("syncer_up", False), "pending": net.get("pending", 0),
+            "bytes_up": net.get("bytes_up", 0), "bytes_down": net.get("bytes_down", 0),
+            "epoch": self.sampler.epoch, "lr": self.opt.param_groups[0]["lr"],
+        }
+
+    def _log(self, window: Window, final: bool = False) -> None:
+        if not self.group.is_main:
+            return
+        rec = self._record(window) | ({"final": True} if final else {})
+        self.metrics_state = rec
+        if self.opts.state_dir is not None:
+            self.opts.state_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.opts.state_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        loss = f"{rec['loss']:.3f}" if rec["loss"] is not None else "-"
+        log.info("step %d loss %s tok/s %.0f versions %s queued %d sent %d acked %d rejected %d adopted %d syncer %s",
+                 rec["step"], loss, rec["tokens_per_s"], rec["versions"], rec["queued"], rec["sent"], rec["acked"],
+                 rec["rejected"], rec["adoptions"], "up" if rec["syncer_up"] else "away")
+
+    def _finish(self, window: Window, server) -> int:
+        self._save_position()
+        if self.client is not None:
+            drained = self.client.close(self.opts.drain_s)
+            if not drained:
+                log.warning("stopping with %d submission(s) unanswered after %.0f s of drain",
+                            self.client.pending(), self.opts.drain_s)
+            self._book_answers()
+        self._log(window, final=True)
+        if self.opts.save_params is not None:
+            self._dump_params(self.opts.save_params / f"params-rank{self.group.rank}.safetensors")
+        if server is not None:
+            server.shutdown()
+        self.group.close()
+        log.info("learner %s stopped after %d steps (%d tokens)", self.opts.learner_id, self.step, self.tokens)
+        return 0
+
+    def _dump_params(self, path: Path) -> None:
+        from .wire import encode_tensors
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"versions": json.dumps(self._versions()), "step": str(self.step), "rank": str(self.group.rank)}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(encode_tensors({n: p.detach() for n, p in self.params.items()}, meta))
+        tmp.replace(path)
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, _frame):
+            log.info("received %s: stopping after the current step", signal.Signals(signum).name)
+            self.stop_flag.set()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def _serve_metrics(self):
+        if not self.opts.metrics_port or not self.group.is_main:
+            return None
+        return serve_metrics(self.opts.metrics_port, lambda: self.metrics_state or self._record(Window()))
+
+
+_GAUGES = {"step": "inner steps since (re)start", "loss": "training loss (mean over the last log window)",
+           "tokens_per_s": "tokens per second (last log window)", "step_time_s": "seconds per inner step",
+           "syncer_up": "1 if the last request to the syncer succeeded", "pending": "submissions awaiting an answer",
+           "epoch": "epoch of the data shard"}
+_COUNTERS = {"tokens": "tokens trained since (re)start", "queued": "outer gradients built and queued",
+             "sent": "outer gradients delivered (answered by the syncer)",
+             "acked": "outer gradients acknowledged", "acked_tokens": "tokens covered by acknowledged submissions",
+             "acked_steps": "steps covered by acknowledged submissions", "rejected": "submissions rejected (4xx)",
+             "adoptions": "fragment versions adopted", "bytes_up": "outer-gradient bytes sent",
+             "bytes_down": "fragment/state bytes received"}
+
+
+def serve_metrics(port: int, snapshot):
+    """Serve Prometheus /metrics on `port` (its own thread) from `snapshot()`, the latest metrics record."""
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class Collector:
+        def collect(self):
+            rec = snapshot()
+            labels = [str(rec.get("learner_id", ""))]
+            for key, doc in _GAUGES.items():
+                g = GaugeMetricFamily(f"diloco_learner_{key}", doc, labels=["learner_id"])
+                g.add_metric(labels, float(rec.get(key) or 0))
+                yield g
+            for key, doc in _COUNTERS.items():
+                c = CounterMetricFamily(f"diloco_learner_{key}", doc, labels=["learner_id"])
+                c.add_metric(labels, float(rec.get(key) or 0))
+                yield c
+            v = GaugeMetricFamily("diloco_learner_fragment_version", "adopted version per fragment",
+                                  labels=["learner_id", "fragment"])
+            for p, version in (rec.get("versions") or {}).items():
+                v.add_metric(labels + [str(p)], float(version))
+            yield v
+
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    server, _thread = start_http_server(port, registry=registry)
+    log.info("serving Prometheus metrics on :%d/metrics", server.server_port)
+    return server

@@ -1,0 +1,97 @@
+"""`diloco learner`: one learner unit (what the learner image runs); see docs/protocol.md for its contract."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--syncer", required=True, help="syncer URL, e.g. http://syncer:8470")
+    parser.add_argument("--learner-id", required=True, help="this unit's id ([A-Za-z0-9_.:-], at most 128)")
+    parser.add_argument("--unit", type=int, default=0, help="index of this unit: it trains data shard UNIT of UNITS")
+    parser.add_argument("--units", type=int, default=None,
+                        help="number of learner units sharing the corpus (required when --unit > 0)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "xla"])
+    parser.add_argument("--state-dir", default=None,
+                        help="keeps position.json (the data position, resumed on restart) and metrics.jsonl")
+    parser.add_argument("--steps", type=int, default=None, help="inner steps to train, then drain and exit 0")
+    parser.add_argument("--slowdown", type=float, default=1.0,
+                        help="each step takes F x its compute time (sleeps the rest): imitates slower hardware")
+    parser.add_argument("--jitter", type=float, default=0.0,
+                        help="random spread of the slowdown: factor F*(1+J*u), u uniform in [-1, 1]")
+    parser.add_argument("--log-every", type=int, default=10, help="a metrics line every N steps")
+    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0 = off)")
+    parser.add_argument("--drain-s", type=float, default=10.0,
+                        help="at the end, wait at most this long for in-flight submissions")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the jitter (the data order follows the run seed)")
+    parser.add_argument("--token-env", default="DILOCO_TOKEN", help="environment variable holding the shared token")
+    parser.add_argument("--data-cache", default=None,
+                        help="where corpora are cached as token files (default $DILOCO_DATA_CACHE or "
+                             "~/.cache/diloco/data)")
+    parser.add_argument("--poll-s", type=float, default=0.25, help="how often to look for newer fragment versions")
+    parser.add_argument("--save-params", default=None, metavar="DIR",
+                        help="at exit, write this process's final parameters to DIR/params-rank{R}.safetensors")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def options_from_args(args: argparse.Namespace):
+    """LearnerOptions from parsed arguments; a bad value raises ValueError naming the flag."""
+    from .learner import LearnerOptions
+    from .wire import SubmissionMeta
+
+    token = os.environ.get(args.token_env, "")
+    if not token:
+        raise ValueError(f"set the shared token in the environment variable {args.token_env}")
+    units = args.units if args.units is not None else (1 if args.unit == 0 else None)
+    if units is None:
+        raise ValueError(f"--unit {args.unit} needs --units (how many units share the corpus, so shards do not overlap)")
+    if units < 1 or not 0 <= args.unit < units:
+        raise ValueError(f"--unit must be in 0..UNITS-1, got --unit {args.unit} --units {units}")
+    for flag, value, low in (("--slowdown", args.slowdown, 1.0), ("--jitter", args.jitter, 0.0),
+                             ("--drain-s", args.drain_s, 0.0)):
+        if not value >= low:
+            raise ValueError(f"{flag} must be >= {low:g}, got {value}")
+    if args.jitter >= 1.0:
+        raise ValueError(f"--jitter must be < 1, got {args.jitter}")
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.log_every < 1:
+        raise ValueError(f"--log-every must be >= 1, got {args.log_every}")
+    if not args.poll_s > 0:
+        raise ValueError(f"--poll-s must be > 0, got {args.poll_s}")
+    if not 0 <= args.metrics_port < 65536:
+        raise ValueError(f"--metrics-port must be a TCP port or 0, got {args.metrics_port}")
+    if not args.syncer.startswith(("http://", "https://")):
+        raise ValueError(f"--syncer must be an http(s) URL, got {args.syncer!r}")
+    SubmissionMeta(args.learner_id, "check", 0, 0, 1, 1)  # the id must be valid on the wire (WireError otherwise)
+    return LearnerOptions(
+        syncer=args.syncer, learner_id=args.learner_id, token=token, unit=args.unit, units=units,
+        device=args.device, state_dir=Path(args.state_dir) if args.state_dir else None, steps=args.steps,
+        slowdown=args.slowdown, jitter=args.jitter, log_every=args.log_every, metrics_port=args.metrics_port,
+        drain_s=args.drain_s, seed=args.seed, data_cache=Path(args.data_cache) if args.data_cache else None,
+        poll_s=args.poll_s, save_params=Path(args.save_params) if args.save_params else None)
+
+
+def run(args: argparse.Namespace) -> int:
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s {args.learner_id}[{rank}] %(name)s: %(message)s")
+    try:
+        opts = options_from_args(args)
+    except ValueError as exc:
+        print(f"diloco learner: {exc}", flush=True)
+        return 2
+    from .client import SyncerRefused
+    from .learner import Learner
+
+    try:
+        return Learner(opts).run()
+    except SyncerRefused as exc:
+        print(f"diloco learner: {exc}", flush=True)
+        return 3
+    except ValueError as exc:  # the syncer's config, plan or state does not fit this learner
+        print(f"diloco learner: {exc}", flush=True)
+        return 2

@@ -1,0 +1,209 @@
+"""Goodput and system uptime measured from a real run: a `diloco local` run directory, or Prometheus on a cluster.
+
+goodput = useful learner compute time / allocated learner time, where a step's compute is useful to the extent
+its contribution was merged (a step feeds one outer gradient per fragment, so a learner's merged fraction is
+steps_merged / (P · steps)); work discarded by adoption or lost to a crash does not count.
+system uptime = fraction of wall time in which the global model advanced (stalls longer than a threshold are down).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import yaml
+
+from diloco_trainer.runtime.rundir import read_jsonl, split_incarnations
+
+MIN_STALL_S = 3.0  # the local runtime samples the syncer about once a second; shorter gaps are sampling noise
+STALL_FACTOR = 5.0  # a gap longer than 5× the typical interval between merges is a stall
+
+
+def incarnation_busy(records: list[dict]) -> tuple[int, float]:
+    """(steps, seconds spent in steps) of one incarnation's metrics lines (counters restart at zero)."""
+    prev, busy = 0, 0.0
+    for rec in sorted(records, key=lambda r: r.get("time", 0.0)):
+        step = int(rec.get("step", 0))
+        if step > prev:
+            busy += (step - prev) * float(rec.get("step_time_s") or 0.0)
+            prev = step
+    return prev, busy
+
+
+def stalls(advances: list[float], start: float, end: float, threshold_s: float | None = None) -> tuple[list, float]:
+    """Intervals of [start, end] without a global-model advance longer than the threshold, and the threshold.
+
+    `advances`: times at which the global model advanced. Default threshold: max(MIN_STALL_S, STALL_FACTOR ×
+    the median gap between advances).
+    """
+    points = sorted(t for t in advances if start <= t <= end)
+    edges = [start] + points + [end]
+    gaps = [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+    if threshold_s is None:
+        inner = [b - a for a, b in zip(points, points[1:])]
+        threshold_s = max(MIN_STALL_S, STALL_FACTOR * statistics.median(inner)) if inner else MIN_STALL_S
+    return [(a, b) for a, b in gaps if b - a > threshold_s], threshold_s
+
+
+def uptime(advances: list[float], start: float, end: float, threshold_s: float | None = None) -> dict:
+    """System uptime over [start, end]: 1 − (time inside stalls) / (end − start)."""
+    if end <= start:
+        return {"uptime": None, "stalls": [], "stall_threshold_s": threshold_s}
+    found, threshold_s = stalls(advances, start, end, threshold_s)
+    down = sum(b - a for a, b in found)
+    return {"uptime": 1.0 - down / (end - start), "stall_threshold_s": threshold_s,
+            "stalls": [{"from_s": a - start, "to_s": b - start, "s": b - a} for a, b in found]}
+
+
+def _fragments(run_dir: Path, samples: list[dict]) -> int:
+    cfg = run_dir / "config.yaml"
+    if cfg.exists():
+        raw = yaml.safe_load(cfg.read_text()) or {}
+        if (raw.get("outer") or {}).get("fragments"):
+            return int(raw["outer"]["fragments"])
+    for s in reversed(samples):
+        if s.get("fragments"):
+            return int(s["fragments"])
+    raise ValueError(f"{run_dir}: cannot tell the number of fragments (no config.yaml, no syncer samples)")
+
+
+def _merged_steps(run_dir: Path, samples: list[dict]) -> dict[str, int]:
+    """steps_merged per learner: the final checkpoint if the run finished, else the syncer's last status."""
+    merged: dict[str, int] = {}
+    for s in samples:
+        for lid, info in (s.get("learners") or {}).items():
+            merged[lid] = max(merged.get(lid, 0), int(info.get("steps_merged", 0)))
+    state = run_dir / "final" / "state.json"
+    if state.exists():
+        for lid, info in (json.loads(state.read_text()).get("learners") or {}).items():
+            merged[lid] = max(merged.get(lid, 0), int(info.get("steps_merged", 0)))
+    return merged
+
+
+def from_run_dir(run_dir: str | Path, stall_threshold_s: float | None = None) -> dict:
+    """Goodput, its parts and system uptime of a local run, from its directory alone (live or finished)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "learners").is_dir():
+        raise ValueError(f"{run_dir} is not a run directory of `diloco local` (no learners/ inside)")
+    events = read_jsonl(run_dir / "events.jsonl")
+    samples = [s for s in read_jsonl(run_dir / "syncer.jsonl") if s.get("up")]
+    fragments = _fragments(run_dir, samples)
+    merged = _merged_steps(run_dir, samples)
+
+    learners, t_start, t_end = {}, None, None
+    names = {e["name"] for e in events if e.get("role") == "learner"}
+    names |= {p.name for p in (run_dir / "learners").iterdir() if p.is_dir()}
+    for name in sorted(names):
+        records = read_jsonl(run_dir / "learners" / name / "metrics.jsonl")
+        mine = [e for e in events if e.get("name") == name]
+        starts = [float(e["time"]) for e in mine if e["event"] == "start"]
+        if not starts:
+            continue
+        exits = [float(e["time"]) for e in mine if e["event"] == "exit"]
+        # A slot is allocated from the first start to the last exit (or the last report while it still runs);
+        # a learner that never trained (a crash loop) is allocated all the same.
+        end = max([float(r["time"]) for r in records] + ([exits[-1]] if len(exits) >= len(starts) else [])
+                  + [starts[-1]])
+        steps, busy = 0, 0.0
+        for group in split_incarnations(records, starts):
+            s, b = incarnation_busy(group)
+            steps, busy = steps + s, busy + b
+        fraction = min(1.0, merged.get(name, 0) / (fragments * steps)) if steps else 0.0
+        first_report = min((float(r["time"]) for r in records), default=end)
+        learners[name] = {"incarnations": len(starts), "allocated_s": end - starts[0],
+                            "allocated_after_startup_s": end - first_report, "busy_s": busy, "steps": steps,
+                            "steps_merged": merged.get(name, 0), "merged_fraction": fraction,
+                            "useful_s": busy * fraction}
+        t_start = starts[0] if t_start is None else min(t_start, starts[0])
+        t_end = end if t_end is None else max(t_end, end)
+    if not learners:
+        raise ValueError(f"{run_dir}: no learner has started yet")
+
+    allocated = sum(v["allocated_s"] for v in learners.values())
+    busy = sum(v["busy_s"] for v in learners.values())
+    useful = sum(v["useful_s"] for v in learners.values())
+    steady = sum(v["allocated_after_startup_s"] for v in learners.values())
+    advances = _advances(samples)
+    first = advances[0] if advances else None
+    up = uptime(advances, first, t_end, stall_threshold_s) if first is not None else {"uptime": 0.0, "stalls": []}
+    return {
+        "source": str(run_dir), "fragments": fragments, "learners": learners,
+        "allocated_s": allocated, "busy_s": busy, "useful_s": useful,
+        "goodput": useful / allocated if allocated else None,
+        # The same, with each slot counted from its first training report: the one-time start-up (process,
+        # corpus, first pull of Θ) left out; the start-up of every restart still counts as lost.
+        "goodput_after_startup": useful / steady if steady else None,
+        "compute_fraction": busy / allocated if allocated else None,  # time in steps / allocated
+        "merged_fraction": useful / busy if busy else None,  # useful / time in steps
+        "wall_s": t_end - t_start, "first_merge_after_s": None if first is None else first - t_start,
+        **up,
+    }
+
+
+def _advances(samples: list[dict]) -> list[float]:
+    """Times at which the syncer's outer-step count had grown since the previous sample."""
+    out, last = [], None
+    for s in sorted(samples, key=lambda s: s.get("time", 0.0)):
+        steps = int(s.get("outer_steps", 0))
+        if last is not None and steps > last:
+            out.append(float(s["time"]))
+        last = steps if last is None else max(last, steps)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- clusters (Prometheus)
+
+# PromQL over the metrics the syncer and learners export; {sel} is a label selector such as
+# namespace="team-a",job="diloco" (whatever relabelling the scrape config applies).
+PROMQL = {
+    "tokens_merged": "sum(increase(diloco_syncer_tokens_merged_total{{{sel}}}[{range}]))",
+    "tokens_trained": "sum(increase(diloco_learner_tokens_total{{{sel}}}[{range}]))",
+    "unit_tokens_per_s": "quantile(0.5, max_over_time(diloco_learner_tokens_per_s{{{sel}}}[{range}]))",
+    "units": "count(count by (learner_id) (diloco_learner_step{{{sel}}}))",
+    "outer_steps": "sum(diloco_syncer_outer_steps_total{{{sel}}})",
+}
+
+
+def from_counters(tokens_merged: float, tokens_trained: float, unit_tokens_per_s: float, units: int,
+                  fragments: int, wall_s: float, advances: list[float], start: float) -> dict:
+    """Cluster goodput from Prometheus figures over a window of `wall_s` seconds starting at `start`.
+
+    useful time = tokens merged / P / (a healthy unit's tokens per second); allocated = units × wall time.
+    """
+    if units < 1 or wall_s <= 0 or unit_tokens_per_s <= 0 or fragments < 1:
+        raise ValueError("need units >= 1, wall_s > 0, unit_tokens_per_s > 0 and fragments >= 1")
+    useful = tokens_merged / fragments / unit_tokens_per_s
+    allocated = units * wall_s
+    busy = tokens_trained / unit_tokens_per_s
+    return {"source": "prometheus", "fragments": fragments, "units": units, "allocated_s": allocated,
+            "busy_s": busy, "useful_s": useful, "goodput": min(1.0, useful / allocated),
+            "compute_fraction": min(1.0, busy / allocated),
+            "merged_fraction": useful / busy if busy else None, "wall_s": wall_s,
+            **uptime(advances, start, start + wall_s)}
+
+
+async def from_prometheus(url: str, selector: str, start: float, end: float, fragments: int,
+                          step_s: float = 5.0) -> dict:
+    """Query a Prometheus server (HTTP API) for the window [start, end] and compute `from_counters`."""
+    import aiohttp
+
+    rng = f"{max(1, int(end - start))}s"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        async def instant(query: str) -> float:
+            async with http.get(f"{url.rstrip('/')}/api/v1/query", params={"query": query, "time": end}) as r:
+                doc = await r.json()
+            if doc.get("status") != "success":
+                raise ValueError(f"Prometheus rejected {query!r}: {doc.get('error')}")
+            result = doc["data"]["result"]
+            return float(result[0]["value"][1]) if result else 0.0
+
+        values = {k: await instant(q.format(sel=selector, range=rng)) for k, q in PROMQL.items() if k != "outer_steps"}
+        async with http.get(f"{url.rstrip('/')}/api/v1/query_range", params={
+                "query": PROMQL["outer_steps"].format(sel=selector), "start": start, "end": end, "step": step_s}) as r:
+            doc = await r.json()
+    series = doc.get("data", {}).get("result") or [{"values": []}]
+    points = [(float(t), float(v)) for t, v in series[0]["values"]]
+    advances = [t for (t0, v0), (t, v) in zip(points, points[1:]) if v > v0]
+    return from_counters(values["tokens_merged"], values["tokens_trained"], values["unit_tokens_per_s"],
+                         int(values["units"]), fragments, end - start, advances, start)

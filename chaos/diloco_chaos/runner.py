@@ -1,0 +1,160 @@
+"""Runs one experiment against one target: ticks → guarded victims → faults → recoveries, all into the record.
+
+`run_experiment` is the API both `diloco chaos run` and the operator (a DilocoJob's `spec.chaos`) call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .experiment import Experiment
+from .guards import decide, in_scope, stop_reason
+from .record import Record, RecoveryTracker, summarize
+from .schedule import Schedule
+from .targets import Fault, Target
+
+
+@dataclass
+class Progress:
+    """A snapshot for progress displays (and the operator's status)."""
+
+    experiment: str
+    dry_run: bool
+    elapsed_s: float
+    max_duration_s: float
+    next_fault_in_s: float | None
+    faults: int
+    skipped: int
+    down: list[str]
+    recovered: int
+    ending: str | None
+    recent: list[dict] = field(default_factory=list)
+
+
+async def run_experiment(exp: Experiment, target: Target, record: Record, *, dry_run: bool = False,
+                         stop: asyncio.Event | None = None, on_progress: Callable[[Progress], None] | None = None,
+                         on_fault: Callable[[Fault, dict], object] | None = None, poll_s: float = 0.5,
+                         clock: Callable[[], float] = time.time) -> dict:
+    """Run `exp` against `target` until its time or fault budget is used, `stop` is set, or the run under test
+    ends; then wait (bounded by safety.recoveryTimeout) for open recoveries. Returns the record's summary.
+
+    Dry run (`dry_run` or `exp.dry_run`): every decision is made and recorded, nothing is touched.
+    `on_fault(fault, details)` is awaited after each injection (the operator posts Events from it).
+    """
+    dry_run = dry_run or exp.dry_run
+    await target.preflight(exp)
+    start = clock()
+    record.write("experiment", name=exp.name, description=exp.description, dry_run=dry_run,
+                 target=target.describe(), spec=exp.model_dump(mode="json", by_alias=True))
+    cands = await target.candidates()
+    sched = Schedule(exp.schedule, start, [c.unit for c in cands if in_scope(c, exp.target, exp.safety)])
+    rng = random.Random(exp.schedule.seed)
+    tracker = RecoveryTracker()
+    active: dict[int, Fault] = {}  # faults with a pause or downtime still running
+    counts = {"faults": 0, "skipped": 0, "recovered": 0}
+    ending, ending_at = None, None
+    timeout_s = exp.safety.recovery_timeout_s
+
+    def note(event: str, **fields) -> dict:
+        entry = record.write(event, **fields)
+        if event == "skipped":
+            counts["skipped"] += 1
+        return entry
+
+    try:
+        while True:
+            now = clock()
+            for rec in tracker.feed(now, await target.observe()) + tracker.expire(now, timeout_s):
+                counts["recovered"] += bool(rec["recovered"])
+                note("recovery", **rec)
+            gone = await target.ended()
+            for f in list(active.values()):
+                if now >= f.back_at or gone:
+                    note("released", fault=f.id, unit=f.unit, **(await target.release(f) or {}))
+                    del active[f.id]
+                elif f.action != "pause":
+                    held = await target.hold(f)
+                    if held:
+                        note("held", fault=f.id, unit=f.unit, until=f.back_at, **held)
+            if ending is None:
+                ending = gone or stop_reason(now - start, counts["faults"], exp.safety) or (
+                    "stop requested" if stop is not None and stop.is_set() else None)
+                if ending is not None:
+                    ending_at = now
+                    note("ending", reason=ending)
+            if ending is None:
+                await _fire_due(exp, target, sched, rng, tracker, active, counts, note, now, dry_run, on_fault)
+            if ending is not None and (gone or not active and not tracker.faults or now - ending_at > timeout_s):
+                break
+            if on_progress is not None:
+                nxt = sched.next_at()
+                on_progress(Progress(exp.name, dry_run, now - start, exp.safety.max_duration_s,
+                                     None if nxt is None or ending else max(0.0, nxt - now), counts["faults"],
+                                     counts["skipped"], sorted(tracker.down()), counts["recovered"], ending,
+                                     record.entries[-6:]))
+            nxt = sched.next_at()
+            delay = poll_s if nxt is None or ending else min(poll_s, max(0.0, nxt - clock()))
+            if stop is not None:
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=max(0.01, delay))
+                except asyncio.TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(delay)
+    finally:
+        for f in list(active.values()):  # never leave a victim stopped or held behind
+            try:
+                note("released", fault=f.id, unit=f.unit, **(await target.release(f) or {}))
+            except Exception as exc:  # report and go on releasing the others
+                note("error", fault=f.id, unit=f.unit, error=f"release failed: {exc}")
+        await target.close()
+        for rec in tracker.close():
+            note("recovery", **rec)
+        summary = summarize(record.entries)
+        record.write("end", reason=ending or "interrupted", elapsed_s=clock() - start, summary=summary)
+    return summary
+
+
+async def _fire_due(exp, target, sched, rng, tracker, active, counts, note, now, dry_run, on_fault) -> None:
+    cands = await target.candidates()
+    scoped = [c.unit for c in cands if in_scope(c, exp.target, exp.safety)]
+    for tick in sched.due(now, scoped):
+        if stop_reason(now - sched.start, counts["faults"], exp.safety):
+            return
+        down = tracker.down() | {f.unit for f in active.values()}
+        decision = decide(tick, cands, down, exp, rng)
+        if decision.skipped:
+            note("skipped", tick=tick.index + 1, scheduled_at=tick.at, reason=decision.skipped)
+            continue
+        for victim in decision.victims:
+            if stop_reason(now - sched.start, counts["faults"], exp.safety):
+                return
+            counts["faults"] += 1
+            back_at = now + (exp.action.duration_s if exp.action.type == "pause" else exp.schedule.downtime_s)
+            fault = Fault(counts["faults"], victim.unit, victim.role, decision.members[victim.unit], exp.action.type,
+                          now, back_at, exp.action.exit_code, exp.name, decision.why)
+            entry = {"fault": fault.id, "tick": tick.index + 1, "scheduled_at": tick.at, "unit": fault.unit,
+                     "role": fault.role, "members": list(fault.members), "action": fault.action,
+                     "exit_code": fault.exit_code, "back_at": back_at, "why": decision.why, "dry_run": dry_run}
+            if dry_run:
+                note("fault", **entry, details={"would": f"{fault.action} {', '.join(fault.members)}"})
+                continue
+            try:
+                details = await target.inject(fault)
+            except RuntimeError as exc:
+                counts["faults"] -= 1
+                note("skipped", tick=tick.index + 1, scheduled_at=tick.at, unit=fault.unit, reason=str(exc))
+                continue
+            note("fault", **entry, details=details)
+            tracker.add(fault.id, fault.unit, fault.action, now, back_at)
+            if back_at > now:
+                active[fault.id] = fault
+            if on_fault is not None:
+                result = on_fault(fault, details)
+                if asyncio.iscoroutine(result):
+                    await result
+            cands = await target.candidates()  # the victim is no longer alive: the next tick sees that

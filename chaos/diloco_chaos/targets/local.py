@@ -1,0 +1,241 @@
+"""Faults on the processes of a `diloco local` run, found through RUN/processes.json (written by its supervisor).
+
+kill = SIGKILL to the victim's process group; pause = SIGSTOP, then SIGCONT; fail with exit code 128+N = signal N
+(how a shell or container runtime reports a death by signal; a process can be made to exit with another code
+only by its own cooperation). Progress is read from learners/<id>/metrics.jsonl and syncer.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from ..experiment import Experiment
+from ..guards import Candidate
+from ..record import UnitObservation
+from . import Fault
+
+LABEL_COMPONENT = "diloco.dev/component"  # the same label keys as the operator's pods
+LABEL_UNIT = "diloco.dev/unit"
+# Signals whose default action ends a process: usable for `fail` (exit code 128 + signal).
+FATAL_SIGNALS = {s for s in signal.Signals if s not in (
+    signal.SIGSTOP, signal.SIGCONT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU, signal.SIGCHLD,
+    signal.SIGURG, signal.SIGWINCH) and s < 32}
+
+
+def signal_for_exit_code(code: int) -> signal.Signals:
+    """The signal that makes a process end with `code` as a shell reports it (128 + N); ValueError otherwise."""
+    try:
+        sig = signal.Signals(code - 128)
+    except ValueError:
+        sig = None
+    if sig is None or sig not in FATAL_SIGNALS:
+        examples = "137 (SIGKILL), 139 (SIGSEGV), 134 (SIGABRT), 138 (SIGUSR1)"
+        raise ValueError(f"action.exitCode {code}: a local process can be made to fail from outside only by a "
+                         f"signal, reported as exit code 128+N; use e.g. {examples}")
+    return sig
+
+
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether the process handles or ignores `sig` (then it would not die with 128+N)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                      if ":" in line)
+    except OSError:
+        return False
+    mask = int(fields.get("SigCgt", "0").strip(), 16) | int(fields.get("SigIgn", "0").strip(), 16)
+    return bool(mask >> (int(sig) - 1) & 1)
+
+
+class _Tail:
+    """Reads the complete lines appended to a JSON-lines file since the last call."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def new(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        data = self.partial + data
+        *lines, self.partial = data.split(b"\n")
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+
+class LocalTarget:
+    """The learners and the syncer of one `diloco local` run directory."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.processes_json = self.run_dir / "processes.json"
+        self.tails: dict[str, _Tail] = {}
+        self.syncer_tail = _Tail(self.run_dir / "syncer.jsonl")
+        self.stopped: dict[str, set[int]] = {}  # unit -> pids we stopped (pause / downtime hold)
+
+    def describe(self) -> dict:
+        return {"kind": "local", "run_dir": str(self.run_dir)}
+
+    # ------------------------------------------------------------------ discovery
+
+    def _doc(self) -> dict:
+        try:
+            return json.loads(self.processes_json.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{self.processes_json} not found: pass the run directory of a running "
+                             f"`diloco local` (--run-dir)") from None
+        except ValueError:  # replaced atomically, so this is a damaged file, not a torn write
+            raise ValueError(f"{self.processes_json} is not valid JSON") from None
+
+    async def preflight(self, exp: Experiment) -> None:
+        self._doc()
+        if exp.action.type == "fail":
+            signal_for_exit_code(exp.action.exit_code)
+        if exp.safety.namespace is not None:
+            raise ValueError("safety.namespace scopes Kubernetes targets; a local run has no namespace")
+
+    async def ended(self) -> str | None:
+        doc = self._doc()
+        if doc.get("stopping"):
+            return "the local run is stopping"
+        if not _pid_alive(int(doc.get("supervisor_pid", 0))):
+            return "the local run's supervisor is gone"
+        return None
+
+    async def candidates(self) -> list[Candidate]:
+        out = []
+        for p in self._doc().get("processes", []):
+            role = p.get("role")
+            if role not in ("learner", "syncer"):
+                continue
+            m = re.search(r"(\d+)$", p["name"])
+            out.append(Candidate(
+                unit=p["name"], role=role, index=int(m.group(1)) if role == "learner" and m else None,
+                members=(p["name"],), labels={LABEL_COMPONENT: role, LABEL_UNIT: p["name"]},
+                alive=bool(p.get("alive")) and not p.get("finished") and p["name"] not in self.stopped))
+        return out
+
+    def _process(self, name: str) -> dict | None:
+        return next((p for p in self._doc().get("processes", []) if p["name"] == name), None)
+
+    def _verified_pid(self, name: str) -> int | None:
+        """The live PID of `name`, checked against its command line (a PID is never signalled after reuse)."""
+        p = self._process(name)
+        if p is None or not p.get("alive") or not p.get("pid"):
+            return None
+        pid = int(p["pid"])
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return None
+        expected = b"--learner-id " + name.encode() if p["role"] == "learner" else b"syncer --config"
+        return pid if expected in b" ".join(argv) else None
+
+    # ------------------------------------------------------------------ actions
+
+    async def inject(self, fault: Fault) -> dict:
+        sig = {"kill": signal.SIGKILL, "pause": signal.SIGSTOP}.get(fault.action)
+        if fault.action == "fail":
+            sig = signal_for_exit_code(fault.exit_code)
+        pids = {}
+        for name in fault.members:
+            pid = self._verified_pid(name)
+            if pid is None:
+                raise RuntimeError(f"{name} is not running (or its PID no longer matches processes.json)")
+            if fault.action == "fail" and _catches(pid, sig):
+                raise RuntimeError(f"{name} handles {sig.name}, so it would not exit with code {fault.exit_code}; "
+                                   f"pick another exitCode")
+            pids[name] = pid
+        for name, pid in pids.items():
+            if fault.action == "pause":
+                self._stop(fault.unit, pid, resume_after=fault.back_at - time.time())
+            else:
+                _killpg(pid, sig)
+        return {"signal": sig.name, "pids": pids, "process_group": True}
+
+    def _stop(self, unit: str, pid: int, resume_after: float) -> None:
+        _killpg(pid, signal.SIGSTOP)
+        self.stopped.setdefault(unit, set()).add(pid)
+        # Dead man's switch: if this tool itself is killed, a detached sleeper still resumes the group.
+        subprocess.Popen(["/bin/sh", "-c", f"sleep {max(1.0, resume_after + 2.0):.1f}; kill -CONT -- -{pid}"],
+                         start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+
+    async def hold(self, fault: Fault) -> dict | None:
+        """Downtime: a replacement started by the supervisor is stopped at once until the downtime ends."""
+        held = []
+        for name in fault.members:
+            pid = self._verified_pid(name)
+            if pid is not None and pid not in self.stopped.get(fault.unit, set()):
+                self._stop(fault.unit, pid, resume_after=fault.back_at - time.time())
+                held.append(pid)
+        return {"held_pids": held} if held else None
+
+    async def release(self, fault: Fault) -> dict | None:
+        pids = sorted(self.stopped.pop(fault.unit, set()))
+        for pid in pids:
+            _killpg(pid, signal.SIGCONT)
+        return {"resumed_pids": pids} if pids else None
+
+    async def close(self) -> None:
+        """Never leave a process stopped behind."""
+        for unit in list(self.stopped):
+            for pid in self.stopped.pop(unit):
+                _killpg(pid, signal.SIGCONT)
+
+    # ------------------------------------------------------------------ observation
+
+    async def observe(self) -> dict[str, UnitObservation]:
+        doc = self._doc()
+        units: dict[str, UnitObservation] = {}
+        for p in doc.get("processes", []):
+            if p.get("role") not in ("learner", "syncer"):
+                continue
+            units[p["name"]] = UnitObservation(started=p.get("started"), running=bool(p.get("alive")), lines=[])
+            if p["role"] == "learner":
+                tail = self.tails.setdefault(p["name"], _Tail(self.run_dir / "learners" / p["name"] / "metrics.jsonl"))
+                units[p["name"]].lines = [(float(r["time"]), int(r.get("step", 0))) for r in tail.new() if "time" in r]
+        for rec in self.syncer_tail.new():
+            t = float(rec.get("time", 0.0))
+            if not rec.get("up"):
+                continue
+            if "syncer" in units:  # the syncer "trains" when it serves: its progress is the outer step count
+                units["syncer"].lines.append((t, int(rec.get("outer_steps", 0)) + 1))
+                units["syncer"].merged.append((t, int(rec.get("contributions_merged", 0))))
+            for lid, info in (rec.get("learners") or {}).items():
+                if lid in units:
+                    units[lid].merged.append((t, int(info.get("submissions_merged", 0))))
+        return units
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # each supervised child leads its own session: the group is the whole unit
+    except ProcessLookupError:
+        pass

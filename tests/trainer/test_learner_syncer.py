@@ -106,6 +106,8 @@ def test_learner_waits_for_a_late_syncer_keeps_stepping_while_it_is_away_and_los
         # Versions published after the syncer's last checkpoint died with it: Δs based on them are refused as
         # stale (409) and the learner re-adopts. Nothing else may be refused.
         assert final["final"] and final["pending"] == 0 and final["rejected"] == final["stale"]
+        assert final["superseded"] > 0 and final["queued"] > final["sent"], \
+            "Δs due while the syncer was away must supersede the unanswered ones, not pile up"
         wait_for(lambda: not any(syncer.status()["pending"].values()), 30, "the syncer to merge what is pending")
         mine = syncer.status()["learners"]["l0"]
         assert mine["tokens_merged"] == final["acked_tokens"], "acknowledged tokens lost or double counted"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import secrets
 import signal
@@ -214,6 +215,9 @@ class Learner:
         while self.opts.steps is None or self.step < self.opts.steps:
             started = time.monotonic()
             loss = self._inner_step()
+            if not math.isfinite(loss):  # fail fast: a restarted learner pulls a sane Θ from the syncer
+                raise FloatingPointError(f"the training loss became {loss} at step {self.step + 1}; "
+                                         "lower inner.lr or raise inner.warmup_steps")
             compute_s = time.monotonic() - started
             self.stop_flag.wait(step_sleep(compute_s, self.opts.slowdown, self.opts.jitter, self.rng))
 

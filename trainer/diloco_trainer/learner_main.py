@@ -95,3 +95,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # the syncer's config, plan or state does not fit this learner
         print(f"diloco learner: {exc}", flush=True)
         return 2
+    except FloatingPointError as exc:  # diverged: exit non-zero so a supervisor restarts it from the syncer's Θ
+        print(f"diloco learner: {exc}", flush=True)
+        return 1

@@ -1,0 +1,166 @@
+"""The learner's background client against a real `diloco syncer` process: start-up pull, acknowledgements,
+stale bases, idempotent ids, superseding and retries."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from diloco_trainer.client import Submission, SyncerClient, SyncerRefused
+from diloco_trainer.config import TrainConfig
+from diloco_trainer.model import build_model
+from diloco_trainer.wire import ErrorFeedback, SubmissionMeta, encode_submission
+
+from learner_kit import TOKEN, SyncerProcess, free_port, wait_for, write_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def syncer(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("client")
+    proc = SyncerProcess(write_config(tmp / "run.yaml", versions_kept=2, grace=0.0), tmp / "syncer", tmp / "syncer.log")
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client(syncer, request):
+    c = SyncerClient(syncer.url, TOKEN, request.node.name[:40].replace("[", "-").rstrip("]"), poll_s=0.05)
+    yield c
+    c.close()
+
+
+def _body(c: SyncerClient, plan, theta, p: int, base: int, sid: str, scale: float = 1e-3, c_steps: int = 4):
+    deltas = {n: torch.full_like(theta[n], scale) for n in plan[p]}
+    parts = ErrorFeedback().compress(deltas, "none", 64)
+    meta = SubmissionMeta(c.learner_id, sid, p, base, c_steps, c_steps * 512)
+    body = encode_submission(meta, parts, "none", 64, {n: tuple(theta[n].shape) for n in plan[p]})
+    return Submission(p, base, sid, body, c_steps, c_steps * 512)
+
+
+def _answers(c: SyncerClient, n: int = 1):
+    got = []
+    wait_for(lambda: got.extend(c.take_answers()) or len(got) >= n, 30, f"{n} answer(s) from the syncer")
+    return got
+
+
+def _newest(c: SyncerClient, p: int, after: int):
+    """Wait until the client hands over a version of fragment p newer than `after`."""
+    seen = {}
+    wait_for(lambda: seen.update({u.fragment: u for u in c.take_updates()}) or
+             (p in seen and seen[p].version > after), 30, f"a version of fragment {p} newer than {after}")
+    return seen[p]
+
+
+def test_bootstrap_pulls_the_run_config_the_plan_and_the_initial_theta(client):
+    boot = client.bootstrap()
+    cfg = TrainConfig.model_validate(boot.config)
+    assert cfg.outer.fragments == len(boot.plan) == 4 and cfg.model.d_model == 64
+    model = build_model(cfg.model, cfg.seed)
+    names = [n for frag in boot.plan for n in frag]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+    assert set(boot.versions) == {0, 1, 2, 3}
+    if all(v == 0 for v in boot.versions.values()):  # first test against this syncer: Θ is still Θ₀
+        assert all(torch.equal(boot.theta[n], p.detach()) for n, p in model.named_parameters())
+    assert client.snapshot()["syncer_up"] and client.snapshot()["bytes_down"] > 0
+
+
+def test_an_acknowledged_submission_is_merged_and_the_new_version_comes_back(client):
+    boot = client.bootstrap()
+    base = boot.versions[0]
+    client.submit(_body(client, boot.plan, boot.theta, 0, base, f"{client.learner_id}.a.p0.v{base}"))
+    (answer,) = _answers(client)
+    assert answer.accepted and not answer.duplicate and answer.c_tokens == 4 * 512
+    update = _newest(client, 0, base)
+    assert set(update.tensors) == set(boot.plan[0])
+    moved = [n for n in boot.plan[0] if not torch.equal(update.tensors[n], boot.theta[n])]
+    assert moved, "the merged version must differ from the base"
+    snap = client.snapshot()
+    assert (snap["sent"], snap["acked"], snap["acked_tokens"], snap["acked_steps"], snap["pending"]) == (1, 1, 2048, 4, 0)
+
+
+def test_a_retried_id_is_counted_once(client, syncer):
+    boot = client.bootstrap()
+    base = boot.versions[2]
+    sid = f"{client.learner_id}.b.p2.v{base}"
+    client.submit(_body(client, boot.plan, boot.theta, 2, base, sid))
+    assert _answers(client)[0].accepted
+    client.submit(_body(client, boot.plan, boot.theta, 2, base, sid))  # already acknowledged: never sent again
+    assert client.pending() == 0
+    # Another client with the same id (as if the first 202 had been lost on the wire) gets "duplicate".
+    other = SyncerClient(syncer.url, TOKEN, client.learner_id)
+    try:
+        other.bootstrap()
+        other.submit(_body(other, boot.plan, boot.theta, 2, base, sid, scale=5e-3, c_steps=9))
+        (answer,) = _answers(other)
+        assert answer.accepted and answer.duplicate
+    finally:
+        other.close()
+    wait_for(lambda: not any(syncer.status()["pending"].values()), 30, "the merge")
+    mine = syncer.status()["learners"][client.learner_id]
+    assert mine["submissions_merged"] == 1 and mine["tokens_merged"] == 2048, "the duplicate must not be merged"
+
+
+def test_a_base_older_than_the_syncer_keeps_is_answered_409_and_counted_stale(client):
+    boot = client.bootstrap()
+    p, first = 1, boot.versions[1]
+    base = first
+    for i in range(3):  # versions_kept=2: after three merges the first base is gone
+        client.submit(_body(client, boot.plan, boot.theta, p, base, f"{client.learner_id}.c{i}.p{p}.v{base}"))
+        assert _answers(client)[0].accepted
+        base = _newest(client, p, base).version
+    client.submit(_body(client, boot.plan, boot.theta, p, first, f"{client.learner_id}.old.p{p}.v{first}"))
+    (answer,) = _answers(client)
+    assert answer.status == 409 and not answer.accepted and str(first) in answer.reason
+    snap = client.snapshot()
+    assert snap["rejected"] == snap["stale"] == 1 and snap["acked"] == 3 and snap["pending"] == 0
+
+
+def test_a_malformed_submission_is_rejected_and_dropped_not_retried(client):
+    boot = client.bootstrap()
+    sub = _body(client, boot.plan, boot.theta, 3, boot.versions[3], f"{client.learner_id}.bad.p3")
+    sub.body = sub.body[:-7]  # truncated safetensors
+    client.submit(sub)
+    (answer,) = _answers(client)
+    assert answer.status == 400 and "safetensors" in answer.reason
+    assert client.snapshot()["rejected"] == 1 and client.pending() == 0
+
+
+def test_a_queued_submission_is_superseded_by_a_fresh_one_with_the_same_id():
+    c = SyncerClient(f"http://127.0.0.1:{free_port()}", TOKEN, "nobody")  # never bootstrapped: nothing is sent
+    try:
+        old = Submission(0, 3, "nobody.x.p0.v3", b"old", 2, 100)
+        new = Submission(0, 3, "nobody.x.p0.v3", b"new", 5, 250)
+        c.submit(old)
+        c.submit(new)
+        c.submit(Submission(1, 3, "nobody.x.p1.v3", b"other", 1, 50))
+        assert c.pending() == 2 and c.snapshot()["superseded"] == 1
+        assert c._outbox["nobody.x.p0.v3"] is new
+    finally:
+        c.close()
+
+
+def test_bootstrap_keeps_retrying_while_no_syncer_answers_until_stopped():
+    c = SyncerClient(f"http://127.0.0.1:{free_port()}", TOKEN, "early", backoff_s=0.05, backoff_max_s=0.2)
+    stop = threading.Event()
+    threading.Timer(1.5, stop.set).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(InterruptedError):
+            c.bootstrap(stop)
+        assert 1.4 < time.monotonic() - started < 10
+        assert not c.snapshot()["syncer_up"]
+    finally:
+        c.close()
+
+
+def test_a_wrong_token_is_refused_at_registration(syncer):
+    c = SyncerClient(syncer.url, "not-the-token", "intruder")
+    try:
+        with pytest.raises(SyncerRefused, match="401"):
+            c.bootstrap()
+    finally:
+        c.close()

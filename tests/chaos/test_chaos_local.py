@@ -162,13 +162,29 @@ def test_fail_with_an_exit_code_ends_the_process_with_that_code(local_run, tmp_p
     assert exit_codes == [-signal.SIGUSR1]  # exit code 138 = 128 + SIGUSR1; Popen reports it as -10
 
 
+def test_a_killed_victim_is_held_down_for_the_downtime(local_run, tmp_path):
+    run, _ = local_run
+    exp = _experiment(schedule={"every": "1s", "downtime": "8s"}, target={"units": [2]},
+                      safety={"maxFaults": 1, "maxDuration": "1m", "recoveryTimeout": "150s"})
+    _run(exp, run, tmp_path / "down.jsonl")
+    entries = _read(tmp_path / "down.jsonl")
+    fault = next(e for e in entries if e["event"] == "fault")
+    held = [e for e in entries if e["event"] == "held"]
+    released = next(e for e in entries if e["event"] == "released")
+    rec = next(e for e in entries if e["event"] == "recovery")
+    assert held and held[0]["held_pids"]  # the supervisor's replacement was stopped at once ...
+    assert released["resumed_pids"] == held[0]["held_pids"]  # ... and let go when the downtime ended
+    assert released["time"] >= fault["back_at"] > fault["time"] + 7.9
+    assert rec["recovered"] and rec["trained_again_s"] >= 8.0
+
+
 def test_goodput_of_the_run_counts_the_lost_work(local_run):
     run, proc = local_run
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=180) == 0
     g = from_run_dir(run)
     assert (run / "summary.json").exists()
-    assert sum(v["incarnations"] for v in g["learners"].values()) >= 3 + 3  # 2 kills + 1 fail restarted
+    assert sum(v["incarnations"] for v in g["learners"].values()) >= 3 + 4  # 2 kills, 1 fail, 1 downtime kill
     assert 0 < g["goodput"] < g["compute_fraction"] <= 1
     assert 0 < g["merged_fraction"] <= 1
     assert g["uptime"] > 0.5  # the global model kept advancing through single-learner faults

@@ -1,0 +1,1 @@
+"""Benchmarks of Decoupled DiLoCo against DDP and synchronous DiLoCo, measured side by side (`diloco bench`)."""

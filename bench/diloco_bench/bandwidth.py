@@ -1,0 +1,224 @@
+"""Bandwidth: bytes per learner per inner step for each compression (real encoded submissions) vs DDP's ring
+all-reduce of the same model, and the loss each compression costs in short real `diloco local` runs.
+
+Formulas (per learner, per inner step; params = P parameters; N workers; H inner steps per fragment send):
+  DDP           ring all-reduce of fp32 gradients every step: 2·(N−1)/N · 4 B · params
+  sync DiLoCo   ring all-reduce of fp32 Δ every H steps:      2·(N−1)/N · 4 B · params / H
+  decoupled up  every fragment once per H steps:              Σ_p |encoded body of fragment p| / H
+                (≈ params/H · (0.5 B + 4 B/block) for int4: 4-bit values plus an fp32 scale per block)
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import torch
+
+from diloco_trainer.config import MODEL_PRESETS, ModelConfig
+from diloco_trainer.fragments import plan_fragments
+from diloco_trainer.model import build_model
+from diloco_trainer.wire import SCHEMES, SubmissionMeta, encode_submission, quantize
+
+from . import report, runs
+
+NAME = "bandwidth"
+TARGET_RATIO = 400.0
+TARGET_LOSS = 0.005
+
+
+def ddp_bytes(params: int, n: int) -> float:
+    """Bytes one DDP worker sends per step (ring all-reduce of fp32 gradients)."""
+    return 2.0 * (n - 1) / n * 4.0 * params
+
+
+def encoded_bytes(model_cfg: ModelConfig, fragments: int, scheme: str, block: int, gen: torch.Generator) -> dict:
+    """Encode one real submission per fragment (random Δ of the model's shapes); total body and payload bytes."""
+    shapes = _shapes(model_cfg)
+    plan = plan_fragments([(n, s.numel()) for n, s in shapes.items()], fragments)
+    body = payload = 0
+    for p, names in enumerate(plan):
+        parts = {n: quantize(torch.randn(shapes[n].shape, generator=gen) * 1e-3, scheme, block) for n in names}
+        meta = SubmissionMeta("learner-0", f"learner-0-{p}-0", p, 0, 24, 24 * 2048)
+        data = encode_submission(meta, parts, scheme, block, {n: tuple(shapes[n].shape) for n in names})
+        body += len(data)
+        payload += sum(t.numel() * t.element_size() for part in parts.values() for t in part.values())
+    return {"body_bytes": body, "payload_bytes": payload}
+
+
+def _shapes(model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Parameter shapes without allocating the parameters (meta device)."""
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    return dict(model.named_parameters())
+
+
+def wire_table(model_cfg: ModelConfig, fragments: int, sync_every: int, block: int, n: int) -> dict:
+    """Bytes per learner per inner step for each scheme, next to DDP and synchronous DiLoCo."""
+    gen = torch.Generator().manual_seed(0)
+    params = sum(t.numel() for t in _shapes(model_cfg).values())
+    ddp = ddp_bytes(params, n)
+    rows = {}
+    for scheme in SCHEMES:
+        b = encoded_bytes(model_cfg, fragments, scheme, block, gen)
+        per_step = b["body_bytes"] / sync_every
+        rows[scheme] = {**b, "per_step": per_step, "bits_per_value": 8 * b["payload_bytes"] / params,
+                        "ddp_ratio": ddp / per_step, "ddp_inf_ratio": 8.0 * params / per_step}
+    return {"params": params, "fragments": fragments, "sync_every": sync_every, "block_size": block, "learners": n,
+            "ddp_per_step": ddp, "ddp_inf_per_step": 8.0 * params,
+            "sync_diloco_per_step": ddp / sync_every,
+            "ddp_formula": f"2·(N−1)/N · 4 B · params = 2·{n - 1}/{n} · 4 · {params:,} = {ddp:,.0f} B",
+            "schemes": rows}
+
+
+def compression_specs(ctx: report.Context, seed: int) -> list[tuple[str, runs.RunSpec]]:
+    steps = runs.standard_steps(ctx)
+    out = []
+    for scheme in SCHEMES:
+        sets = () if scheme == runs.BENCH_CONFIG["outer"]["compression"] else (f"outer.compression={scheme}",)
+        out.append((scheme, runs.RunSpec("decoupled", steps, seed=seed, sets=sets,
+                                         label=f"decoupled {scheme} seed {seed}")))
+    return out
+
+
+def run(ctx: report.Context) -> dict:
+    result = report.new_result(NAME, ctx.mode)
+    bench = runs.BENCH_CONFIG
+    big = wire_table(MODEL_PRESETS["100m"], 24, 24, 64, 4) if ctx.mode != "tiny" else None
+    small_cfg = ModelConfig(**bench["model"])
+    small = wire_table(small_cfg, bench["outer"]["fragments"], bench["outer"]["sync_every"],
+                       bench["outer"]["block_size"], 4)
+    result["figures"]["wire_100m_paper_schedule"] = big
+    result["figures"]["wire_bench_model"] = small
+
+    seeds = list(range(runs.seeds(ctx)))
+    measured: dict[str, list[dict]] = {s: [] for s in SCHEMES}
+    if ctx.mode != "tiny":
+        specs = [(scheme, spec) for seed in seeds for scheme, spec in compression_specs(ctx, seed)]
+        task = ctx.task("bandwidth: compression runs", len(specs))
+        for scheme, spec in specs:
+            s = runs.ensure(ctx, spec)
+            steps = s["steps_trained"] or 1
+            measured[scheme].append({"seed": spec.seed, "val_loss": s["val_loss"], "run": s["run_dir"],
+                                     "up_per_step": (s["bytes"].get("sent_per_learner_step") or 0.0),
+                                     "down_per_step": runs.bytes_down(s) / steps,
+                                     "tokens": s["tokens_trained"], "wall_time_s": s["wall_time_s"]})
+            task.advance()
+        task.done()
+    result["figures"]["runs"] = measured
+    _summarize(result, big or small, small, measured)
+    plot(result, ctx.out_dir / f"{NAME}.png")
+    return result
+
+
+def _loss_cost(measured: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per scheme: relative val-loss change vs `none`, paired by seed, with the spread over seeds."""
+    base = {m["seed"]: m["val_loss"] for m in measured.get("none", []) if m["val_loss"] is not None}
+    out = {}
+    for scheme, ms in measured.items():
+        rel = [(m["val_loss"] - base[m["seed"]]) / base[m["seed"]] for m in ms
+               if m["seed"] in base and m["val_loss"] is not None]
+        if rel:
+            out[scheme] = {**report.spread(rel), "val_loss": statistics.fmean(m["val_loss"] for m in ms)}
+    return out
+
+
+def _summarize(result: dict, wire: dict, small: dict, measured: dict) -> None:
+    cost = _loss_cost(measured)
+    result["figures"]["loss_cost"] = cost
+    t = result["table"]
+    t["title"] = (f"bandwidth — bytes per learner per inner step, {wire['params'] / 1e6:.1f}M params, "
+                  f"P={wire['fragments']}, H={wire['sync_every']}, N={wire['learners']}")
+    t["columns"] = ["method", "bytes/step", "× fewer than DDP", "bits/value", "measured in runs (bench model)",
+                    "val loss vs none"]
+    t["rows"] = [["DDP (ring all-reduce, fp32)", report_bytes(wire["ddp_per_step"]), "1", "32", "", ""],
+                 ["sync DiLoCo (fp32 Δ / H)", report_bytes(wire["sync_diloco_per_step"]),
+                  f"{wire['ddp_per_step'] / wire['sync_diloco_per_step']:.0f}", "32", "", ""]]
+    for scheme, row in wire["schemes"].items():
+        ms = measured.get(scheme) or []
+        up = statistics.fmean(m["up_per_step"] for m in ms) if ms else None
+        ratio_small = small["ddp_per_step"] / up if up else None
+        c = cost.get(scheme)
+        t["rows"].append([f"decoupled {scheme}", report_bytes(row["per_step"]), f"{row['ddp_ratio']:.0f}",
+                          f"{row['bits_per_value']:.2f}",
+                          f"{report_bytes(up)} ({ratio_small:.0f}× < DDP)" if up else "-",
+                          f"{100 * c['mean']:+.2f}% ± {100 * c['std']:.2f}" if c else "-"])
+    int4 = wire["schemes"]["int4"]
+    ok = int4["ddp_ratio"] >= TARGET_RATIO
+    report.target(result, "int4 bytes vs DDP", f"≥ {TARGET_RATIO:.0f}× fewer bytes than DDP",
+                  f"{int4['ddp_ratio']:.0f}× (N={wire['learners']}; {int4['ddp_inf_ratio']:.0f}× vs N→∞ DDP)", ok,
+                  "" if ok else _why_ratio(wire))
+    c = cost.get("int4")
+    if c is None:
+        report.target(result, "int4 loss cost", f"≤ {100 * TARGET_LOSS:.1f}% extra val loss vs none", "not run",
+                      None, "tiny mode runs no training")
+    else:
+        none_std = cost.get("none", {}).get("std", 0.0)
+        ok = c["mean"] <= TARGET_LOSS
+        report.target(result, "int4 loss cost", f"≤ {100 * TARGET_LOSS:.1f}% extra val loss vs none",
+                      f"{100 * c['mean']:+.2f}% (seeds: {', '.join(f'{100 * v:+.2f}%' for v in c['values'])})", ok,
+                      f"paired by seed; run-to-run spread of async runs is comparable (none: ±{100 * none_std:.2f}%)")
+
+
+def _why_ratio(wire: dict) -> str:
+    int4 = wire["schemes"]["int4"]
+    bits = int4["bits_per_value"]
+    n = wire["learners"]
+    need_h = TARGET_RATIO * bits / (32 * 2 * (n - 1) / n)
+    return (f"by construction: int4 with an fp32 scale per {wire['block_size']} values is {bits:.2f} bits on "
+            f"1/H of the params per step vs 2·(N−1)/N·32 bits on all of them, i.e. "
+            f"{wire['sync_every']}·{64 * (n - 1) / n:.0f}/{bits:.2f}; ≥ 400× needs H ≥ {need_h:.0f} at N={n} "
+            "(or larger quantization blocks)")
+
+
+def report_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def plot(result: dict, path: Path) -> Path:
+    fig_data = result["figures"]
+    wire = fig_data["wire_100m_paper_schedule"] or fig_data["wire_bench_model"]
+    fig, (a, b) = report.figure(2, 1, width=6.4, height=4.4)
+    labels = ["DDP", "sync\nDiLoCo"] + [f"decoupled\n{s}" for s in wire["schemes"]]
+    values = [wire["ddp_per_step"], wire["sync_diloco_per_step"]] + [r["per_step"] for r in wire["schemes"].values()]
+    colors = [report.color("ddp"), report.color("sync-diloco")] + [report.color(s) for s in wire["schemes"]]
+    bars = a.bar(labels, values, color=colors)
+    a.set_yscale("log")
+    for bar, v in zip(bars, values):
+        a.annotate(f"{report_bytes(v)}\n{wire['ddp_per_step'] / v:,.0f}× less" if v != wire["ddp_per_step"]
+                   else report_bytes(v), (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom",
+                   fontsize=7, xytext=(0, 2), textcoords="offset points")
+    a.axhline(wire["ddp_per_step"] / TARGET_RATIO, color="k", ls=":", lw=1)
+    a.annotate(f"target: {TARGET_RATIO:.0f}× less than DDP", (0.02, wire["ddp_per_step"] / TARGET_RATIO),
+               xycoords=("axes fraction", "data"), fontsize=8, va="bottom")
+    a.set_ylabel("bytes per learner per inner step (log)")
+    a.set_title(f"{wire['params'] / 1e6:.0f}M params, P={wire['fragments']}, H={wire['sync_every']}, "
+                f"N={wire['learners']}")
+    a.margins(y=0.25)
+
+    cost = fig_data["loss_cost"]
+    if cost:
+        schemes = [s for s in wire["schemes"] if s in cost]
+        means = [100 * cost[s]["mean"] for s in schemes]
+        errs = [100 * cost[s]["std"] for s in schemes]
+        bars = b.bar(schemes, means, yerr=errs, capsize=4, color=[report.color(s) for s in schemes])
+        for s, bar in zip(schemes, bars):
+            for v in cost[s]["values"]:
+                b.plot(bar.get_x() + bar.get_width() / 2, 100 * v, "k.", ms=5)
+        b.axhline(100 * TARGET_LOSS, color="k", ls=":", lw=1)
+        b.annotate(f"target ≤ +{100 * TARGET_LOSS:.1f}%", (0.02, 100 * TARGET_LOSS), xycoords=("axes fraction", "data"),
+                   fontsize=8, va="bottom")
+        b.axhline(0, color="#444444", lw=0.8)
+        b.set_ylabel("val loss change vs none (%)")
+        b.set_title(f"loss cost (bench model, {len(next(iter(cost.values()))['values'])} seed(s), dots = seeds)")
+    else:
+        b.text(0.5, 0.5, "no training runs in this mode", ha="center", va="center", transform=b.transAxes)
+        b.set_axis_off()
+    return report.save(fig, path, "Bandwidth: what a learner sends per inner step, and what compression costs",
+                       report.footnote(result))

@@ -1,0 +1,191 @@
+"""Training runs for the benchmarks, through the public commands (`diloco local`, `diloco baseline ddp|sync-diloco`).
+
+A run is described by a `RunSpec`; its run directory is keyed by the spec, so benchmarks that need the same run
+(e.g. quality's Decoupled int4 run is bandwidth's int4 point and resilience's failure-free run) share it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from diloco_trainer.runtime import procs
+from diloco_trainer.runtime.rundir import read_jsonl
+
+from . import report
+
+METHODS = ("decoupled", "ddp", "sync-diloco")
+
+# The benchmark model: configs/local.yaml's ~0.8M-parameter transformer on the stdlib byte corpus. Sized so a run
+# of 4 learners x a few hundred steps fits in ~2 minutes of a shared 2-core CPU, yet learns far below unigram.
+BENCH_CONFIG: dict = {
+    "model": {"vocab_size": 256, "seq_len": 128, "d_model": 128, "n_layers": 4, "n_heads": 4, "mlp_ratio": 4},
+    "data": {"source": "stdlib", "val_fraction": 0.05, "max_bytes": 8_000_000},
+    "inner": {"lr": 0.003, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "warmup_steps": 20, "grad_clip": 1.0,
+              "batch_size": 16},
+    "outer": {"fragments": 4, "sync_every": 16, "overlap": 2, "compression": "int4", "block_size": 64, "lr": 0.7,
+              "momentum": 0.9, "quorum": 1, "grace": 0.5, "merge": "rda", "token_weights": True, "versions_kept": 8},
+}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run: which method, how many learners and steps, config overrides, slowdown, failures."""
+
+    method: str  # decoupled | ddp | sync-diloco
+    steps: int
+    seed: int = 0
+    learners: int = 4
+    sets: tuple[str, ...] = ()  # config overrides KEY=VALUE (e.g. outer.merge=mean)
+    slowdown: str = "1"
+    jitter: float = 0.0
+    kill_every_s: float | None = None  # chaos: each learner killed on average this often (set by resilience)
+    minutes: float = 20.0  # wall-clock cap handed to the command (a safety net; runs are sized to finish first)
+    eval_batches: int = 16
+    snapshots: int = 3
+    label: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+
+    @property
+    def key(self) -> str:
+        d = asdict(self)
+        d.pop("label")
+        digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
+        return f"{self.method}-s{self.seed}-{digest}"
+
+    def config(self) -> dict:
+        """BENCH_CONFIG with this run's seed and overrides applied (the YAML the command reads)."""
+        cfg = json.loads(json.dumps(BENCH_CONFIG))
+        cfg["seed"] = self.seed
+        for item in self.sets:
+            k, _, v = item.partition("=")
+            *parents, leaf = k.split(".")
+            node = cfg
+            for part in parents:
+                node = node[part]
+            node[leaf] = yaml.safe_load(v)
+        return cfg
+
+    def argv(self, run_dir: Path, config_path: Path) -> list[str]:
+        common = ["--config", str(config_path), "--learners", str(self.learners), "--steps", str(self.steps),
+                  "--minutes", f"{self.minutes:g}", "--slowdown", self.slowdown, "--run-dir", str(run_dir),
+                  "--plain", "--snapshots", str(self.snapshots), "--eval-batches", str(self.eval_batches)]
+        if self.jitter:
+            common += ["--jitter", f"{self.jitter:g}"]
+        if self.method == "decoupled":
+            return procs.diloco_argv("local", *common)
+        return procs.diloco_argv("baseline", self.method, *common)
+
+
+def standard_steps(ctx: report.Context) -> int:
+    """Inner steps per learner of every comparison run (one length, so benchmarks can share runs)."""
+    return ctx.pick(20, 40, 200)
+
+
+def seeds(ctx: report.Context) -> int:
+    """Seeds per configuration: the suite's --seeds, else 1 in quick mode and 2 in full mode."""
+    return ctx.seeds or ctx.pick(1, 1, 2)
+
+
+def bytes_down(summary: dict) -> float:
+    """Fragment/state bytes all learners received (sum over incarnations of each one's last metrics line)."""
+    total = 0.0
+    for metrics in (Path(summary["run_dir"]) / "learners").glob("*/metrics.jsonl"):
+        last = None
+        for rec in read_jsonl(metrics):
+            if last is not None and int(rec.get("step", 0)) < int(last.get("step", 0)):
+                total += float(last.get("bytes_down", 0) or 0)
+            last = rec
+        total += float((last or {}).get("bytes_down", 0) or 0)
+    return total
+
+
+def steps_done(run_dir: Path) -> int:
+    """Inner steps trained so far by all learners (a restarted learner's counter starts again at 0)."""
+    total = 0
+    for metrics in (run_dir / "learners").glob("*/metrics.jsonl"):
+        last = 0
+        for rec in read_jsonl(metrics):
+            step = int(rec.get("step", 0))
+            if step < last:  # a new incarnation
+                total += last
+            last = step
+        total += last
+    return total
+
+
+def ensure(ctx: report.Context, spec: RunSpec, companion=None, allow_failure: bool = False) -> dict:
+    """The run's summary.json, running the command first unless this results directory already has it.
+
+    `companion` (optional) has `tick(run_dir)`, called about once a second while the run is live, and `close()`
+    (the resilience benchmark injects failures through it). A run that fails raises RuntimeError with its log's
+    tail, unless `allow_failure` and it still wrote a summary (a synchronous job stopped by a failure does).
+    """
+    root = ctx.out_dir / "runs"
+    run_dir = root / spec.key
+    summary_path = run_dir / "summary.json"
+    if summary_path.exists():
+        return _load(summary_path, spec)
+    if run_dir.exists():  # an interrupted earlier attempt: start over
+        import shutil
+
+        shutil.rmtree(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    config_path = root / f"{spec.key}.yaml"
+    config_path.write_text(yaml.safe_dump(spec.config(), sort_keys=False))
+    log_path = root / f"{spec.key}.log"
+    total = spec.steps * spec.learners
+    task = ctx.task(f"  {spec.label or spec.key}", total)
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(spec.argv(run_dir, config_path), stdout=log, stderr=subprocess.STDOUT,
+                                env=procs.child_env(), cwd=report.REPO, start_new_session=True)
+        try:
+            while proc.poll() is None:
+                time.sleep(1.0)
+                if run_dir.exists():
+                    task.update(completed=min(total, steps_done(run_dir)))
+                    if companion is not None:
+                        companion.tick(run_dir)
+        except BaseException:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+        finally:
+            if companion is not None:
+                companion.close()
+    task.done()
+    if not summary_path.exists() or (proc.returncode != 0 and not allow_failure):
+        tail = log_path.read_text()[-3000:]
+        raise RuntimeError(f"{spec.label or spec.key} failed (exit {proc.returncode}); log {log_path}:\n{tail}")
+    ctx.log(f"  {spec.label or spec.key}: {time.monotonic() - started:.0f} s (exit {proc.returncode})")
+    return _load(summary_path, spec)
+
+
+def _load(path: Path, spec: RunSpec) -> dict:
+    summary = json.loads(path.read_text())
+    summary["spec"] = {**asdict(spec), "key": spec.key}
+    return summary
+
+
+def learner_tokens_per_s(summary: dict) -> float:
+    """Tokens trained by all learners per second of the run's wall time."""
+    return summary["tokens_trained"] / summary["wall_time_s"] if summary.get("wall_time_s") else 0.0
+
+
+def val_curve(summary: dict) -> tuple[list[float], list[float], list[float]]:
+    """(time_s, tokens, val_loss) of the global model's evaluations during the run (final included)."""
+    points = summary.get("global_evals") or []
+    return ([p["time_s"] for p in points], [p["tokens"] for p in points], [p["val_loss"] for p in points])

@@ -1,0 +1,70 @@
+"""Smoke tests of the benchmark suite: the fastest benchmark in its tiny mode writes a well-formed result and plot;
+the small pure helpers the other benchmarks rely on behave."""
+
+import json
+import time
+
+import pytest
+
+from diloco_bench import cli, heterogeneity, quality, report, runs, syncer_speed
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_syncer_speed_tiny_writes_ratios_to_a_same_run_baseline_a_table_and_a_png(tmp_path):
+    ctx = report.Context(mode="tiny", out_dir=tmp_path)
+    path = report.finish(syncer_speed.run(ctx), tmp_path)
+
+    data = json.loads(path.read_text())
+    assert (data["benchmark"], data["mode"]) == ("syncer_speed", "tiny")
+    fig = data["figures"]
+    assert fig["model"]["preset"] == "tiny" and fig["model"]["fragments"] == 4
+    assert [f["fragment"] for f in fig["per_fragment"]] == [0, 1, 2, 3]
+    for f in fig["per_fragment"]:
+        for part in ("merge", "decode", "spool"):
+            timing = f[part]
+            assert timing["time_s"] > 0 and timing["reference_s"] > 0
+            assert timing["ratio_min"] <= timing["ratio"] <= timing["ratio_max"]
+    assert [r["learners"] for r in fig["by_learners"]] == [2, 4]
+    assert [r["preset"] for r in fig["by_size"]] == ["tiny"]
+    assert data["targets"] and all({"claim", "target", "measured", "met", "why"} <= set(t) for t in data["targets"])
+    assert data["table"]["rows"] and all(len(r) == len(data["table"]["columns"]) for r in data["table"]["rows"])
+    assert data["duration_s"] > 0 and len(data["env"]["loadavg_end"]) == 3
+    assert (tmp_path / "syncer_speed.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_only_selects_benchmarks_in_suite_order_and_names_an_unknown_one():
+    assert cli.selected("resilience, syncer-speed") == ["syncer_speed", "resilience"]
+    assert cli.selected("") == list(cli.BENCHMARKS)
+    with pytest.raises(ValueError, match="nope"):
+        cli.selected("quality,nope")
+
+
+def test_paired_timing_puts_the_slower_function_above_its_reference():
+    r = report.paired(lambda: time.sleep(0.02), lambda: time.sleep(0.004), repeats=3)
+    assert r["time_s"] >= 0.02 and r["reference_s"] >= 0.004
+    assert r["ratio"] > 1.5
+
+
+def test_time_to_target_interpolates_between_evaluations_and_is_none_when_never_reached():
+    curve = ([0.0, 10.0, 20.0], [0, 1, 2], [3.0, 2.0, 1.0])
+    assert heterogeneity.time_to(curve, 1.5) == pytest.approx(15.0)
+    assert heterogeneity.time_to(curve, 3.0) == 0.0
+    assert heterogeneity.time_to(curve, 0.5) is None
+
+
+def test_relative_loss_is_paired_by_seed():
+    per = {"ddp": [{"seed": 0, "val_loss": 2.0}, {"seed": 1, "val_loss": 4.0}],
+           "decoupled": [{"seed": 1, "val_loss": 4.4}, {"seed": 0, "val_loss": 2.0}]}
+    rel = quality.relative(per, "decoupled", "ddp")
+    assert sorted(rel["values"]) == pytest.approx([0.0, 0.1])
+    assert quality.relative(per, "decoupled", "sync-diloco") is None
+
+
+def test_run_spec_keys_differ_by_settings_but_not_by_label_and_overrides_reach_the_config():
+    a = runs.RunSpec("decoupled", 10, sets=("outer.merge=mean",), label="x")
+    assert a.key == runs.RunSpec("decoupled", 10, sets=("outer.merge=mean",), label="y").key
+    assert a.key != runs.RunSpec("decoupled", 10).key
+    assert a.config()["outer"]["merge"] == "mean" and runs.BENCH_CONFIG["outer"]["merge"] == "rda"
+    with pytest.raises(ValueError, match="method"):
+        runs.RunSpec("allreduce", 10)

@@ -146,3 +146,23 @@ def test_two_process_unit_all_reduces_inside_and_only_rank_0_talks_to_the_syncer
     assert meta[0]["versions"] == meta[1]["versions"] and meta[0]["step"] == meta[1]["step"] == "32"
     assert json.loads(meta[0]["versions"]) == final["versions"]
     assert json.loads((state / "position.json").read_text())["offset"] == 32 * 2 * 8, "one unit-wide position"
+
+
+def test_a_stopping_learner_waits_only_drain_s_for_an_unresponsive_syncer(tmp_path, syncer):
+    syncer.start()
+    state, log = tmp_path / "l0", tmp_path / "l0.log"
+    learner = start_learner(syncer.url, "l0", state, 1_000_000, "--drain-s", "2", log_path=log)
+    try:
+        wait_for(lambda: metrics(state) and metrics(state)[-1]["acked"] >= 2, 120, "the first acknowledgements")
+        syncer.send(signal.SIGSTOP)
+        time.sleep(1.0)  # fragments fall due; their submissions cannot be answered
+        stopped = time.monotonic()
+        learner.send_signal(signal.SIGTERM)
+        finish(learner, log, timeout=60)
+        assert time.monotonic() - stopped < 20, "the drain must be bounded by --drain-s"
+    finally:
+        if learner.poll() is None:
+            learner.kill()
+    final = metrics(state)[-1]
+    assert final["final"] and final["pending"] >= 1
+    assert "submission(s) unanswered after 2 s of drain" in log.read_text()

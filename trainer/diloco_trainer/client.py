@@ -197,7 +197,8 @@ class SyncerClient:
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(headers=self._headers,
-                                                  timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+                                                  timeout=aiohttp.ClientTimeout(total=None, connect=10.0,
+                                                                                sock_read=self.timeout_s))
         return self._session
 
     def _set_up(self, up: bool, error: str = "") -> None:
@@ -230,12 +231,13 @@ class SyncerClient:
         plan = [list(reg["plan"][str(p)]) for p in range(len(reg["plan"]))]
         with self._lock:
             self._have = dict(versions)
-        self._tasks = [asyncio.create_task(coro) for coro in (self._sender(), self._poller(), self._heartbeat())]
+        if not self._tasks:  # a second bootstrap (re-pull of Θ) must not start a second set of tasks
+            self._tasks = [asyncio.create_task(c) for c in (self._sender(), self._poller(), self._heartbeat())]
         return Bootstrap(reg["config"], plan, versions, self.heartbeat_s, theta)
 
     async def _register(self) -> dict:
         async with self._get_session().post(f"{self.url}/v1/register", json=self._register_body) as resp:
-            if resp.status in (401, 403) or 400 <= resp.status < 500:
+            if 400 <= resp.status < 500:  # a wrong token (401) or a refused id will not fix itself
                 raise SyncerRefused(f"syncer refused registration ({resp.status}): {await resp.text()}")
             if resp.status != 200:
                 raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
@@ -269,7 +271,9 @@ class SyncerClient:
                 continue
             try:
                 status, answer = await self._post_submission(sub)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - network errors (and any surprise) are retried, never fatal
+                if not isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError, OSError)):
+                    log.exception("unexpected error sending a submission; retrying")
                 # The body may or may not have reached the syncer: remember the first such attempt, so a
                 # later "duplicate" answer is accounted with the counters the syncer actually holds.
                 with self._lock:
@@ -345,7 +349,9 @@ class SyncerClient:
                 self._set_up(True)
                 attempt = 0
                 delay = self.poll_s
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, KeyError, ValueError) as exc:
+            except Exception as exc:  # noqa: BLE001 - the poller must outlive any one bad answer
+                if not isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError, OSError)):
+                    log.warning("looking for new versions failed: %r", exc)
                 self._set_up(False, str(exc) or type(exc).__name__)
                 delay = self._delay(attempt)
                 attempt += 1
@@ -387,5 +393,5 @@ class SyncerClient:
                 self._set_up(True)
                 if any(int(v) > self._have.get(int(p), -1) for p, v in versions.items()):
                     self._wake_poller.set()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, SyncerRefused) as exc:
+            except Exception as exc:  # noqa: BLE001 - a failed heartbeat only means "try again later"
                 self._set_up(False, str(exc) or type(exc).__name__)

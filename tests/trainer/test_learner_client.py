@@ -79,7 +79,8 @@ def test_an_acknowledged_submission_is_merged_and_the_new_version_comes_back(cli
     moved = [n for n in boot.plan[0] if not torch.equal(update.tensors[n], boot.theta[n])]
     assert moved, "the merged version must differ from the base"
     snap = client.snapshot()
-    assert (snap["sent"], snap["acked"], snap["acked_tokens"], snap["acked_steps"], snap["pending"]) == (1, 1, 2048, 4, 0)
+    counters = ("sent", "acked", "acked_tokens", "acked_steps", "pending")
+    assert tuple(snap[k] for k in counters) == (1, 1, 2048, 4, 0)
 
 
 def test_a_retried_id_is_counted_once(client, syncer):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from diloco_trainer.devices import UnitGroup
-from diloco_trainer.learner import inner_lr, serve_metrics, step_sleep, submission_id
-from diloco_trainer.learner_main import configure, options_from_args
+from diloco_trainer.learner import inner_lr, step_sleep, submission_id
+from diloco_trainer.learner_main import configure, options_from_args, serve_metrics
 from diloco_trainer.wire import SubmissionMeta
 
 

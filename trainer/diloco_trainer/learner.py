@@ -1,5 +1,5 @@
-"""One learner unit of Decoupled DiLoCo: inner AdamW on its own shard, outer gradients per due fragment sent in the
-background, newer global fragments adopted by overwrite at step boundaries. The compute loop never waits on the network."""
+"""One learner unit of Decoupled DiLoCo: inner AdamW on its own shard, outer gradients of due fragments sent in
+the background, newer global fragments adopted by overwrite at step boundaries. Compute never waits on the network."""
 
 from __future__ import annotations
 
@@ -237,8 +237,8 @@ class Learner:
             step_s = time.monotonic() - started
             self.step_time_ema = step_s if self.step == 1 else 0.9 * self.step_time_ema + 0.1 * step_s
             self.last_loss = loss
-            window.steps, window.loss, window.tokens = window.steps + 1, window.loss + loss, window.tokens + self.tokens_per_step
-            window.busy_s += step_s
+            window.steps, window.loss = window.steps + 1, window.loss + loss
+            window.tokens, window.busy_s = window.tokens + self.tokens_per_step, window.busy_s + step_s
             if self.client is not None:
                 self.client.report(self.step, self.step_time_ema, self.tokens)
             if self.step % POSITION_EVERY == 0:
@@ -255,7 +255,8 @@ class Learner:
         """One AdamW step on this rank's slice of the unit batch; gradients averaged across the unit."""
         x, y = self.sampler.next_batch()
         r = self.group.rank
-        x, y = x[r * self.batch:(r + 1) * self.batch].to(self.device), y[r * self.batch:(r + 1) * self.batch].to(self.device)
+        mine = slice(r * self.batch, (r + 1) * self.batch)
+        x, y = x[mine].to(self.device), y[mine].to(self.device)
         for group in self.opt.param_groups:
             group["lr"] = inner_lr(self.step + 1, self.cfg.inner.lr, self.cfg.inner.warmup_steps)
         _, loss = self.model(x, y)
@@ -415,46 +416,7 @@ class Learner:
     def _serve_metrics(self):
         if not self.opts.metrics_port or not self.group.is_main:
             return None
+        from .learner_main import serve_metrics
+
         return serve_metrics(self.opts.metrics_port, lambda: self.metrics_state or self._record(Window()))
 
-
-_GAUGES = {"step": "inner steps since (re)start", "loss": "training loss (mean over the last log window)",
-           "tokens_per_s": "tokens per second (last log window)", "step_time_s": "seconds per inner step",
-           "syncer_up": "1 if the last request to the syncer succeeded", "pending": "submissions awaiting an answer",
-           "epoch": "epoch of the data shard"}
-_COUNTERS = {"tokens": "tokens trained since (re)start", "queued": "outer gradients built and queued",
-             "sent": "outer gradients delivered (answered by the syncer)",
-             "acked": "outer gradients acknowledged", "acked_tokens": "tokens covered by acknowledged submissions",
-             "acked_steps": "steps covered by acknowledged submissions", "rejected": "submissions rejected (4xx)",
-             "adoptions": "fragment versions adopted", "bytes_up": "outer-gradient bytes sent",
-             "bytes_down": "fragment/state bytes received"}
-
-
-def serve_metrics(port: int, snapshot):
-    """Serve Prometheus /metrics on `port` (its own thread) from `snapshot()`, the latest metrics record."""
-    from prometheus_client import CollectorRegistry, start_http_server
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-    class Collector:
-        def collect(self):
-            rec = snapshot()
-            labels = [str(rec.get("learner_id", ""))]
-            for key, doc in _GAUGES.items():
-                g = GaugeMetricFamily(f"diloco_learner_{key}", doc, labels=["learner_id"])
-                g.add_metric(labels, float(rec.get(key) or 0))
-                yield g
-            for key, doc in _COUNTERS.items():
-                c = CounterMetricFamily(f"diloco_learner_{key}", doc, labels=["learner_id"])
-                c.add_metric(labels, float(rec.get(key) or 0))
-                yield c
-            v = GaugeMetricFamily("diloco_learner_fragment_version", "adopted version per fragment",
-                                  labels=["learner_id", "fragment"])
-            for p, version in (rec.get("versions") or {}).items():
-                v.add_metric(labels + [str(p)], float(version))
-            yield v
-
-    registry = CollectorRegistry()
-    registry.register(Collector())
-    server, _thread = start_http_server(port, registry=registry)
-    log.info("serving Prometheus metrics on :%d/metrics", server.server_port)
-    return server

@@ -1,4 +1,5 @@
-"""`diloco learner`: one learner unit (what the learner image runs); see docs/protocol.md for its contract."""
+"""`diloco learner`: one learner unit (what the learner image runs; contract in docs/protocol.md), and its
+Prometheus `/metrics` endpoint."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import logging
 import os
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +50,7 @@ def options_from_args(args: argparse.Namespace):
         raise ValueError(f"set the shared token in the environment variable {args.token_env}")
     units = args.units if args.units is not None else (1 if args.unit == 0 else None)
     if units is None:
-        raise ValueError(f"--unit {args.unit} needs --units (how many units share the corpus, so shards do not overlap)")
+        raise ValueError(f"--unit {args.unit} needs --units (how many units share the corpus, shards must not overlap)")
     if units < 1 or not 0 <= args.unit < units:
         raise ValueError(f"--unit must be in 0..UNITS-1, got --unit {args.unit} --units {units}")
     for flag, value, low in (("--slowdown", args.slowdown, 1.0), ("--jitter", args.jitter, 0.0),
@@ -98,3 +101,45 @@ def run(args: argparse.Namespace) -> int:
     except FloatingPointError as exc:  # diverged: exit non-zero so a supervisor restarts it from the syncer's Θ
         print(f"diloco learner: {exc}", flush=True)
         return 1
+
+
+_GAUGES = {"step": "inner steps since (re)start", "loss": "training loss (mean over the last log window)",
+           "tokens_per_s": "tokens per second (last log window)", "step_time_s": "seconds per inner step",
+           "syncer_up": "1 if the last request to the syncer succeeded", "pending": "submissions awaiting an answer",
+           "epoch": "epoch of the data shard"}
+_COUNTERS = {"tokens": "tokens trained since (re)start", "queued": "outer gradients built and queued",
+             "sent": "outer gradients delivered (answered by the syncer)",
+             "acked": "outer gradients acknowledged", "acked_tokens": "tokens covered by acknowledged submissions",
+             "acked_steps": "steps covered by acknowledged submissions", "rejected": "submissions rejected (4xx)",
+             "adoptions": "fragment versions adopted", "bytes_up": "outer-gradient bytes sent",
+             "bytes_down": "fragment/state bytes received"}
+
+
+def serve_metrics(port: int, snapshot):
+    """Serve Prometheus /metrics on `port` (its own thread) from `snapshot()`, the latest metrics record."""
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class Collector:
+        def collect(self):
+            rec = snapshot()
+            labels = [str(rec.get("learner_id", ""))]
+            for key, doc in _GAUGES.items():
+                g = GaugeMetricFamily(f"diloco_learner_{key}", doc, labels=["learner_id"])
+                g.add_metric(labels, float(rec.get(key) or 0))
+                yield g
+            for key, doc in _COUNTERS.items():
+                c = CounterMetricFamily(f"diloco_learner_{key}", doc, labels=["learner_id"])
+                c.add_metric(labels, float(rec.get(key) or 0))
+                yield c
+            v = GaugeMetricFamily("diloco_learner_fragment_version", "adopted version per fragment",
+                                  labels=["learner_id", "fragment"])
+            for p, version in (rec.get("versions") or {}).items():
+                v.add_metric(labels + [str(p)], float(version))
+            yield v
+
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    server, _thread = start_http_server(port, registry=registry)
+    log.info("serving Prometheus metrics on :%d/metrics", server.server_port)
+    return server

@@ -38,9 +38,10 @@ def test_an_incarnation_killed_before_its_first_log_line_counts_nothing():
 
 def test_learner_curve_accumulates_tokens_across_restarts_and_marks_them():
     records = [_rec(10, 5, 500, 0), _rec(21, 5, 500, 0)]
-    curve = learner_curve("learner-0", records, [9.0, 20.0], t0=9.0)
+    curve = learner_curve("learner-0", records, [9.0, 20.0], t0=9.0, deaths=[15.0])
     assert curve.tokens == [500.0, 1000.0]
-    assert curve.restarts_s == [11.0]
+    assert curve.restarts_s == [12.0] and curve.deaths_s == [6.0]
+    assert [(s.start, s.stop) for s in curve.segments()] == [(0, 1), (1, 2)]  # no line across the outage
 
 
 def test_a_torn_last_line_from_a_killed_writer_is_skipped(tmp_path):

@@ -16,7 +16,14 @@ class Curve:
     time_s: list[float] = field(default_factory=list)  # seconds since the run started
     tokens: list[float] = field(default_factory=list)  # this learner's cumulative tokens
     loss: list[float] = field(default_factory=list)
-    restarts_s: list[float] = field(default_factory=list)
+    restarts_s: list[float] = field(default_factory=list)  # when a restarted incarnation logged its first line
+    deaths_s: list[float] = field(default_factory=list)  # when an incarnation died (non-zero exit)
+    breaks: list[int] = field(default_factory=list)  # indices where a new incarnation's points begin
+
+    def segments(self) -> list[slice]:
+        """One slice of the points per incarnation (lines are not drawn across an outage)."""
+        edges = [0, *[b for b in self.breaks if 0 < b < len(self.time_s)], len(self.time_s)]
+        return [slice(a, b) for a, b in zip(edges, edges[1:]) if b > a]
 
 
 def smooth(values: list[float]) -> np.ndarray:
@@ -60,13 +67,20 @@ def plot_run(path: Path, curves: list[Curve], evals: list[tuple[float, float, fl
         color = colors[i % len(colors)]
         t = np.array(c.time_s) / 60
         run_tokens = total_tokens_at(curves, np.array(c.time_s))
-        smoothed = smooth(c.loss)
-        for ax, x in ((ax_t, t), (ax_n, run_tokens)):
-            ax.plot(x, c.loss, color=color, alpha=0.18, linewidth=0.8)
-            ax.plot(x, smoothed, color=color, linewidth=1.6, label=f"{c.name} (train)")
-        for r in c.restarts_s:  # where the learner came back after dying
-            y = float(np.interp(r, c.time_s, smoothed))
-            ax_t.plot([r / 60], [y], marker="v", color=color, markersize=8, markeredgecolor="black")
+        loss = np.array(c.loss)
+        for k, seg in enumerate(c.segments()):
+            smoothed = smooth(c.loss[seg])
+            for ax, x in ((ax_t, t), (ax_n, run_tokens)):
+                ax.plot(x[seg], loss[seg], color=color, alpha=0.18, linewidth=0.8)
+                ax.plot(x[seg], smoothed, color=color, linewidth=1.6, label=f"{c.name} (train)" if k == 0 else None)
+            if k > 0:  # the learner came back: its first point after the outage
+                ax_t.plot([t[seg][0]], [smoothed[0]], marker="^", color=color, markersize=9, markeredgecolor="black",
+                          zorder=6)
+        for d in c.deaths_s:  # where the learner died: at its last logged loss before that moment
+            before = [j for j, x in enumerate(c.time_s) if x <= d]
+            if before:
+                ax_t.plot([d / 60], [c.loss[before[-1]]], marker="X", color=color, markersize=10,
+                          markeredgecolor="black", zorder=6)
     if evals:
         et, en, ev = (np.array(v) for v in zip(*sorted(evals)))
         for ax, x in ((ax_t, et / 60), (ax_n, en)):
@@ -86,9 +100,14 @@ def plot_run(path: Path, curves: list[Curve], evals: list[tuple[float, float, fl
         top = max(unigram or 0, np.percentile(all_loss, 98)) * 1.05
         ax_t.set_ylim(min(all_loss) * 0.95, top)
     ax_n.legend(loc="upper right", fontsize=8, framealpha=0.9)
-    if any(c.restarts_s for c in curves):
-        ax_t.plot([], [], "v", color="grey", markeredgecolor="black", label="learner restarted")
-        ax_t.legend(loc="upper right", fontsize=8, handles=ax_t.get_legend_handles_labels()[0][-1:])
+    if any(c.deaths_s or c.breaks for c in curves):
+        handles = [plt.Line2D([], [], marker="X", color="grey", markeredgecolor="black", linestyle="", markersize=9,
+                              label="learner died"),
+                   plt.Line2D([], [], marker="^", color="grey", markeredgecolor="black", linestyle="", markersize=9,
+                              label="restarted learner trains again")]
+        ax_t.legend(handles=handles, loc="upper right", fontsize=8, framealpha=0.9)
+    ax_t.set_xlim(left=0)
+    ax_n.set_xlim(left=0)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

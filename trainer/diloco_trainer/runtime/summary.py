@@ -20,16 +20,17 @@ def learner_starts(events: list[dict]) -> dict[str, list[float]]:
     return starts
 
 
-def learner_curve(name: str, records: list[dict], starts: list[float], t0: float) -> Curve:
-    """Training loss over the run with tokens accumulated across incarnations."""
-    curve = Curve(name)
+def learner_curve(name: str, records: list[dict], starts: list[float], t0: float,
+                  deaths: list[float] = ()) -> Curve:
+    """Training loss over the run with tokens accumulated across incarnations, outages marked."""
+    curve = Curve(name, deaths_s=[d - t0 for d in deaths])
     carried = 0.0
     for i, group in enumerate(split_incarnations(records, starts)):
-        if i > 0:
-            curve.restarts_s.append(starts[i] - t0)
-        for rec in group:
-            if rec.get("loss") is None:
-                continue
+        points = [rec for rec in group if rec.get("loss") is not None]
+        if i > 0 and points:
+            curve.breaks.append(len(curve.time_s))
+            curve.restarts_s.append(float(points[0]["time"]) - t0)
+        for rec in points:
             curve.time_s.append(float(rec["time"]) - t0)
             curve.tokens.append(carried + float(rec.get("tokens", 0)))
             curve.loss.append(float(rec["loss"]))
@@ -70,7 +71,8 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
         per_learner[d.name]["final_loss"] = records[-1].get("loss") if records else None
         if records and records[-1].get("param_sha256"):
             per_learner[d.name]["param_sha256"] = records[-1]["param_sha256"]
-        curves.append(learner_curve(d.name, records, starts.get(d.name, []), t0))
+        deaths = [float(e["time"]) for e in events if e["name"] == d.name and e["event"] == "exit" and e["code"] != 0]
+        curves.append(learner_curve(d.name, records, starts.get(d.name, []), t0, deaths))
     steps = sum(v["step"] for v in per_learner.values())
     tokens = sum(v["tokens"] for v in per_learner.values())
 

@@ -1,0 +1,131 @@
+"""`diloco local`: a syncer and N learner processes on this machine, live progress, a run directory and a report.
+
+The learners and the syncer are the same programs the container images run (`diloco learner`,
+`diloco syncer`), started as real processes on loopback; this module only supervises and reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from .runtime import procs
+from .runtime.procs import Child, StopFlag, Supervisor
+from .runtime.rundir import make_run_dir, write_config
+from .runtime.session import DEFAULT_CONFIG, RunSession, load_config, parse_slowdown
+
+# Sized with configs/local.yaml so the default run (4 learners, 2 cores) ends well within 5 minutes.
+DEFAULT_STEPS = 300
+DEFAULT_MINUTES = 4.0
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG),
+                        help="run config YAML (default: configs/local.yaml, sized to finish in < 5 min on 2 cores)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. --set outer.compression=int8 (repeatable)")
+    parser.add_argument("--learners", type=int, default=4, help="learner processes (default 4)")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                        help=f"inner steps per learner (default {DEFAULT_STEPS})")
+    parser.add_argument("--minutes", type=float, default=DEFAULT_MINUTES,
+                        help="wall-clock budget for training; learners are stopped when it runs out "
+                             f"(default {DEFAULT_MINUTES:g})")
+    parser.add_argument("--slowdown", default="1",
+                        help="per-learner slowdown factors, e.g. 1,1,1,2 (one value applies to all)")
+    parser.add_argument("--jitter", type=float, default=0.0,
+                        help="random extra step time, as a fraction of the step time (imitates noisy hardware)")
+    parser.add_argument("--restart-delay", type=float, default=2.0,
+                        help="seconds before a learner (or the syncer) that died is started again")
+    parser.add_argument("--no-restart", action="store_true", help="do not restart processes that die")
+    parser.add_argument("--checkpoint-every-s", type=float, default=5.0,
+                        help="the syncer checkpoints at most this often (what a syncer crash can cost)")
+    parser.add_argument("--run-dir", default=None, help="where to write the run (default runs/<timestamp>/)")
+    parser.add_argument("--log-every", type=int, default=5, help="learner metrics line every N steps")
+    parser.add_argument("--snapshots", type=int, default=3,
+                        help="global-model snapshots taken during the run and evaluated at the end")
+    parser.add_argument("--eval-batches", type=int, default=16, help="validation batches for the final eval")
+    parser.add_argument("--plain", action="store_true", help="plain progress lines instead of the live table")
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()  # --minutes counts from here: start-up is part of the budget
+    cfg = load_config(args.config, args.set)
+    if args.learners < 1:
+        raise SystemExit("diloco local: --learners must be >= 1")
+    slowdown = parse_slowdown(args.slowdown, args.learners)
+    steps, minutes = args.steps, args.minutes
+    if steps < 1 or minutes <= 0:
+        raise SystemExit("diloco local: --steps must be >= 1 and --minutes > 0")
+    if not 0 <= args.jitter < 1 or args.restart_delay < 0 or not args.checkpoint_every_s > 0:
+        raise SystemExit("diloco local: --jitter must be in [0, 1), --restart-delay >= 0, --checkpoint-every-s > 0")
+
+    run_dir = make_run_dir(args.run_dir)
+    config_path = write_config(run_dir, cfg)
+    token = secrets.token_urlsafe(24)
+    env = procs.child_env({"DILOCO_TOKEN": token})
+    session = RunSession(run_dir, cfg, mode="decoupled", learners=args.learners, plain=args.plain,
+                         eval_batches=args.eval_batches, snapshots=args.snapshots)
+
+    stop = StopFlag()
+    with Supervisor(run_dir / "processes.json", run_dir / "events.jsonl") as sup, stop.installed():
+        syncer_dir = run_dir / "syncer"
+        sup.add(Child("syncer", "syncer", procs.diloco_argv(
+            "syncer", "--config", str(config_path), "--host", "127.0.0.1", "--port", "0",
+            "--state-dir", str(syncer_dir), "--token-env", "DILOCO_TOKEN",
+            "--checkpoint-every-s", f"{args.checkpoint_every_s:g}"),
+            env, run_dir / "logs" / "syncer.log", restart=not args.no_restart,
+            restart_delay=args.restart_delay, meta={"state_dir": str(syncer_dir)}))
+        sup.start("syncer")
+        # While the syncer starts: cache the corpus once (learners then load it fast), check the shards, and
+        # compute the unigram baseline.
+        session.prepare_data()
+        endpoint = session.wait_for_syncer(sup, syncer_dir / "endpoint.json", token)
+        # A restarted syncer must come back on the same port: the learners know only this URL.
+        argv = sup.children["syncer"].argv
+        argv[argv.index("--port") + 1] = str(endpoint["port"])
+        sup.children["syncer"].meta["url"] = endpoint["url"]
+
+        for i in range(args.learners):
+            name = f"learner-{i}"
+            state_dir = run_dir / "learners" / name
+            learner_argv = procs.diloco_argv(
+                "learner", "--syncer", endpoint["url"], "--learner-id", name,
+                "--unit", str(i), "--units", str(args.learners), "--state-dir", str(state_dir), "--steps", str(steps), "--slowdown", f"{slowdown[i]:g}",
+                "--log-every", str(args.log_every), "--device", "cpu")
+            if args.jitter:
+                learner_argv += ["--jitter", f"{args.jitter:g}"]
+            sup.add(Child(name, "learner", learner_argv, env, run_dir / "logs" / f"{name}.log",
+                          restart=not args.no_restart, restart_delay=args.restart_delay,
+                          meta={"state_dir": str(state_dir), "slowdown": slowdown[i]}))
+            session.add_learner(name, state_dir, steps, slowdown[i])
+            sup.start(name)
+        sup.write_processes_json()
+
+        reason = session.supervise(sup, stop, started, budget_s=minutes * 60, steps=steps)
+        session.message(f"stopping: {reason}")
+        train_end = time.monotonic()
+        sup.stop([c.name for c in sup.children.values() if c.role == "learner"], timeout=30.0)
+        session.drain_syncer(sup, timeout=20.0)
+        sup.stop(["syncer"], timeout=60.0)  # SIGTERM: the syncer writes its final checkpoint
+        sup.poll()
+        session.close_display()
+        for event in sup.events:
+            if event["event"] == "kill":
+                print(f"warning: {event['name']} had to be killed: {event.get('reason')}", file=sys.stderr)
+
+    _copy_final_checkpoint(syncer_dir, run_dir / "final")
+    summary = session.finish(sup, train_end - started, stop_reason=reason)
+    return 0 if summary.get("val_loss") is not None else 1
+
+
+def _copy_final_checkpoint(syncer_dir: Path, final: Path) -> None:
+    src = syncer_dir / "checkpoint"
+    if not (src / "theta.safetensors").exists():
+        src = syncer_dir / "checkpoint.old"
+    for name in ("theta.safetensors", "state.json"):
+        if (src / name).exists():
+            shutil.copy2(src / name, final / name)

@@ -210,11 +210,38 @@ class Experiment(_Spec):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Experiment":
-        if self.target.kind == "syncer" and self.schedule.kind == "mtbf":
-            raise ValueError("schedule.mtbf is per learner unit; use every or cron for a syncer target")
-        if self.action.type == "pause" and self.schedule.downtime_s:
-            raise ValueError("schedule.downtime applies to kill and fail; a pause already has action.duration")
+        _check_consistent(self)
         return self
+
+
+def _check_consistent(exp: "Experiment | JobChaos") -> None:
+    if exp.target.kind == "syncer" and exp.schedule.kind == "mtbf":
+        raise ValueError("schedule.mtbf is per learner unit; use every or cron for a syncer target")
+    if exp.action.type == "pause" and exp.schedule.downtime_s:
+        raise ValueError("schedule.downtime applies to kill and fail; a pause already has action.duration")
+
+
+class JobChaos(_Spec):
+    """A DilocoJob's `spec.chaos`: an experiment on that job's own units (name and namespace come from the job)."""
+
+    description: str = ""
+    schedule: ScheduleSpec
+    target: TargetSpec = Field(default_factory=TargetSpec)
+    action: ActionSpec = Field(default_factory=ActionSpec)
+    safety: SafetySpec = Field(default_factory=SafetySpec)
+    dry_run: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "JobChaos":
+        _check_consistent(self)
+        return self
+
+    def to_experiment(self, job: str, namespace: str) -> Experiment:
+        """The experiment the operator runs for job `namespace/job` (its own namespace, whatever safety says)."""
+        safety = self.safety.model_copy(update={"namespace": namespace})
+        return Experiment(name=f"{job}-chaos"[:63].rstrip("-"), description=self.description,
+                          schedule=self.schedule, target=self.target, action=self.action, safety=safety,
+                          dry_run=self.dry_run)
 
 
 def _field_path(loc: tuple) -> str:

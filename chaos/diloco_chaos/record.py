@@ -18,14 +18,15 @@ class UnitObservation:
 
     `lines` are training reports (time, step) of any incarnation, or None when the target has no step reports
     (kwok pods run nothing): then `running_since` (when every member became Running) stands for training.
-    `merged` are samples (time, contributions of this unit merged so far) from the syncer, if reachable.
+    `merged` are samples (time, contributions of this unit merged so far) from the syncer; None when the target
+    cannot see the syncer (then a recovery is complete once the unit trains again).
     """
 
     started: float | None = None  # unix start of the current incarnation
     running: bool = False
     lines: list[tuple[float, int]] | None = None
     running_since: float | None = None
-    merged: list[tuple[float, int]] = field(default_factory=list)
+    merged: list[tuple[float, int]] | None = field(default_factory=list)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class _Fault:
     trained_at: float | None = None
     merged_at: float | None = None
     baseline: int | None = None
+    merges_seen: bool = True  # False: the target cannot observe merges
 
 
 class RecoveryTracker:
@@ -67,7 +69,7 @@ class RecoveryTracker:
         """Take one observation; returns the recovery records completed by it."""
         for unit, obs in units.items():
             history = self.merged.setdefault(unit, [])
-            history.extend(obs.merged)
+            history.extend(obs.merged or [])
             del history[:-HISTORY]
             if obs.started is not None:
                 self.started[unit] = obs.started
@@ -75,8 +77,9 @@ class RecoveryTracker:
         for f in list(self.faults.values()):
             obs = units.get(f.unit)
             if obs is not None:
+                f.merges_seen = obs.merged is not None
                 self._advance(f, obs)
-            if f.trained_at is not None and f.merged_at is not None:
+            if f.trained_at is not None and (f.merged_at is not None or not f.merges_seen):
                 done.append(self._finish(f, recovered=True))
         return done
 
@@ -118,6 +121,8 @@ class RecoveryTracker:
         if not recovered:
             rec["note"] = ("never trained again" if f.trained_at is None
                            else "trained again, but no contribution merged again")
+        elif not f.merges_seen:
+            rec["note"] = "merges not observable from this target (no syncer status)"
         return rec
 
 

@@ -38,20 +38,26 @@ class Progress:
 async def run_experiment(exp: Experiment, target: Target, record: Record, *, dry_run: bool = False,
                          stop: asyncio.Event | None = None, on_progress: Callable[[Progress], None] | None = None,
                          on_fault: Callable[[Fault, dict], object] | None = None, poll_s: float = 0.5,
-                         clock: Callable[[], float] = time.time) -> dict:
+                         clock: Callable[[], float] = time.time, started_at: float | None = None) -> dict:
     """Run `exp` against `target` until its time or fault budget is used, `stop` is set, or the run under test
     ends; then wait (bounded by safety.recoveryTimeout) for open recoveries. Returns the record's summary.
 
     Dry run (`dry_run` or `exp.dry_run`): every decision is made and recorded, nothing is touched.
-    `on_fault(fault, details)` is awaited after each injection (the operator posts Events from it).
+    `on_fault(fault, details)` is awaited after each injection (the operator updates its status from it).
+    `started_at`: when the experiment first started (an operator that restarted resumes its schedule and
+    maxDuration from there; ticks missed while it was away are not fired).
     """
     dry_run = dry_run or exp.dry_run
     await target.preflight(exp)
-    start = clock()
+    start = started_at if started_at is not None else clock()
     record.write("experiment", name=exp.name, description=exp.description, dry_run=dry_run,
                  target=target.describe(), spec=exp.model_dump(mode="json", by_alias=True))
     cands = await target.candidates()
-    sched = Schedule(exp.schedule, start, [c.unit for c in cands if in_scope(c, exp.target, exp.safety)])
+    scoped = [c.unit for c in cands if in_scope(c, exp.target, exp.safety)]
+    sched = Schedule(exp.schedule, start, scoped)
+    missed = sched.due(clock(), scoped)  # only when resuming: those moments have passed
+    if missed:
+        record.write("resumed", missed_ticks=len(missed), started_at=start)
     rng = random.Random(exp.schedule.seed)
     tracker = RecoveryTracker()
     active: dict[int, Fault] = {}  # faults with a pause or downtime still running

@@ -105,3 +105,16 @@ def test_a_mtbf_schedule_cannot_target_the_syncer_and_a_pause_takes_no_downtime(
     with pytest.raises(ValueError, match="downtime applies to kill and fail"):
         parse_experiment({"name": "x", "schedule": {"every": "1m", "downtime": "10s"},
                           "action": {"type": "pause", "duration": "5s"}})
+
+
+def test_a_jobs_spec_chaos_becomes_an_experiment_scoped_to_that_job():
+    from diloco_chaos.experiment import JobChaos
+
+    chaos = JobChaos.model_validate({"schedule": {"every": "2m"}, "safety": {"minAliveUnits": 2}})
+    exp = chaos.to_experiment("llm-7b", "team-a")
+    assert exp.name == "llm-7b-chaos" and exp.safety.namespace == "team-a" and exp.safety.min_alive_units == 2
+    assert exp.schedule.every_s == 120
+    with pytest.raises(ValueError, match="mtbf is per learner unit"):
+        JobChaos.model_validate({"schedule": {"mtbf": "5m"}, "target": {"kind": "syncer"}})
+    with pytest.raises(ValueError, match="name"):
+        JobChaos.model_validate({"name": "x", "schedule": {"every": "2m"}})  # the job names it

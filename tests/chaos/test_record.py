@@ -7,7 +7,7 @@ from diloco_chaos.record import Record, RecoveryTracker, UnitObservation, read_r
 
 def obs(started=None, lines=(), merged=(), running=True, running_since=None, no_lines=False):
     return UnitObservation(started=started, running=running, lines=None if no_lines else list(lines),
-                           running_since=running_since, merged=list(merged))
+                           running_since=running_since, merged=None if merged is None else list(merged))
 
 
 def test_a_killed_learner_recovers_when_its_replacement_trains_and_gets_merged():
@@ -49,8 +49,16 @@ def test_without_step_reports_a_running_replacement_counts_as_training():
     tr.add(1, "pod-unit", "kill", at=10.0)
     tr.feed(12.0, {"pod-unit": obs(started=11.0, no_lines=True, running_since=None, running=False)})
     assert tr.down() == {"pod-unit"}
-    tr.feed(15.0, {"pod-unit": obs(started=11.0, no_lines=True, running_since=14.0)})
-    assert tr.down() == set()
+    assert tr.feed(15.0, {"pod-unit": obs(started=11.0, no_lines=True, running_since=14.0)}) == []
+    assert tr.down() == set()  # running again; its recovery waits for a merge
+
+
+def test_a_target_blind_to_merges_completes_a_recovery_when_the_unit_trains_again():
+    tr = RecoveryTracker()
+    tr.add(1, "pod-unit", "kill", at=10.0)
+    (rec,) = tr.feed(15.0, {"pod-unit": obs(started=11.0, no_lines=True, running_since=14.0, merged=None)})
+    assert rec["recovered"] and rec["trained_again_s"] == 4.0 and rec["merged_again_s"] is None
+    assert "not observable" in rec["note"]
 
 
 def test_unrecovered_faults_expire_and_are_recorded_as_such():

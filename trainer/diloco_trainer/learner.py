@@ -316,7 +316,12 @@ class Learner:
 
     def _adopt_updates(self) -> bool:
         """Overwrite fragments with newer global versions (rank 0 fetched them; every rank applies them at this
-        same step). Returns True when any rank of the unit was asked to stop."""
+        same step). Returns True when any rank of the unit was asked to stop.
+
+        Decision, measured: every newer version is adopted at the next step boundary, even though it erases this
+        learner's unsent progress on that fragment. Holding versions until the learner had sent its own Δ wasted
+        no work but diverged (configs/tiny.yaml, 3 learners, 200 steps: validation loss 3414 vs 2.72 eager): a Δ
+        from a stale base is re-anchored as Θ_current − θ_m, which drags Θ back toward the stale θ_m."""
         updates: list[FragmentUpdate] = self.client.take_updates() if self.client is not None else []
         updates = [u for u in updates if u.version > self.frags[u.fragment].version]
         stop, adopted = self.group.step_header(self.stop_flag.is_set(), [(u.fragment, u.version) for u in updates],

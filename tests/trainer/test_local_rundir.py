@@ -128,3 +128,24 @@ def test_prometheus_sum_reads_a_labelled_counter():
     assert report.prometheus_sum(text, "diloco_syncer_bytes_received", endpoint="outer-gradient") == 1234.0
     assert report.prometheus_sum(text, "diloco_syncer_bytes_received") == 1244.0
     assert report.prometheus_sum(text, "nope") is None
+
+
+def test_quick_error_exits_count_as_a_crash_loop_but_chaos_kills_do_not():
+    from diloco_trainer.runtime.procs import Supervisor
+    from diloco_trainer.runtime.session import RunSession
+
+    def events(codes):
+        out, t = [], 0.0
+        for code in codes:
+            out += [{"name": "learner-0", "event": "start", "time": t},
+                    {"name": "learner-0", "event": "exit", "code": code, "time": t + 2.0}]
+            t += 5.0
+        return out
+
+    sup = Supervisor()
+    sup.events = events([1, 1, 1])
+    assert RunSession._crash_looping(sup, "learner-0")
+    sup.events = events([-9, -9, -9])  # SIGKILLed three times by a chaos tool: keep going
+    assert not RunSession._crash_looping(sup, "learner-0")
+    sup.events = events([1, -9, 1])
+    assert not RunSession._crash_looping(sup, "learner-0")

@@ -142,7 +142,7 @@ def _worker(args: argparse.Namespace) -> int:
     t0 = time.time()
     syncs = bytes_up = 0
     synced_tokens = synced_steps = 0
-    snap_every = max(1, args.steps // (args.snapshots + 1))
+    snaps = 1  # next snapshot index; 0 is Θ₀
     if rank == 0:
         _save_snapshot(run_dir, 0, model, 0)
     metrics = open(state_dir / "metrics.jsonl", "a")
@@ -210,9 +210,10 @@ def _worker(args: argparse.Namespace) -> int:
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
             win_loss, win_steps, win_busy, win_start = 0.0, 0, 0.0, now
-        if rank == 0 and step % snap_every == 0 and step // snap_every <= args.snapshots and not done:
-            _save_snapshot(run_dir, step // snap_every, model if outer is None else theta,
-                           step * tokens_per_step * world)
+        progress = max(step / args.steps, (time.time() - t0) / max(1e-9, deadline - t0))
+        if rank == 0 and not done and snaps <= args.snapshots and progress >= snaps / (args.snapshots + 1):
+            _save_snapshot(run_dir, snaps, model if outer is None else theta, step * tokens_per_step * world)
+            snaps += 1
         if done:
             break
     if rank == 0:

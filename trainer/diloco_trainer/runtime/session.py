@@ -82,6 +82,7 @@ class RunSession:
         self.started = time.monotonic()
         self.started_wall = time.time()
         self.budget_s: float | None = None
+        self.train_started: float | None = None  # when the first learner logged a step
         self.corpus = None
         self.unigram: float | None = None
         self._live = None
@@ -153,15 +154,25 @@ class RunSession:
             if now - started >= budget_s:
                 return f"time budget of {budget_s / 60:.1f} min used"
             for c in sup.children.values():
-                lives = [e - s for s, e in zip(c.starts, self._exit_times(sup, c.name))]
-                if len(lives) >= CRASH_LOOP and all(x < CRASH_LOOP_S for x in lives[-CRASH_LOOP:]):
-                    raise SystemExit(f"{c.name} crashed {CRASH_LOOP} times in a row within {CRASH_LOOP_S:.0f}s "
+                if self._crash_looping(sup, c.name):
+                    raise SystemExit(f"{c.name} failed {CRASH_LOOP} times in a row within {CRASH_LOOP_S:.0f}s "
                                      f"of starting; see {c.log_path}")
             time.sleep(0.25)
 
     @staticmethod
-    def _exit_times(sup: Supervisor, name: str) -> list[float]:
-        return [e["time"] for e in sup.events if e["name"] == name and e["event"] == "exit" and e["code"] != 0]
+    def _crash_looping(sup: Supervisor, name: str) -> bool:
+        """The last CRASH_LOOP lives each ended in an error exit soon after starting (a bug, not chaos:
+        a process killed by a signal, as chaos tools do, never counts)."""
+        lives, start = [], None
+        for e in sup.events:
+            if e["name"] != name:
+                continue
+            if e["event"] == "start":
+                start = e["time"]
+            elif e["event"] == "exit" and start is not None:
+                lives.append((e["code"], e["time"] - start))
+        last = lives[-CRASH_LOOP:]
+        return len(last) == CRASH_LOOP and all(code > 0 and life < CRASH_LOOP_S for code, life in last)
 
     def _on_event(self, sup: Supervisor, event: dict, steps: int) -> None:
         name, kind = event["name"], event["event"]
@@ -199,9 +210,19 @@ class RunSession:
             self.bytes_up[len(sup.children["syncer"].starts)] = value
 
     def _progress_fraction(self) -> float:
-        elapsed = (time.monotonic() - self.started) / self.budget_s if self.budget_s else 0.0
+        """How far training is: by steps, or by the part of the time budget left once training began
+        (start-up can take a while on a busy machine; snapshots of an untouched Θ₀ would be wasted)."""
         done = [self._total_steps(n) / info["steps"] for n, info in self.learners.items()]
-        return max(elapsed, sum(done) / len(done) if done else 0.0)
+        by_steps = sum(done) / len(done) if done else 0.0
+        if self.train_started is None:
+            if not any(info["last"] for info in self.learners.values()):
+                return by_steps
+            self.train_started = time.monotonic()
+        by_time = 0.0
+        if self.budget_s:
+            left = self.budget_s - (self.train_started - self.started)
+            by_time = (time.monotonic() - self.train_started) / left if left > 0 else 1.0
+        return max(by_time, by_steps)
 
     def _snapshot(self, force: bool = False) -> None:
         """Save Θ at k/(S+1) of the run (evaluated after training, when the CPU is free)."""

@@ -21,7 +21,7 @@ from learner_kit import (
     write_config,
 )
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 @pytest.fixture

@@ -149,3 +149,25 @@ def test_quick_error_exits_count_as_a_crash_loop_but_chaos_kills_do_not():
     assert not RunSession._crash_looping(sup, "learner-0")
     sup.events = events([1, -9, 1])
     assert not RunSession._crash_looping(sup, "learner-0")
+
+
+def test_progress_table_shows_each_learner_and_the_syncer():
+    from rich.console import Console
+
+    from diloco_trainer.runtime import progress
+
+    running = {"loss": 2.91, "versions": {"0": 13, "1": 15}, "sent": 38, "acked": 37, "bytes_up": 683920,
+               "bytes_down": 1204000, "syncer_up": False}
+    view = progress.View("diloco decoupled", 83.0, 240.0, [
+        progress.LearnerView("learner-0", "running", 0, running, 120, 300, 1.0, 5120.0),
+        progress.LearnerView("learner-3", "restarting", 1, None, 80, 300, 2.0, None)],
+        syncer={"outer_steps": 80, "merges": 80, "tokens_merged": 113152, "fragments": 4,
+                "learners": {"learner-0": {"live": True}}, "pending": {"0": 1}, "grace_s": 0.2},
+        goodput=0.46, tokens_trained=61440, messages=["learner-3 exited with code -9"])
+    console = Console(width=120, record=True)
+    console.print(progress.render(view))
+    text = console.export_text()
+    assert "120/300" in text and "v13..15" in text and "37" in text and "684k/1.20M" in text and "away" in text
+    assert "learner-3 ×2" in text and "restarting ↻1" in text
+    assert "outer steps 80" in text and "goodput 46.0%" in text and "exited with code -9" in text
+    assert "syncer away" in progress.plain_line(progress.View("x", 1.0, None, []))

@@ -21,6 +21,7 @@ class LearnerView:
     total_steps: int = 0  # over all incarnations
     target_steps: int | None = None
     slowdown: float = 1.0
+    rate: float | None = None  # tokens/s of the last non-empty log window
 
 
 @dataclass
@@ -37,13 +38,16 @@ class View:
 
 
 def human(n: float | int | None, unit: str = "") -> str:
-    """1234567 -> '1.23M' (SI prefixes), None -> '-'."""
+    """1234567 -> '1.23M', 683920 -> '684k' (three significant digits, SI prefixes), None -> '-'."""
     if n is None:
         return "-"
     n = float(n)
     for prefix in ("", "k", "M", "G", "T"):
-        if abs(n) < 1000 or prefix == "T":
-            return f"{n:.0f}{prefix}{unit}" if prefix == "" else f"{n:.2f}{prefix}{unit}"
+        if abs(n) < 999.5 or prefix == "T":
+            if prefix == "":
+                return f"{n:.0f}{unit}"
+            digits = 2 if abs(n) < 10 else 1 if abs(n) < 100 else 0
+            return f"{n:.{digits}f}{prefix}{unit}"
         n /= 1000
     raise AssertionError("unreachable")
 
@@ -67,9 +71,9 @@ def render(view: View) -> Group:
     header = Text.assemble((view.title, "bold"), f"   elapsed {view.elapsed_s / 60:.1f} min{budget}")
     table = Table(expand=False, pad_edge=False, box=None, header_style="bold")
     for col, justify in [("learner", "left"), ("state", "left"), ("step", "right"), ("loss", "right"),
-                         ("tok/s", "right"), ("versions", "left"), ("adopted", "right"),
-                         ("sent/acked", "right"), ("up/down", "right"), ("syncer", "left")]:
-        table.add_column(col, justify=justify)
+                         ("tok/s", "right"), ("versions", "left"), ("sent/ack", "right"),
+                         ("bytes up/down", "right"), ("syncer", "left")]:
+        table.add_column(col, justify=justify, no_wrap=True)
     for lv in view.learners:
         m = lv.last or {}
         target = f"/{lv.target_steps}" if lv.target_steps else ""
@@ -81,12 +85,11 @@ def render(view: View) -> Group:
             Text(lv.status + restarts, style=_status_style(lv.status)),
             f"{lv.total_steps}{target}",
             f"{m['loss']:.3f}" if m.get("loss") is not None else "-",
-            human(m.get("tokens_per_s")),
+            human(lv.rate),
             versions_text(m.get("versions")),
-            str(m.get("adoptions", "-")),
             f"{m.get('sent', '-')}/{m.get('acked', '-')}",
-            f"{human(up, 'B')}/{human(down, 'B')}" if up is not None else "-",
-            Text("up", style="green") if m.get("syncer_up", True) else Text("away", style="yellow"),
+            f"{human(up)}/{human(down)}" if up is not None else "-",
+            "-" if not m else Text("up", style="green") if m.get("syncer_up") else Text("away", style="yellow"),
         )
     return Group(header, table, syncer_text(view), *[Text(msg, style="dim") for msg in view.messages[-4:]])
 
@@ -100,9 +103,9 @@ def syncer_text(view: View) -> Text:
     live = sum(1 for ls in (s.get("learners") or {}).values() if ls.get("live"))
     pending = sum(int(v) for v in (s.get("pending") or {}).values())
     return Text(
-        f"syncer: outer steps {s.get('outer_steps', 0)}, merges {s.get('merges', 0)}, "
-        f"tokens merged {human(s.get('tokens_merged'))} of {human(view.tokens_trained)} trained, "
-        f"goodput {goodput}, live learners {live}, pending {pending}, "
+        f"syncer: outer steps {s.get('outer_steps', 0)}, merges {s.get('merges', 0)}, goodput {goodput} "
+        f"(tokens merged {human(s.get('tokens_merged'))} over {s.get('fragments', '?')} fragments, "
+        f"trained {human(view.tokens_trained)}), live learners {live}, pending {pending}, "
         f"grace {float(s.get('grace_s') or 0):.2f}s{restarts}"
     )
 
@@ -113,7 +116,8 @@ def plain_line(view: View) -> str:
     for lv in view.learners:
         m = lv.last or {}
         loss = f"{m['loss']:.3f}" if m.get("loss") is not None else "-"
-        parts.append(f"{lv.name}:{lv.status[0]} s{lv.total_steps} L{loss} {versions_text(m.get('versions'))}")
+        code = {"restarting": "R"}.get(lv.status, lv.status[0])
+        parts.append(f"{lv.name}:{code} s{lv.total_steps} L{loss} {versions_text(m.get('versions'))}")
     s = view.syncer
     parts.append(f"| syncer outer={s.get('outer_steps', 0)} merges={s.get('merges', 0)}" if s else "| syncer away")
     return " ".join(parts)

@@ -244,6 +244,8 @@ class RunSession:
         info = self.learners[name]
         rec = last_jsonl(info["state_dir"] / "metrics.jsonl")
         info["last"] = rec
+        if rec and rec.get("tokens_per_s"):  # a final line's window may be empty (0 tok/s): keep the last rate
+            info["rate"] = rec["tokens_per_s"]
         return rec
 
     def _total_steps(self, name: str) -> int:
@@ -273,7 +275,8 @@ class RunSession:
                 status = ("running" if child.alive else "done" if child.finished
                           else "restarting" if child.restart_at is not None else "stopped")
             views.append(progress.LearnerView(name, status, child.restarts if child else 0, rec,
-                                              self._total_steps(name), info["steps"], info["slowdown"]))
+                                              self._total_steps(name), info["steps"], info["slowdown"],
+                                              info.get("rate") if status == "running" else None))
         syncer = sup.children.get("syncer")
         return progress.View(
             title=f"diloco {self.mode} — {self.run_dir}", elapsed_s=time.monotonic() - self.started,

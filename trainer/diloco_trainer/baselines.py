@@ -21,7 +21,8 @@ from pathlib import Path
 from .runtime import procs
 from .runtime.procs import Child, StopFlag, Supervisor
 from .runtime.rundir import append_jsonl, make_run_dir, write_config, write_json
-from .runtime.session import DEFAULT_CONFIG, RunSession, load_config, parse_slowdown
+from .runtime.session import (DEFAULT_CONFIG, DEFAULT_MINUTES, DEFAULT_STEPS, RunSession, load_config,
+                              parse_slowdown)
 
 MODES = ("ddp", "sync-diloco")
 
@@ -32,8 +33,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="run config YAML (same as diloco local)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     parser.add_argument("--learners", type=int, default=4, help="worker processes (default 4)")
-    parser.add_argument("--steps", type=int, default=300, help="inner steps per worker")
-    parser.add_argument("--minutes", type=float, default=4.0, help="wall-clock budget for training")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                        help=f"inner steps per worker (default {DEFAULT_STEPS})")
+    parser.add_argument("--minutes", type=float, default=DEFAULT_MINUTES,
+                        help=f"wall-clock budget from launch (default {DEFAULT_MINUTES:g})")
     parser.add_argument("--slowdown", default="1", help="per-worker slowdown factors, e.g. 1,1,1,2")
     parser.add_argument("--jitter", type=float, default=0.0,
                         help="random spread of the slowdown: factor F*(1+J*u), u uniform in [-1, 1] (as learners)")

@@ -16,11 +16,9 @@ from pathlib import Path
 from .runtime import procs
 from .runtime.procs import Child, StopFlag, Supervisor
 from .runtime.rundir import make_run_dir, write_config
-from .runtime.session import DEFAULT_CONFIG, RunSession, load_config, parse_slowdown
+from .runtime.session import (DEFAULT_CONFIG, DEFAULT_MINUTES, DEFAULT_STEPS, RunSession, load_config,
+                              parse_slowdown)
 
-# Sized with configs/local.yaml so the default run (4 learners, 2 cores) ends well within 5 minutes.
-DEFAULT_STEPS = 300
-DEFAULT_MINUTES = 4.0
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -94,8 +92,9 @@ def run(args: argparse.Namespace) -> int:
             state_dir = run_dir / "learners" / name
             learner_argv = procs.diloco_argv(
                 "learner", "--syncer", endpoint["url"], "--learner-id", name,
-                "--unit", str(i), "--units", str(args.learners), "--state-dir", str(state_dir), "--steps", str(steps), "--slowdown", f"{slowdown[i]:g}",
-                "--log-every", str(args.log_every), "--device", "cpu")
+                "--unit", str(i), "--units", str(args.learners), "--state-dir", str(state_dir),
+                "--steps", str(steps), "--slowdown", f"{slowdown[i]:g}", "--log-every", str(args.log_every),
+                "--device", "cpu")
             if args.jitter:
                 learner_argv += ["--jitter", f"{args.jitter:g}"]
             sup.add(Child(name, "learner", learner_argv, env, run_dir / "logs" / f"{name}.log",

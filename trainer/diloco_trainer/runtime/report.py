@@ -109,7 +109,8 @@ def summary_lines(s: dict) -> list[str]:
         lines.append(f"restarts: {s['restarts']}")
     b = s.get("bytes") or {}
     if b:
-        ratio = b.get("ddp_per_learner_step", 0) / b["sent_per_learner_step"] if b.get("sent_per_learner_step") else None
+        sent = b.get("sent_per_learner_step")
+        ratio = b.get("ddp_per_learner_step", 0) / sent if sent else None
         lines.append(f"sent per learner per step: {format_bytes(b.get('sent_per_learner_step'))} "
                      f"({b.get('source', '')}) vs DDP {format_bytes(b.get('ddp_per_learner_step'))}"
                      + (f" → {ratio:,.0f}× less" if ratio and ratio > 1 else ""))

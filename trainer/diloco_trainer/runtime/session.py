@@ -19,6 +19,9 @@ from .summary import build_summary, write_outputs
 from .syncer_client import SyncerClient, wait_for_endpoint
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "local.yaml"  # the repository's configs/
+# Sized with configs/local.yaml: the default run (4 learners on 2 cores) ends within 5 minutes, evaluation included.
+DEFAULT_STEPS = 400
+DEFAULT_MINUTES = 3.5
 CRASH_LOOP = 3  # this many consecutive incarnations that each lived < CRASH_LOOP_S: give up
 CRASH_LOOP_S = 15.0
 
@@ -254,7 +257,8 @@ class RunSession:
         return info["done_before"] + int(rec.get("step", 0))
 
     def _tokens_trained(self) -> int:
-        return sum(info["tokens_before"] + int((info["last"] or {}).get("tokens", 0)) for info in self.learners.values())
+        return sum(info["tokens_before"] + int((info["last"] or {}).get("tokens", 0))
+                   for info in self.learners.values())
 
     def _view(self, sup: Supervisor) -> progress.View:
         views = []

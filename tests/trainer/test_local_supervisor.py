@@ -125,15 +125,17 @@ def test_stop_terminates_learners_before_the_syncer(tmp_path):
 
 
 def test_a_child_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path):
-    code = """
+    ready = tmp_path / "ready"
+    code = f"""
         import signal, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open({str(ready)!r}, "w").close()
         time.sleep(60)
     """
     with Supervisor() as sup:
         sup.add(_child(tmp_path, "learner-0", code))
         child = sup.start("learner-0")
-        time.sleep(0.5)  # let it install its handler
+        _wait(ready.exists)  # its handler is installed
         started = time.monotonic()
         sup.stop(["learner-0"], timeout=1.0)
         assert time.monotonic() - started < 5
@@ -167,3 +169,22 @@ def test_children_die_when_the_supervisor_is_killed(tmp_path):
         _wait(lambda: not any(_alive(p) for p in children), timeout=10)
     finally:
         parent.kill()
+
+
+def test_stop_reaches_a_child_paused_with_sigstop(tmp_path):
+    ready = tmp_path / "ready"
+    code = f"""
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        open({str(ready)!r}, "w").close()
+        while True:
+            time.sleep(0.05)
+    """
+    with Supervisor() as sup:
+        sup.add(_child(tmp_path, "learner-0", code))
+        child = sup.start("learner-0")
+        _wait(ready.exists)
+        os.kill(child.proc.pid, signal.SIGSTOP)  # what a chaos "pause" does
+        started = time.monotonic()
+        sup.stop(["learner-0"], timeout=10.0)
+        assert child.exits == [0] and time.monotonic() - started < 5, "the paused child was not woken to stop cleanly"

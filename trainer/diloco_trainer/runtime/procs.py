@@ -149,6 +149,7 @@ class Supervisor:
             self.children[name].restart_at = None
             self.children[name].stop_requested = True
             self.send(name, sig)
+            self.send(name, signal.SIGCONT)  # a child paused by a chaos tool (SIGSTOP) must see the signal now
         deadline = time.monotonic() + timeout
         for name in names:
             child = self.children[name]

@@ -99,6 +99,18 @@ def test_a_dry_run_decides_and_records_but_kills_nothing(local_run, tmp_path):
     assert _exits(run, since) == [] and _pids(run) == before
 
 
+def test_a_resumed_experiment_keeps_its_schedule_and_does_not_fire_missed_ticks(local_run, tmp_path):
+    run, _ = local_run
+    exp = _experiment(schedule={"every": "10s"}, safety={"minAliveUnits": 1, "maxDuration": "32s"}, dryRun=True)
+    began = time.time()
+    summary = _run(exp, run, tmp_path / "resume.jsonl", started_at=began - 25)
+    entries = _read(tmp_path / "resume.jsonl")
+    assert next(e for e in entries if e["event"] == "resumed")["missed_ticks"] == 2  # t+10 s and t+20 s
+    (fault,) = [e for e in entries if e["event"] == "fault"]
+    assert fault["scheduled_at"] == pytest.approx(began - 25 + 30, abs=0.01)
+    assert summary["faults"] == 1 and time.time() - began < 20  # maxDuration counted from the first start
+
+
 def test_a_schedule_really_kills_and_training_continues(local_run, tmp_path):
     run, proc = local_run
     since, outer_before = time.time(), _outer_steps(run)

@@ -194,7 +194,8 @@ def job_status(name: str, spec: api.DilocoJobSpec, generation: int | None, units
         # On the first reconcile only a Degraded job is news; afterwards every flip is.
         if (before is None and ctype == C.DEGRADED and bad) or (before and before["status"] != after["status"]):
             events.append(("Warning" if bad else "Normal", after["reason"], after["message"] or ctype))
-    st["conditions"] = conds
+    order = [C.READY, C.PROGRESSING, C.DEGRADED, C.QUORUM_AVAILABLE, C.SUCCEEDED, C.FAILED]
+    st["conditions"] = sorted(conds, key=lambda c: order.index(c["type"]) if c["type"] in order else len(order))
     st["message"] = _summary(st, conds)
     return st, events
 

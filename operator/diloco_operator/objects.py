@@ -24,6 +24,7 @@ TOKEN_KEY = "token"
 CONFIG_KEY = "config.yaml"
 SYNCER_STATE_DIR = "/var/lib/diloco"
 LEARNER_STATE_DIR = "/var/lib/diloco-learner"
+NODE_LOSS_GRACE_S = 30
 
 
 def secret_name(job: str) -> str:
@@ -210,6 +211,9 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
         tolerations.append({"key": resource, "operator": "Exists", "effect": "NoSchedule"})
     if spec.accelerator.topology:
         node_selector[api.TPU_TOPOLOGY_LABEL] = spec.accelerator.topology
+    # A lost node evicts its pods after 30 s instead of the default 300 s, so the unit restarts elsewhere sooner.
+    tolerations += [{"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": NODE_LOSS_GRACE_S}
+                    for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")]
     command = ["diloco", "learner", "--syncer", syncer_url(spec.jobName), "--learner-id", name,
                "--unit", str(spec.unitIndex), "--device", device, "--state-dir", LEARNER_STATE_DIR]
     if spec.steps:
@@ -247,8 +251,7 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
     }
     if node_selector:
         pod_spec["nodeSelector"] = node_selector
-    if tolerations:
-        pod_spec["tolerations"] = tolerations
+    pod_spec["tolerations"] = tolerations
     annotations = {ANNOTATION_SPEC_HASH: spec_hash(unit["spec"]), "prometheus.io/scrape": "true",
                    "prometheus.io/port": str(api.METRICS_PORT)}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": _meta(pod_name(name, incarnation, rank), unit, labels,

@@ -205,3 +205,13 @@ def test_pods_are_placed_on_their_accelerator_pool_with_rendezvous_env():
     cmd = p["spec"]["containers"][0]["command"]
     assert cmd[:2] == ["diloco", "learner"] and cmd[cmd.index("--device") + 1] == "cuda"
     assert p["metadata"]["ownerReferences"][0]["uid"] == "lu-1" and p["spec"]["restartPolicy"] == "Never"
+
+
+def test_syncer_status_summary_and_address():
+    from diloco_operator import syncer_status
+    doc = {"outer_steps": 7, "versions": {"0": 3, "1": 4}, "learners": {"demo-gpu-0": {"last_seen": 1767225600.5}}}
+    assert syncer_status.summarize(doc) == {"outerSteps": 7, "version": 7,
+                                            "learners": {"demo-gpu-0": "2026-01-01T00:00:00Z"}}
+    assert syncer_status.syncer_address(JOB, 8470) == "http://demo-syncer.ns.svc:8470"
+    annotated = {**JOB, "metadata": {**JOB["metadata"], "annotations": {syncer_status.URL_ANNOTATION: "http://x:1/"}}}
+    assert syncer_status.syncer_address(annotated, 8470) == "http://x:1"

@@ -1,0 +1,265 @@
+"""The operator's I/O shell: a keyed work queue (one reconcile per object at a time, coalesced, delayed
+requeues) and the reconcile functions that read the cluster, ask jobplan/unitplan, and apply the answer."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import time
+from datetime import datetime, timezone
+
+from pydantic import ValidationError
+
+from diloco_operator import api, metrics
+from diloco_operator import conditions as C
+from diloco_operator import jobplan
+from diloco_operator import objects as O
+from diloco_operator import syncer_status, unitplan
+from diloco_operator.kube import (CONFIGMAPS, DEPLOYMENTS, DILOCOJOBS, LEARNERUNITS, NODES, PODS, PVCS,
+                                  SECRETS, SERVICES, ApiError, Kube, Resource, status_patch)
+from diloco_operator.pools import POOL_LABEL
+
+Key = tuple[str, str, str]  # (kind: "job" | "unit", namespace, name)
+log = logging.getLogger("diloco_operator")
+
+
+class Controller:
+    """Reconciles DilocoJobs and LearnerUnits from a queue fed by watch events and a periodic resync."""
+
+    def __init__(self, kube: Kube, workers: int = 4, resync_s: float = 30.0):
+        self.kube = kube
+        self.workers = workers
+        self.resync_s = resync_s
+        self.queue: asyncio.Queue[Key] = asyncio.Queue()
+        self.queued: set[Key] = set()
+        self.active: set[Key] = set()
+        self.dirty: set[Key] = set()
+        self.known: set[Key] = set()
+        self.failures: dict[Key, int] = {}
+        self.node_pools: dict[str, str] = {}
+        self.syncer_info: dict[tuple[str, str], dict] = {}  # (ns, job) -> last summarized syncer status
+        self.syncer_polled: dict[tuple[str, str, str], float] = {}
+        self.syncer_poll_s = 10.0
+        self.background: set[asyncio.Task] = set()
+
+    # --- queue -------------------------------------------------------------------------------------------
+    def enqueue(self, key: Key, delay: float = 0.0) -> None:
+        """Ask for a reconcile of `key` (now or after `delay` seconds); duplicates coalesce."""
+        self.known.add(key)
+        if delay > 0:
+            asyncio.get_running_loop().call_later(delay, self.enqueue, key)
+            return
+        if key in self.active:
+            self.dirty.add(key)  # re-run once the current pass ends: it may have read stale state
+        elif key not in self.queued:
+            self.queued.add(key)
+            self.queue.put_nowait(key)
+        metrics.QUEUE_DEPTH.set(self.queue.qsize())
+
+    def forget(self, key: Key) -> None:
+        self.known.discard(key)
+
+    async def run(self) -> None:
+        """Run the workers and the resync loop until cancelled."""
+        tasks = [asyncio.create_task(self._worker()) for _ in range(self.workers)]
+        tasks.append(asyncio.create_task(self._resync()))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _resync(self) -> None:
+        # A safety net: even if a watch went quiet, every known object is looked at every resync_s.
+        while True:
+            await asyncio.sleep(self.resync_s)
+            for key in list(self.known):
+                self.enqueue(key)
+
+    async def _worker(self) -> None:
+        while True:
+            key = await self.queue.get()
+            self.queued.discard(key)
+            self.active.add(key)
+            started = time.monotonic()
+            try:
+                if key[0] == "job":
+                    await self.reconcile_job(key[1], key[2])
+                else:
+                    await self.reconcile_unit(key[1], key[2])
+                self.failures.pop(key, None)
+                metrics.RECONCILES.labels(key[0], "ok").inc()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a failed pass is retried with backoff, never fatal
+                n = self.failures[key] = self.failures.get(key, 0) + 1
+                delay = min(0.5 * 2 ** (n - 1), 30.0)
+                log.warning("reconcile %s failed (%s), retry %d in %.1fs", key, exc, n, delay)
+                metrics.RECONCILES.labels(key[0], "error").inc()
+                self.enqueue(key, delay)
+            finally:
+                metrics.RECONCILE_SECONDS.labels(key[0]).observe(time.monotonic() - started)
+                self.active.discard(key)
+                if key in self.dirty:
+                    self.dirty.discard(key)
+                    self.enqueue(key)
+
+    async def _events(self, obj: dict, events: list[tuple[str, str, str]]) -> None:
+        for type_, reason, message in events:
+            log.info("%s/%s %s: %s", obj["kind"], obj["metadata"]["name"], reason, message)
+            try:
+                await self.kube.event(obj, type_, reason, message)
+            except ApiError as exc:  # an Event is best effort; the status holds the truth
+                log.warning("could not post event %s on %s: %s", reason, obj["metadata"]["name"], exc)
+
+    async def _ensure(self, res: Resource, desired: dict, *, update: bool = True) -> dict:
+        """Create `desired` if missing; if it exists and its hash annotation differs, merge-patch it."""
+        want = O.spec_hash({k: v for k, v in desired.items() if k != "metadata"})
+        desired["metadata"].setdefault("annotations", {})["diloco.dev/hash"] = want
+        meta = desired["metadata"]
+        current = await self.kube.get(res, meta["namespace"], meta["name"])
+        if current is None:
+            return await self.kube.create(res, desired) or desired
+        if update and current["metadata"].get("annotations", {}).get("diloco.dev/hash") != want:
+            patch = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind")}
+            return await self.kube.merge_patch(res, meta["namespace"], meta["name"], patch)
+        return current
+
+    # --- DilocoJob -----------------------------------------------------------------------------------------
+    async def reconcile_job(self, ns: str, name: str) -> None:
+        job = await self.kube.get(DILOCOJOBS, ns, name)
+        if job is None or job["metadata"].get("deletionTimestamp"):
+            self.forget(("job", ns, name))
+            self.syncer_info.pop((ns, name), None)
+            for key in [k for k in self.syncer_polled if k[:2] == (ns, name)]:
+                del self.syncer_polled[key]
+            return  # the garbage collector removes everything the job owns
+        now = datetime.now(timezone.utc)
+        old_status = job.get("status") or {}
+        try:
+            spec = api.DilocoJobSpec.model_validate(job["spec"])
+        except ValidationError as exc:
+            msg = "; ".join(f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            conds = C.set_condition(old_status.get("conditions", []), C.READY, False, C.Reason.INVALID_SPEC,
+                                    msg, now, job["metadata"].get("generation"))
+            new = {**old_status, "conditions": conds, "message": f"invalid spec: {msg}"}
+            if (patch := status_patch(old_status, new)) is not None:
+                await self.kube.merge_patch(DILOCOJOBS, ns, name, {"status": patch}, "status")
+                await self._events(job, [("Warning", C.Reason.INVALID_SPEC, msg)])
+            return
+        finished = old_status.get("phase") in jobplan.TERMINAL_JOB
+        await self._ensure(SECRETS, O.token_secret(job, base64.urlsafe_b64encode(os.urandom(32)).decode()),
+                           update=False)
+        await self._ensure(CONFIGMAPS, O.config_map(job, spec))
+        await self._ensure(PVCS, O.checkpoint_pvc(job, spec), update=False)
+        deployment = await self._ensure(DEPLOYMENTS, O.syncer_deployment(job, spec, replicas=0 if finished else 1))
+        await self._ensure(SERVICES, O.syncer_service(job), update=False)
+        syncer_ready = (deployment.get("status") or {}).get("readyReplicas", 0) >= 1
+        if syncer_ready and not finished:
+            self._poll_syncer(job)
+        info = self.syncer_info.get((ns, name))
+
+        lus = await self.kube.list(LEARNERUNITS, ns, f"{O.LABEL_JOB}={name}")
+        units = [jobplan.unit_view(lu) for lu in lus]
+        events: list[tuple[str, str, str]] = []
+        if not finished:
+            plan = jobplan.plan_units(name, spec, units)
+            for unit in plan.delete:
+                await self.kube.delete(LEARNERUNITS, ns, unit)
+                events.append(("Normal", "UnitRemoved", f"removed learner unit {unit} (scaled down)"))
+            for unit, uspec in plan.create.items():
+                await self.kube.create(LEARNERUNITS, O.learner_unit(job, uspec))
+                events.append(("Normal", "UnitCreated", f"created learner unit {unit} ({uspec.template}, "
+                                                        f"{uspec.podsPerUnit} pod(s), unit index {uspec.unitIndex})"))
+            for unit, uspec in plan.update.items():
+                await self.kube.merge_patch(LEARNERUNITS, ns, unit, {"spec": uspec.model_dump(mode="json")})
+                events.append(("Normal", "UnitUpdated", f"updated the spec of learner unit {unit}"))
+            if plan.delete or plan.create:
+                lus = await self.kube.list(LEARNERUNITS, ns, f"{O.LABEL_JOB}={name}")
+                units = [jobplan.unit_view(lu) for lu in lus if lu["metadata"]["name"] not in plan.delete]
+        status, status_events = jobplan.job_status(name, spec, job["metadata"].get("generation"), units,
+                                                   syncer_ready, old_status, now, info)
+        if (patch := status_patch(old_status, status)) is not None:
+            await self.kube.merge_patch(DILOCOJOBS, ns, name, {"status": patch}, "status")
+        await self._events(job, events + status_events)
+        if status.get("phase") in jobplan.TERMINAL_JOB and not finished:
+            for lu in lus:  # stop the units of a finished job
+                self.enqueue(("unit", ns, lu["metadata"]["name"]))
+        if info is not None:  # units show when the syncer last heard from them
+            seen = {lu["metadata"]["name"]: (lu.get("status") or {}).get("lastContribution") for lu in lus}
+            for unit, last in info["learners"].items():
+                if unit in seen and seen[unit] != last:
+                    self.enqueue(("unit", ns, unit))
+
+    def _poll_syncer(self, job: dict) -> None:
+        """Start a background poll of the job's syncer (at most one in flight, at most every syncer_poll_s);
+        reconciles read the cached answer, so a slow or unreachable syncer never delays healing."""
+        ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+        url = syncer_status.syncer_address(job, api.SYNCER_PORT)
+        key = (ns, name, url)
+        last = self.syncer_polled.get(key)
+        if last is not None and time.monotonic() - last < self.syncer_poll_s:
+            return
+        self.syncer_polled[key] = time.monotonic()
+        task = asyncio.create_task(self._fetch_syncer(ns, name, url))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def _fetch_syncer(self, ns: str, name: str, url: str) -> None:
+        try:
+            secret = await self.kube.get(SECRETS, ns, O.secret_name(name))
+            token = base64.b64decode((secret or {}).get("data", {}).get(O.TOKEN_KEY, "")).decode()
+            info = await syncer_status.fetch(url, token)
+        except ApiError as exc:
+            log.warning("cannot read the token of job %s/%s: %s", ns, name, exc)
+            return
+        if info is None:
+            return
+        changed = self.syncer_info.get((ns, name)) != info
+        self.syncer_info[(ns, name)] = info
+        if changed:
+            self.enqueue(("job", ns, name))
+        self.enqueue(("job", ns, name), self.syncer_poll_s)  # keep the numbers fresh while it answers
+
+    # --- LearnerUnit ---------------------------------------------------------------------------------------
+    async def _pools(self, pods: list[unitplan.PodView]) -> dict[str, str]:
+        for node in {p.node for p in pods if p.node} - set(self.node_pools):
+            obj = await self.kube.get(NODES, None, node)
+            self.node_pools[node] = (obj or {}).get("metadata", {}).get("labels", {}).get(POOL_LABEL, "")
+        return self.node_pools
+
+    async def reconcile_unit(self, ns: str, name: str) -> None:
+        unit = await self.kube.get(LEARNERUNITS, ns, name)
+        if unit is None or unit["metadata"].get("deletionTimestamp"):
+            self.forget(("unit", ns, name))
+            return
+        spec = api.LearnerUnitSpec.model_validate(unit["spec"])
+        job = await self.kube.get(DILOCOJOBS, ns, spec.jobName)
+        if job is None:
+            return  # being garbage-collected with its job
+        job_finished = (job.get("status") or {}).get("phase") in jobplan.TERMINAL_JOB
+        pods = [unitplan.pod_view(p) for p in await self.kube.list(PODS, ns, f"{O.LABEL_UNIT}={name}")]
+        old_status = unit.get("status") or {}
+        plan = unitplan.plan_unit(spec, unit["spec"], old_status, pods, datetime.now(timezone.utc),
+                                  generation=unit["metadata"].get("generation"), node_pools=await self._pools(pods),
+                                  job_finished=job_finished)
+        last_seen = self.syncer_info.get((ns, spec.jobName), {}).get("learners", {}).get(name)
+        if last_seen:
+            plan.status["lastContribution"] = last_seen
+        for pod in plan.delete:
+            await self.kube.delete(PODS, ns, pod)
+        if plan.create:
+            await self._ensure(SERVICES, O.unit_service(unit), update=False)
+        for rank in plan.create:
+            await self.kube.create(PODS, O.unit_pod(unit, plan.status["incarnation"], rank))
+        if (patch := status_patch(old_status, plan.status)) is not None:
+            await self.kube.merge_patch(LEARNERUNITS, ns, name, {"status": patch}, "status")
+        if plan.status.get("restarts", 0) > old_status.get("restarts", 0):
+            metrics.UNIT_RESTARTS.labels(ns, spec.jobName).inc()
+        await self._events(unit, plan.events)
+        if plan.requeue_after is not None:
+            self.enqueue(("unit", ns, name), plan.requeue_after)
+        if patch:  # the job's status is computed from its units': let it follow at once
+            self.enqueue(("job", ns, spec.jobName))

@@ -1,0 +1,89 @@
+"""The kopf side of the operator: watch DilocoJobs, LearnerUnits, learner pods and syncer Deployments, and feed
+the controller's queue. Run as `kopf run -m diloco_operator.handlers` (what `diloco operator` does)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import kopf
+from prometheus_client import start_http_server
+
+from diloco_operator import api
+from diloco_operator import objects as O
+from diloco_operator.controller import Controller
+from diloco_operator.kube import Kube
+
+
+def _env_float(name: str, default: float) -> float:
+    return float(os.environ.get(name) or default)
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_) -> None:
+    # Watches end and restart on their own: a silently stalled stream can never hide changes for long.
+    settings.watching.server_timeout = int(_env_float("DILOCO_WATCH_SERVER_TIMEOUT", 120))  # sent as ?timeoutSeconds=
+    settings.watching.client_timeout = _env_float("DILOCO_WATCH_CLIENT_TIMEOUT", 150)
+    settings.watching.connect_timeout = 10
+    settings.watching.inactivity_timeout = 70
+    settings.networking.request_timeout = 30
+    settings.networking.connect_timeout = 10
+    settings.posting.level = logging.WARNING  # our own Events carry the decisions; kopf posts only its errors
+    settings.peering.standalone = True  # one replica (Deployment with Recreate); no peering objects needed
+    # Every API call and every watch event would otherwise be an INFO line; decisions are logged by the controller.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    kube = await Kube.connect()
+    controller = Controller(kube, workers=int(_env_float("DILOCO_OPERATOR_WORKERS", 4)),
+                            resync_s=_env_float("DILOCO_OPERATOR_RESYNC_SECONDS", 30))
+    memo["controller"] = controller
+    memo["task"] = asyncio.create_task(controller.run(), name="diloco-controller")
+    port = int(_env_float("DILOCO_OPERATOR_METRICS_PORT", 0))
+    if port:
+        start_http_server(port)
+    logger.info("diloco operator started (workers=%d, resync=%.0fs, metrics port %s)",
+                controller.workers, controller.resync_s, port or "off")
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_) -> None:
+    task = memo.get("task")
+    if task:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _key(kind: str, body: kopf.Body) -> tuple[str, str, str]:
+    return kind, body["metadata"]["namespace"], body["metadata"]["name"]
+
+
+@kopf.on.event(api.GROUP, api.VERSION, "dilocojobs")
+async def job_event(event: dict, body: kopf.Body, memo: kopf.Memo, **_) -> None:
+    if event.get("type") != "DELETED":
+        memo["controller"].enqueue(_key("job", body))
+
+
+@kopf.on.event(api.GROUP, api.VERSION, "learnerunits")
+async def unit_event(event: dict, body: kopf.Body, memo: kopf.Memo, **_) -> None:
+    controller: Controller = memo["controller"]
+    ns = body["metadata"]["namespace"]
+    job = body.get("spec", {}).get("jobName")
+    if event.get("type") != "DELETED":
+        controller.enqueue(_key("unit", body))
+    if job:  # unit added, changed or gone: the job's counts and conditions follow
+        controller.enqueue(("job", ns, job))
+
+
+@kopf.on.event("", "v1", "pods", labels={O.LABEL_COMPONENT: "learner"})
+async def pod_event(body: kopf.Body, memo: kopf.Memo, **_) -> None:
+    unit = body["metadata"].get("labels", {}).get(O.LABEL_UNIT)
+    if unit:
+        memo["controller"].enqueue(("unit", body["metadata"]["namespace"], unit))
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={O.LABEL_COMPONENT: "syncer"})
+async def syncer_event(body: kopf.Body, memo: kopf.Memo, **_) -> None:
+    job = body["metadata"].get("labels", {}).get(O.LABEL_JOB)
+    if job:
+        memo["controller"].enqueue(("job", body["metadata"]["namespace"], job))

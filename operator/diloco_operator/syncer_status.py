@@ -1,0 +1,42 @@
+"""Reads a syncer's /v1/status (docs/protocol.md) for the job's status: outer steps, version, learners seen."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timezone
+
+import aiohttp
+
+from diloco_operator import conditions as C
+
+URL_ANNOTATION = "diloco.dev/syncer-url"  # overrides the in-cluster address (an operator outside the cluster)
+
+
+def syncer_address(job: dict, port: int) -> str:
+    """Where the operator reaches a job's syncer: the annotation if set, else its in-cluster Service."""
+    meta = job["metadata"]
+    override = (meta.get("annotations") or {}).get(URL_ANNOTATION)
+    return override.rstrip("/") if override else f"http://{meta['name']}-syncer.{meta['namespace']}.svc:{port}"
+
+
+def summarize(doc: dict) -> dict:
+    """Job-status fields from a /v1/status document; learners maps learner id -> last seen (RFC 3339)."""
+    learners = {}
+    for lid, info in (doc.get("learners") or {}).items():
+        if info.get("last_seen"):
+            learners[lid] = C.now_iso(datetime.fromtimestamp(float(info["last_seen"]), timezone.utc))
+    return {"outerSteps": int(doc.get("outer_steps", 0)),
+            "version": sum(int(v) for v in (doc.get("versions") or {}).values()),
+            "learners": learners}
+
+
+async def fetch(url: str, token: str, timeout_s: float = 3.0) -> dict | None:
+    """The summarized status, or None if the syncer cannot be reached or answers badly (it may be restarting)."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            async with session.get(f"{url}/v1/status", headers={"Authorization": f"Bearer {token}"}) as resp:
+                if resp.status != 200:
+                    return None
+                return summarize(await resp.json())
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError):
+        return None

@@ -1,0 +1,326 @@
+"""The operator on a real control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok), kopf
+running for real: placement on fake GPU/TPU pools, self-healing, scaling, cascading deletion, restart."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+from diloco_operator import api
+from diloco_operator.pools import POOL_LABEL
+from diloco_operator.testbed import FAIL_POD_EXIT_CODE_ANNOTATION, FAIL_POD_LABEL
+
+from cluster_kit import PYTHONPATH, wait_for
+
+pytestmark = pytest.mark.cluster
+FAST = {"backoffSeconds": 0, "maxRestarts": 20}
+
+
+def job(name: str, units: list[dict], **spec) -> dict:
+    body = {"image": "diloco-trainer:test", "units": units,
+            "syncer": {"nodeSelector": {POOL_LABEL: "cpu"}}, "restartPolicy": FAST}
+    body.update(spec)
+    return {"apiVersion": api.API_VERSION, "kind": "DilocoJob", "metadata": {"name": name}, "spec": body}
+
+
+def cpu_units(count: int, **kw) -> list[dict]:
+    return [{"name": "cpu", "count": count, "nodeSelector": {POOL_LABEL: "cpu"}, **kw}]
+
+
+def pods(kubectl, ns: str, selector: str) -> list[dict]:
+    return [p for p in kubectl.get("pods", ns=ns, selector=selector) if not p["metadata"].get("deletionTimestamp")]
+
+
+def running(p: dict) -> bool:
+    return p["status"].get("phase") == "Running" and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
+
+
+def unit_pods(kubectl, ns: str, unit: str) -> list[dict]:
+    return pods(kubectl, ns, f"diloco.dev/unit={unit}")
+
+
+def condition(obj: dict, ctype: str) -> dict:
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == ctype), {})
+
+
+def wait_job_ready(kubectl, ns: str, name: str, units: int, timeout: float = 60) -> dict:
+    def ready():
+        dj = kubectl.get("dj", name, ns=ns)
+        st = dj.get("status", {}) if dj else {}
+        ok = st.get("phase") == "Running" and st.get("unitsReady") == units and condition(dj, "Ready").get("status") == "True"
+        return dj if ok else None
+    return wait_for(ready, timeout, 0.2, f"job {name} Running with {units} ready units")
+
+
+def events(kubectl, ns: str, reason: str) -> list[dict]:
+    return [e for e in kubectl.get("events", ns=ns) if e.get("reason") == reason]
+
+
+def node_pool(kubectl, node: str) -> str:
+    return kubectl.get("node", node)["metadata"]["labels"][POOL_LABEL]
+
+
+def test_mixed_gpu_tpu_job_lands_each_unit_on_its_pool(kubectl, operator, ns):
+    units = [
+        {"name": "h100", "count": 2, "accelerator": {"type": "nvidia-h100-80gb", "count": 8}},
+        {"name": "l4", "count": 1, "accelerator": {"type": "nvidia-l4", "count": 4}},
+        {"name": "v5p", "count": 1, "podsPerUnit": 2, "accelerator": {"type": "tpu-v5p-slice", "count": 4,
+                                                                      "topology": "2x2x2"}},
+    ]
+    kubectl.apply(job("mixed", units), "-n", ns)
+    dj = wait_job_ready(kubectl, ns, "mixed", 4)
+    assert condition(dj, "QuorumAvailable")["status"] == "True" and dj["status"]["syncerReady"] is True
+    learners = pods(kubectl, ns, "diloco.dev/job=mixed,diloco.dev/component=learner")
+    assert len(learners) == 5
+    want = {"h100": "gpu-h100", "l4": "gpu-l4", "v5p": "tpu-v5p"}
+    for p in learners:
+        assert node_pool(kubectl, p["spec"]["nodeName"]) == want[p["metadata"]["labels"]["diloco.dev/template"]]
+    tpu = [p for p in learners if p["metadata"]["labels"]["diloco.dev/template"] == "v5p"]
+    assert len({p["spec"]["nodeName"] for p in tpu}) == 2, "a 4-chip-per-host slice needs two hosts"
+    env = {e["name"]: e.get("value") for e in tpu[0]["spec"]["containers"][0]["env"]}
+    assert env["WORLD_SIZE"] == "2" and env["MASTER_ADDR"] == "rank-0.mixed-v5p-0"
+    syncer = pods(kubectl, ns, "diloco.dev/job=mixed,diloco.dev/component=syncer")
+    assert [node_pool(kubectl, p["spec"]["nodeName"]) for p in syncer] == ["cpu"]
+    lu = kubectl.get("lu", "mixed-h100-1", ns=ns)
+    assert lu["status"]["nodePool"] == "gpu-h100" and lu["status"]["podsReady"] == 1
+    assert len(events(kubectl, ns, "UnitCreated")) == 4
+
+
+def test_a_pod_asking_for_more_gpus_than_any_node_stays_pending_and_degrades_the_job(kubectl, operator, ns):
+    units = [{"name": "huge", "count": 1, "accelerator": {"type": "nvidia-h100-80gb", "count": 16}},
+             *cpu_units(1)]
+    kubectl.apply(job("greedy", units), "-n", ns)
+
+    def degraded():
+        dj = kubectl.get("dj", "greedy", ns=ns)
+        c = condition(dj, "Degraded")
+        return dj if c.get("status") == "True" and c.get("reason") == "UnitsUnschedulable" else None
+    dj = wait_for(degraded, 30, 0.2, "Degraded=True/UnitsUnschedulable")
+    assert "greedy-huge-0" in condition(dj, "Degraded")["message"]
+    lu = kubectl.get("lu", "greedy-huge-0", ns=ns)
+    assert condition(lu, "PodsScheduled")["reason"] == "Unschedulable"
+    assert "nvidia.com/gpu" in condition(lu, "PodsScheduled")["message"]
+    time.sleep(2)  # no churn: an unplaceable pod is not a failure to restart
+    (p,) = unit_pods(kubectl, ns, "greedy-huge-0")
+    assert p["status"]["phase"] == "Pending" and p["metadata"]["name"] == "greedy-huge-0-0-0"
+    assert kubectl.get("lu", "greedy-huge-0", ns=ns)["status"]["restarts"] == 0
+    assert [e for e in events(kubectl, ns, "Unschedulable") if e["involvedObject"]["name"] == "greedy-huge-0"]
+
+
+def test_a_deleted_learner_pod_is_replaced_and_other_units_are_untouched(kubectl, operator, ns):
+    kubectl.apply(job("heal", cpu_units(3)), "-n", ns)
+    dj = wait_job_ready(kubectl, ns, "heal", 3)
+    quorum_since = condition(dj, "QuorumAvailable")["lastTransitionTime"]
+    others = {p["metadata"]["uid"] for u in ("heal-cpu-0", "heal-cpu-2") for p in unit_pods(kubectl, ns, u)}
+    times, phases = [], set()
+    for kill in range(5):
+        (victim,) = unit_pods(kubectl, ns, "heal-cpu-1")
+        started = time.monotonic()
+        kubectl.run("delete", "pod", victim["metadata"]["name"], "-n", ns, "--wait=false")
+
+        def replaced():
+            phases.add(kubectl.get("dj", "heal", ns=ns)["status"]["phase"])
+            new = [p for p in unit_pods(kubectl, ns, "heal-cpu-1") if p["metadata"]["uid"] != victim["metadata"]["uid"]]
+            return new if new and all(running(p) for p in new) else None
+        (new,) = wait_for(replaced, 30, 0.05, f"replacement of {victim['metadata']['name']}")
+        times.append(time.monotonic() - started)
+        assert int(new["metadata"]["labels"]["diloco.dev/incarnation"]) == kill + 1
+    assert phases == {"Running"}, "the job stays Running while one unit heals"
+    assert {p["metadata"]["uid"] for u in ("heal-cpu-0", "heal-cpu-2") for p in unit_pods(kubectl, ns, u)} == others
+    lu = kubectl.get("lu", "heal-cpu-1", ns=ns)
+    assert lu["status"]["restarts"] == 5
+    dj = wait_job_ready(kubectl, ns, "heal", 3)
+    assert dj["status"]["restarts"] == 5
+    assert condition(dj, "QuorumAvailable")["lastTransitionTime"] == quorum_since, "K=1 held throughout"
+    assert len([e for e in events(kubectl, ns, "PodDeleted") if e["involvedObject"]["name"] == "heal-cpu-1"]) >= 1
+    median = statistics.median(times)
+    print(f"\npod kill -> replacement Running: median {median:.2f}s, all {[round(t, 2) for t in times]}")
+    with open(os.path.join(tempfile.gettempdir(), "diloco-heal-times.json"), "w") as f:
+        json.dump({"median_s": median, "all_s": times}, f)
+    assert median < 10
+
+
+def test_a_multi_pod_unit_restarts_as_a_whole(kubectl, operator, ns):
+    units = [{"name": "v5p", "count": 1, "podsPerUnit": 2, "accelerator": {"type": "tpu-v5p-slice", "count": 4}},
+             *cpu_units(1)]
+    kubectl.apply(job("gang", units), "-n", ns)
+    wait_job_ready(kubectl, ns, "gang", 2)
+    before = {p["metadata"]["labels"]["diloco.dev/rank"]: p["metadata"]["uid"] for p in unit_pods(kubectl, ns, "gang-v5p-0")}
+    cpu_uid = unit_pods(kubectl, ns, "gang-cpu-0")[0]["metadata"]["uid"]
+    kubectl.run("delete", "pod", "gang-v5p-0-0-1", "-n", ns, "--wait=false")
+
+    def regrouped():
+        ps = unit_pods(kubectl, ns, "gang-v5p-0")
+        return ps if len(ps) == 2 and all(running(p) for p in ps) and \
+            all(p["metadata"]["labels"]["diloco.dev/incarnation"] == "1" for p in ps) else None
+    after = wait_for(regrouped, 30, 0.1, "the TPU unit recreated as a whole")
+    assert not {p["metadata"]["uid"] for p in after} & set(before.values()), "the surviving rank was restarted too"
+    assert unit_pods(kubectl, ns, "gang-cpu-0")[0]["metadata"]["uid"] == cpu_uid
+
+
+def test_a_pod_failed_by_kwok_is_replaced_and_counted(kubectl, operator, ns):
+    kubectl.apply(job("chaos", cpu_units(2)), "-n", ns)
+    wait_job_ready(kubectl, ns, "chaos", 2)
+    (victim,) = unit_pods(kubectl, ns, "chaos-cpu-0")
+    name = victim["metadata"]["name"]
+    kubectl.run("annotate", "pod", name, "-n", ns, f"{FAIL_POD_EXIT_CODE_ANNOTATION}=137")
+    kubectl.run("label", "pod", name, "-n", ns, f"{FAIL_POD_LABEL}=true")
+
+    def healed():
+        lu = kubectl.get("lu", "chaos-cpu-0", ns=ns)
+        ps = unit_pods(kubectl, ns, "chaos-cpu-0")
+        return lu if lu["status"].get("restarts") == 1 and len(ps) == 1 and running(ps[0]) \
+            and ps[0]["metadata"]["uid"] != victim["metadata"]["uid"] else None
+    wait_for(healed, 30, 0.1, "the failed pod replaced and counted")
+    failed = [e for e in events(kubectl, ns, "PodFailed") if e["involvedObject"]["name"] == "chaos-cpu-0"]
+    assert failed and "exit code 137" in failed[0]["message"]
+    assert wait_job_ready(kubectl, ns, "chaos", 2)["status"]["restarts"] == 1
+
+
+def test_the_failed_syncer_pod_is_replaced_on_the_same_checkpoint_volume(kubectl, operator, ns):
+    kubectl.apply(job("sync", cpu_units(1)), "-n", ns)
+    wait_job_ready(kubectl, ns, "sync", 1)
+    pvc_uid = kubectl.get("pvc", "sync-checkpoint", ns=ns)["metadata"]["uid"]
+    (old,) = pods(kubectl, ns, "diloco.dev/job=sync,diloco.dev/component=syncer")
+    kubectl.run("delete", "pod", old["metadata"]["name"], "-n", ns, "--wait=false")
+
+    def replaced():
+        ps = [p for p in pods(kubectl, ns, "diloco.dev/job=sync,diloco.dev/component=syncer")
+              if p["metadata"]["uid"] != old["metadata"]["uid"] and running(p)]
+        return ps[0] if ps else None
+    new = wait_for(replaced, 30, 0.1, "a new syncer pod")
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in new["spec"]["volumes"] if "persistentVolumeClaim" in v]
+    assert claims == ["sync-checkpoint"] and kubectl.get("pvc", "sync-checkpoint", ns=ns)["metadata"]["uid"] == pvc_uid
+    args = new["spec"]["containers"][0]["command"]
+    assert args[:2] == ["diloco", "syncer"] and args[args.index("--state-dir") + 1] == "/var/lib/diloco"
+    wait_job_ready(kubectl, ns, "sync", 1)
+
+
+def test_kubectl_scale_adds_and_removes_units_without_touching_the_others(kubectl, operator, ns):
+    kubectl.apply(job("elastic", cpu_units(2, maxCount=5)), "-n", ns)
+    wait_job_ready(kubectl, ns, "elastic", 2)
+    keep = {p["metadata"]["uid"] for p in pods(kubectl, ns, "diloco.dev/unit=elastic-cpu-0")}
+    lu0 = kubectl.get("lu", "elastic-cpu-0", ns=ns)["metadata"]["uid"]
+    kubectl.run("scale", "dj", "elastic", "-n", ns, "--replicas=4")
+    dj = wait_job_ready(kubectl, ns, "elastic", 4)
+    assert dj["status"]["replicas"] == 4
+    assert sorted(lu["metadata"]["name"] for lu in kubectl.get("lu", ns=ns)) == [f"elastic-cpu-{i}" for i in range(4)]
+    over = kubectl.run("scale", "dj", "elastic", "-n", ns, "--replicas=9", check=False)
+    assert over.returncode != 0 and "maxCount" in over.stderr
+    kubectl.run("scale", "dj", "elastic", "-n", ns, "--replicas=1")
+    wait_job_ready(kubectl, ns, "elastic", 1)
+    wait_for(lambda: [lu["metadata"]["name"] for lu in kubectl.get("lu", ns=ns)] == ["elastic-cpu-0"], 30, 0.2,
+             "only unit 0 left")
+    wait_for(lambda: len(pods(kubectl, ns, "diloco.dev/job=elastic,diloco.dev/component=learner")) == 1, 30, 0.2,
+             "removed units' pods garbage-collected")
+    assert kubectl.get("lu", "elastic-cpu-0", ns=ns)["metadata"]["uid"] == lu0
+    assert {p["metadata"]["uid"] for p in pods(kubectl, ns, "diloco.dev/unit=elastic-cpu-0")} == keep
+    assert events(kubectl, ns, "UnitRemoved")
+
+
+def test_restart_limit_fails_the_unit_and_the_job_for_good(kubectl, operator, ns):
+    spec = {"config": {"outer": {"quorum": 2}}, "restartPolicy": {"backoffSeconds": 0, "maxRestarts": 1}}
+    kubectl.apply(job("fragile", cpu_units(2), **spec), "-n", ns)
+    wait_job_ready(kubectl, ns, "fragile", 2)
+    for attempt in range(2):
+        (victim,) = wait_for(lambda: [p for p in unit_pods(kubectl, ns, "fragile-cpu-0") if running(p)] or None,
+                             30, 0.1, "a running pod to kill")
+        kubectl.run("delete", "pod", victim["metadata"]["name"], "-n", ns, "--wait=false")
+        if attempt == 0:
+            wait_for(lambda: kubectl.get("lu", "fragile-cpu-0", ns=ns)["status"].get("restarts") == 1, 30, 0.1,
+                     "first restart")
+    dj = wait_for(lambda: (d := kubectl.get("dj", "fragile", ns=ns))["status"].get("phase") == "Failed" and d,
+                  30, 0.2, "job Failed")
+    assert condition(dj, "Failed")["reason"] == "TooFewUnits"
+    lu = kubectl.get("lu", "fragile-cpu-0", ns=ns)
+    assert lu["status"]["phase"] == "Failed" and lu["status"]["restarts"] == 1
+    wait_for(lambda: not pods(kubectl, ns, "diloco.dev/job=fragile,diloco.dev/component=learner"), 30, 0.2,
+             "a failed job's learner pods stopped")
+    wait_for(lambda: kubectl.get("deployment", "fragile-syncer", ns=ns)["spec"]["replicas"] == 0, 30, 0.2,
+             "the syncer scaled to zero")
+    time.sleep(3)
+    assert kubectl.get("dj", "fragile", ns=ns)["status"]["phase"] == "Failed", "terminal phases stick"
+    assert not pods(kubectl, ns, "diloco.dev/job=fragile,diloco.dev/component=learner")
+    assert events(kubectl, ns, "BackoffLimitExceeded") and events(kubectl, ns, "JobFailed")
+
+
+def test_deleting_the_job_cascades_to_everything_it_owns(kubectl, operator, ns):
+    kubectl.apply(job("gone", cpu_units(2, podsPerUnit=2)), "-n", ns)
+    wait_job_ready(kubectl, ns, "gone", 2)
+    sel = "diloco.dev/job=gone"
+    kinds = ("learnerunits", "pods", "deployments", "services", "persistentvolumeclaims", "secrets", "configmaps")
+    assert all(kubectl.get(k, ns=ns, selector=sel) for k in kinds)
+    kubectl.run("delete", "dj", "gone", "-n", ns, "--wait=false")
+    wait_for(lambda: not any(kubectl.get(k, ns=ns, selector=sel) for k in kinds), 60, 0.3,
+             "garbage collection of every owned object")
+
+
+def test_the_operator_exposes_prometheus_metrics(operator):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5).read().decode()
+    assert 'diloco_operator_reconciles_total{kind="unit",result="ok"}' in text
+    assert "diloco_operator_unit_restarts_total" in text
+
+
+def test_a_restarted_operator_picks_up_where_it_left_off(kubectl, operator, ns):
+    kubectl.apply(job("resume", cpu_units(2, maxCount=3)), "-n", ns)
+    wait_job_ready(kubectl, ns, "resume", 2)
+    untouched = unit_pods(kubectl, ns, "resume-cpu-1")[0]["metadata"]["uid"]
+    operator.stop()
+    try:
+        (victim,) = unit_pods(kubectl, ns, "resume-cpu-0")
+        kubectl.run("delete", "pod", victim["metadata"]["name"], "-n", ns, "--wait=false")
+        kubectl.run("scale", "dj", "resume", "-n", ns, "--replicas=3")
+        time.sleep(2)
+        assert unit_pods(kubectl, ns, "resume-cpu-0") == [], "nothing heals while the operator is down"
+        assert kubectl.get("lu", "resume-cpu-2", ns=ns) is None
+    finally:
+        operator.start()
+    dj = wait_job_ready(kubectl, ns, "resume", 3, timeout=90)
+    assert dj["status"]["restarts"] == 1
+    (new,) = unit_pods(kubectl, ns, "resume-cpu-0")
+    assert new["metadata"]["labels"]["diloco.dev/incarnation"] == "1"
+    assert unit_pods(kubectl, ns, "resume-cpu-1")[0]["metadata"]["uid"] == untouched
+    time.sleep(1)
+    assert len(unit_pods(kubectl, ns, "resume-cpu-0")) == 1, "no duplicate pods after the restart"
+
+
+def test_job_status_reports_a_real_syncers_progress_and_units_last_contribution(kubectl, operator, ns, tmp_path):
+    tiny = {"model": {"seq_len": 16, "d_model": 16, "n_layers": 1, "n_heads": 2}, "outer": {"fragments": 2}}
+    kubectl.apply(job("live", cpu_units(1), config=tiny), "-n", ns)
+    wait_job_ready(kubectl, ns, "live", 1)
+    # The real syncer, run here on the config and token the operator generated (kwok runs no containers).
+    token = base64.b64decode(kubectl.get("secret", "live-token", ns=ns)["data"]["token"]).decode()
+    config = tmp_path / "config.yaml"
+    config.write_text(kubectl.get("configmap", "live-config", ns=ns)["data"]["config.yaml"])
+    state = tmp_path / "state"
+    env = {**os.environ, "DILOCO_TOKEN": token, "PYTHONPATH": PYTHONPATH}
+    syncer = subprocess.Popen([sys.executable, "-m", "diloco_trainer.cli", "syncer", "--config", str(config),
+                               "--host", "127.0.0.1", "--port", "0", "--state-dir", str(state)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = wait_for(lambda: (state / "endpoint.json").exists() and
+                       json.loads((state / "endpoint.json").read_text())["url"], 60, 0.2, "the syncer to listen")
+        req = urllib.request.Request(f"{url}/v1/register", method="POST", headers={
+            "Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+            data=json.dumps({"learner_id": "live-cpu-0", "unit": 0, "world_size": 1, "device": "cpu"}).encode())
+        assert urllib.request.urlopen(req, timeout=10).status == 200
+        kubectl.run("annotate", "dj", "live", "-n", ns, f"diloco.dev/syncer-url={url}")
+        dj = wait_for(lambda: (d := kubectl.get("dj", "live", ns=ns))["status"].get("outerSteps") is not None and d,
+                      30, 0.2, "outerSteps from the syncer")
+        assert dj["status"]["outerSteps"] == 0 and dj["status"]["version"] >= 0
+        lu = wait_for(lambda: (u := kubectl.get("lu", "live-cpu-0", ns=ns))["status"].get("lastContribution") and u,
+                      30, 0.2, "the unit's last contribution")
+        assert lu["status"]["lastContribution"].endswith("Z")
+    finally:
+        syncer.terminate()
+        syncer.wait(timeout=30)

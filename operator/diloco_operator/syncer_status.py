@@ -25,9 +25,12 @@ def summarize(doc: dict) -> dict:
     for lid, info in (doc.get("learners") or {}).items():
         if info.get("last_seen"):
             learners[lid] = C.now_iso(datetime.fromtimestamp(float(info["last_seen"]), timezone.utc))
-    return {"outerSteps": int(doc.get("outer_steps", 0)),
-            "version": sum(int(v) for v in (doc.get("versions") or {}).values()),
-            "learners": learners}
+    out = {"outerSteps": int(doc.get("outer_steps", 0)),
+           "version": sum(int(v) for v in (doc.get("versions") or {}).values()),
+           "learners": learners}
+    if doc.get("last_checkpoint"):  # unix seconds of the syncer's last checkpoint, when it reports one
+        out["lastCheckpoint"] = C.now_iso(datetime.fromtimestamp(float(doc["last_checkpoint"]), timezone.utc))
+    return out
 
 
 async def fetch(url: str, token: str, timeout_s: float = 3.0) -> dict | None:

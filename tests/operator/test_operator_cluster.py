@@ -324,3 +324,49 @@ def test_job_status_reports_a_real_syncers_progress_and_units_last_contribution(
     finally:
         syncer.terminate()
         syncer.wait(timeout=30)
+
+
+def test_a_spec_the_models_reject_is_reported_on_the_job_with_the_field(kubectl, operator, ns):
+    # CEL cannot check d_model % n_heads; the operator's pydantic models do, and say so on the job.
+    bad = job("odd", cpu_units(1), config={"model": {"d_model": 10, "n_heads": 4}})
+    kubectl.apply(bad, "-n", ns)
+    dj = wait_for(lambda: (d := kubectl.get("dj", "odd", ns=ns)) and condition(d, "Ready").get("reason") == "InvalidSpec"
+                  and d, 30, 0.2, "Ready=False/InvalidSpec")
+    assert "spec.config.model" in condition(dj, "Ready")["message"] and "divisible" in dj["status"]["message"]
+    assert kubectl.get("lu", ns=ns) == [] and events(kubectl, ns, "InvalidSpec")
+
+
+def test_a_changed_image_recreates_the_pods_without_counting_restarts(kubectl, operator, ns):
+    kubectl.apply(job("roll", cpu_units(2)), "-n", ns)
+    wait_job_ready(kubectl, ns, "roll", 2)
+    kubectl.run("patch", "dj", "roll", "-n", ns, "--type=merge", "-p", '{"spec": {"image": "diloco-trainer:v2"}}')
+
+    def rolled():
+        ps = pods(kubectl, ns, "diloco.dev/job=roll,diloco.dev/component=learner")
+        return len(ps) == 2 and all(running(p) and p["spec"]["containers"][0]["image"] == "diloco-trainer:v2"
+                                    for p in ps) and ps
+    for p in wait_for(rolled, 30, 0.2, "pods on the new image"):
+        assert p["metadata"]["labels"]["diloco.dev/incarnation"] == "1"
+    dj = wait_job_ready(kubectl, ns, "roll", 2)
+    assert dj["status"]["restarts"] == 0 and dj["status"]["phase"] == "Running"
+    assert events(kubectl, ns, "UnitUpdated") and events(kubectl, ns, "SpecChanged")
+
+
+def test_a_job_whose_units_all_complete_succeeds_and_stays_succeeded(kubectl, operator, ns):
+    kubectl.apply(job("done", cpu_units(2, steps=100)), "-n", ns)
+    wait_job_ready(kubectl, ns, "done", 2)
+    learners = pods(kubectl, ns, "diloco.dev/job=done,diloco.dev/component=learner")
+    assert all("--steps" in p["spec"]["containers"][0]["command"] for p in learners)
+    for p in learners:  # what a kubelet reports when `diloco learner --steps N` exits 0 (kwok runs no process)
+        kubectl.run("patch", "pod", p["metadata"]["name"], "-n", ns, "--subresource=status", "--type=merge",
+                    "-p", '{"status": {"phase": "Succeeded"}}')
+    dj = wait_for(lambda: (d := kubectl.get("dj", "done", ns=ns))["status"].get("phase") == "Succeeded" and d,
+                  30, 0.2, "job Succeeded")
+    assert condition(dj, "Succeeded")["reason"] == "AllUnitsSucceeded" and dj["status"]["completionTime"]
+    wait_for(lambda: kubectl.get("deployment", "done-syncer", ns=ns)["spec"]["replicas"] == 0, 30, 0.2,
+             "the syncer scaled to zero")
+    kubectl.run("delete", "pod", learners[0]["metadata"]["name"], "-n", ns, "--wait=false")
+    time.sleep(3)
+    assert unit_pods(kubectl, ns, learners[0]["metadata"]["labels"]["diloco.dev/unit"]) == []
+    assert kubectl.get("dj", "done", ns=ns)["status"]["phase"] == "Succeeded", "terminal phases stick"
+    assert all(lu["status"]["phase"] == "Succeeded" for lu in kubectl.get("lu", ns=ns))

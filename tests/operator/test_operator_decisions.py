@@ -213,5 +213,7 @@ def test_syncer_status_summary_and_address():
     assert syncer_status.summarize(doc) == {"outerSteps": 7, "version": 7,
                                             "learners": {"demo-gpu-0": "2026-01-01T00:00:00Z"}}
     assert syncer_status.syncer_address(JOB, 8470) == "http://demo-syncer.ns.svc:8470"
+    with_ckpt = syncer_status.summarize({**doc, "last_checkpoint": 1767225660})
+    assert with_ckpt["lastCheckpoint"] == "2026-01-01T00:01:00Z"
     annotated = {**JOB, "metadata": {**JOB["metadata"], "annotations": {syncer_status.URL_ANNOTATION: "http://x:1/"}}}
     assert syncer_status.syncer_address(annotated, 8470) == "http://x:1"

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from .experiment import load_experiment, parse_duration
+from .metrics import ChaosMetrics
 from .record import Record
 from .runner import Progress, run_experiment
 from .schedule import preview
@@ -30,6 +31,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                     "or ./chaos-<name>-<time>.jsonl)")
     r.add_argument("--max-duration", help="stop injecting sooner than the experiment's safety.maxDuration")
     r.add_argument("--plain", action="store_true", help="one line per event instead of the live view")
+    r.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus /metrics (faults, recoveries, measured goodput) on this port (0 = off)")
 
     v = sub.add_parser("validate", help="check an experiment and print its first scheduled faults")
     v.add_argument("experiment")
@@ -137,13 +140,22 @@ def _run(args) -> int:
         target = KubernetesTarget(job=args.job, namespace=namespace, kubeconfig=args.kubeconfig)
         default_record = Path(f"chaos-{exp.name}-{stamp}.jsonl")
     record = Record(Path(args.record) if args.record else default_record)
-    display = Display(record, plain=args.plain or not sys.stdout.isatty())
+    metrics = ChaosMetrics()
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, registry=metrics.registry)
+    display = Display(record, plain=args.plain or not sys.stdout.isatty(), metrics=metrics, experiment=exp.name,
+                      run_dir=args.run_dir)
     dry = args.dry_run or exp.dry_run
     print(f"chaos experiment {exp.name}{' (DRY RUN: nothing will be touched)' if dry else ''} -> record {record.path}")
     try:
-        summary = asyncio.run(_main(exp, target, record, dry, display))
+        summary = asyncio.run(_main(exp, target, record, dry, display, metrics))
     finally:
         display.close()
+    end = next((e for e in reversed(record.entries) if e["event"] == "end"), None)
+    if end is not None:
+        print(f"experiment ended: {end['reason']} (record: {record.path})")
     print(f"faults {summary['faults']}, skipped {summary['skipped']}, recovered {summary['recovered']}, "
           f"not recovered {summary['not_recovered']}")
     if summary["trained_again_s_median"] is not None:
@@ -161,7 +173,7 @@ def _run(args) -> int:
     return 0
 
 
-async def _main(exp, target, record, dry_run, display) -> dict:
+async def _main(exp, target, record, dry_run, display, metrics) -> dict:
     stop = asyncio.Event()
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()
@@ -176,7 +188,8 @@ async def _main(exp, target, record, dry_run, display) -> dict:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, interrupt)
     try:
-        return await run_experiment(exp, target, record, dry_run=dry_run, stop=stop, on_progress=display.update)
+        return await run_experiment(exp, target, record, dry_run=dry_run, stop=stop, on_progress=display.update,
+                                    metrics=metrics)
     except asyncio.CancelledError:
         from .record import summarize
 
@@ -216,10 +229,16 @@ def describe(entry: dict) -> str:
 
 
 class Display:
-    """Live view (rich) or one plain line per record entry."""
+    """Live view (rich) or one plain line per record entry; for a local run, its measured goodput every 10 s."""
 
-    def __init__(self, record: Record, plain: bool):
+    GOODPUT_EVERY_S = 10.0
+
+    def __init__(self, record: Record, plain: bool, metrics: ChaosMetrics | None = None, experiment: str = "",
+                 run_dir: str | None = None):
         self.record, self.plain = record, plain
+        self.metrics, self.experiment, self.run_dir = metrics, experiment, run_dir
+        self.goodput: dict | None = None
+        self.goodput_at = 0.0
         self.shown = 0
         self.messages: list[str] = []
         self.live = None
@@ -234,9 +253,27 @@ class Display:
         if self.plain:
             print(self.messages[-1], flush=True)
 
+    def _measure(self) -> None:
+        if self.run_dir is None or time.monotonic() - self.goodput_at < self.GOODPUT_EVERY_S:
+            return
+        self.goodput_at = time.monotonic()
+        from . import goodput
+
+        try:
+            self.goodput = goodput.from_run_dir(self.run_dir)
+        except ValueError:
+            return  # nothing trained yet
+        if self.metrics is not None:
+            self.metrics.goodput.labels(self.experiment).set(self.goodput["goodput"] or 0.0)
+            self.metrics.uptime.labels(self.experiment).set(self.goodput.get("uptime") or 0.0)
+        if self.plain:
+            print(f"{time.strftime('%H:%M:%S')} run so far: {goodput_lines(self.goodput)[0]}; uptime "
+                  f"{100 * (self.goodput.get('uptime') or 0):.1f}%", flush=True)
+
     def update(self, p: Progress) -> None:
         new = self.record.entries[self.shown:]
         self.shown = len(self.record.entries)
+        self._measure()
         if self.plain:
             for entry in new:
                 print(describe(entry), flush=True)
@@ -255,6 +292,9 @@ class Display:
         body.add_row(table)
         for line in lines:
             body.add_row(line)
+        if self.goodput is not None:
+            body.add_row(f"run so far: {goodput_lines(self.goodput)[0]}; uptime "
+                         f"{100 * (self.goodput.get('uptime') or 0):.1f}%")
         if p.ending:
             body.add_row(f"[b]ending:[/b] {p.ending} (waiting for open recoveries)")
         self.live.update(Panel(body, title="diloco chaos"), refresh=True)

@@ -132,13 +132,12 @@ class Record:
     def __init__(self, path: Path | None):
         self.path = Path(path) if path is not None else None
         self.entries: list[dict] = []
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, event: str, **fields) -> dict:
         entry = {"event": event, "time": time.time(), **fields}
         self.entries.append(entry)
         if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)  # on first use: a refused run leaves nothing
             with open(self.path, "a") as f:
                 f.write(json.dumps(entry, default=str) + "\n")
         return entry

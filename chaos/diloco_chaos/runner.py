@@ -13,6 +13,7 @@ from typing import Callable
 
 from .experiment import Experiment
 from .guards import decide, in_scope, stop_reason
+from .metrics import ChaosMetrics
 from .record import Record, RecoveryTracker, summarize
 from .schedule import Schedule
 from .targets import Fault, Target
@@ -38,12 +39,14 @@ class Progress:
 async def run_experiment(exp: Experiment, target: Target, record: Record, *, dry_run: bool = False,
                          stop: asyncio.Event | None = None, on_progress: Callable[[Progress], None] | None = None,
                          on_fault: Callable[[Fault, dict], object] | None = None, poll_s: float = 0.5,
-                         clock: Callable[[], float] = time.time, started_at: float | None = None) -> dict:
+                         clock: Callable[[], float] = time.time, started_at: float | None = None,
+                         metrics: ChaosMetrics | None = None) -> dict:
     """Run `exp` against `target` until its time or fault budget is used, `stop` is set, or the run under test
     ends; then wait (bounded by safety.recoveryTimeout) for open recoveries. Returns the record's summary.
 
     Dry run (`dry_run` or `exp.dry_run`): every decision is made and recorded, nothing is touched.
     `on_fault(fault, details)` is awaited after each injection (the operator updates its status from it).
+    `metrics`: Prometheus counters to update (faults, skips, recoveries, victims down).
     `started_at`: when the experiment first started (an operator that restarted resumes its schedule and
     maxDuration from there; ticks missed while it was away are not fired).
     """
@@ -67,6 +70,8 @@ async def run_experiment(exp: Experiment, target: Target, record: Record, *, dry
 
     def note(event: str, **fields) -> dict:
         entry = record.write(event, **fields)
+        if metrics is not None:
+            metrics.observe(exp.name, entry)
         if event == "skipped":
             counts["skipped"] += 1
         return entry
@@ -96,6 +101,8 @@ async def run_experiment(exp: Experiment, target: Target, record: Record, *, dry
                 await _fire_due(exp, target, sched, rng, tracker, active, counts, note, now, dry_run, on_fault)
             if ending is not None and (gone or not active and not tracker.faults or now - ending_at > timeout_s):
                 break
+            if metrics is not None:
+                metrics.down.labels(exp.name).set(len(tracker.down()))
             if on_progress is not None:
                 nxt = sched.next_at()
                 on_progress(Progress(exp.name, dry_run, now - start, exp.safety.max_duration_s,

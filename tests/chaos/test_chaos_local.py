@@ -16,6 +16,7 @@ import pytest
 
 from diloco_chaos.experiment import parse_experiment
 from diloco_chaos.goodput import from_run_dir
+from diloco_chaos.metrics import ChaosMetrics
 from diloco_chaos.record import Record
 from diloco_chaos.runner import run_experiment
 from diloco_chaos.targets.local import LocalTarget
@@ -117,7 +118,8 @@ def test_a_schedule_really_kills_and_training_continues(local_run, tmp_path):
     exp = _experiment(schedule={"every": "3s", "seed": 5}, target={"units": [0, 1]}, action={"type": "kill"},
                       safety={"minAliveUnits": 2, "maxConcurrent": 1, "maxFaults": 2, "maxDuration": "3m",
                               "recoveryTimeout": "150s"})
-    summary = _run(exp, run, tmp_path / "kill.jsonl")
+    metrics = ChaosMetrics()
+    summary = _run(exp, run, tmp_path / "kill.jsonl", metrics=metrics)
     entries = _read(tmp_path / "kill.jsonl")
     faults = [e for e in entries if e["event"] == "fault"]
     recoveries = [e for e in entries if e["event"] == "recovery"]
@@ -134,6 +136,9 @@ def test_a_schedule_really_kills_and_training_continues(local_run, tmp_path):
     for r in recoveries:
         assert 0 < r["trained_again_s"] <= r["merged_again_s"] < 150
         assert r["replacement_started_at"] > r["injected_at"]
+    exported = metrics.render().decode()  # a counter on every kill, the recovery times as a histogram
+    assert 'diloco_chaos_faults_total{action="kill",dry_run="false",experiment="test",role="learner"} 2.0' in exported
+    assert 'diloco_chaos_recovery_seconds_count{experiment="test",until="merged"} 2.0' in exported
     assert proc.poll() is None  # the run itself never stopped
     assert _outer_steps(run) > outer_before  # and the global model kept advancing
 

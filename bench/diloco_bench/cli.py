@@ -27,6 +27,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="copy the JSON and PNG files to bench/latest/ (default: only after a full, "
                              "complete suite)")
     parser.add_argument("--plain", action="store_true", help="log lines instead of live progress bars")
+    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # debugging: smallest sizes
 
 
 def selected(only: str) -> list[str]:
@@ -53,9 +54,11 @@ def run(args: argparse.Namespace) -> int:
     if args.seeds is not None and args.seeds < 1:
         print("diloco bench: --seeds must be >= 1", file=sys.stderr)
         return 2
-    mode = "quick" if args.quick else "full"
+    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
     out = Path(args.out) if args.out else RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-{mode}"
     console = Console()
+    if not console.is_terminal:  # logs and pipes: wide enough that the tables keep one line per row
+        console = Console(width=180)
     plain = args.plain or not console.is_terminal
     progress = None if plain else report.make_progress(console)
     ctx = report.Context(mode=mode, out_dir=out, console=console, progress=progress, seeds=args.seeds)
@@ -84,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
             results.append(result)
             console.log(f"{name} done in {time.monotonic() - t0:.0f} s → {path}")
             console.print(report.rich_table(result))
+            for note in result.get("notes", []):
+                console.print(f"note: {note}")
             suite.advance()
     finally:
         if progress is not None:
@@ -93,8 +98,6 @@ def run(args: argparse.Namespace) -> int:
                "duration_s": time.monotonic() - started, "env": report.environment(),
                "targets": [{"benchmark": r["benchmark"], **t} for r in results for t in r["targets"]]}
     report.write_json(out / "summary.json", summary)
-    for r in results:
-        console.print(report.rich_table(r))
     console.print(report.targets_table(results))
     console.log(f"suite took {summary['duration_s'] / 60:.1f} min; results in {out}")
     complete = not failed and names == list(BENCHMARKS) and mode == "full"

@@ -86,7 +86,7 @@ def plot(result: dict, path: Path) -> Path:
     a.axhline(fig_data["target_loss"], color="k", ls=":", lw=1)
     a.annotate("target", (0.02, fig_data["target_loss"]), xycoords=("axes fraction", "data"), fontsize=8,
                va="bottom")
-    a.set_xlabel("wall time (s)")
+    a.set_xlabel("wall time since training started (s)")
     a.set_ylabel("validation loss of the global model")
     a.set_title(f"learner speeds {fig_data['slowdown']}, ±{100 * fig_data['jitter']:.0f}% jitter")
     a.legend(fontsize=8)

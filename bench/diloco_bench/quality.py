@@ -78,7 +78,7 @@ def _summarize(result: dict, per: dict[str, list[dict]]) -> None:
         fig["summary"][label] = {"val_loss": sp, "vs_ddp": vs_ddp, "vs_sync": vs_sync,
                                  "tokens": statistics.fmean(r["tokens"] for r in rs),
                                  "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in rs)}
-        t["rows"].append([label, f"{sp['mean']:.4f} ± {sp['std']:.4f}", _pct(vs_ddp), _pct(vs_sync),
+        t["rows"].append([label, f"{sp['mean']:.4f}" + (f" ± {sp['std']:.4f}" if sp["n"] > 1 else ""), _pct(vs_ddp), _pct(vs_sync),
                           f"{statistics.fmean(r['tokens'] for r in rs):,.0f}",
                           f"{statistics.fmean(r['tokens_per_s'] for r in rs):,.0f}"])
     tokens = {label: s["tokens"] for label, s in fig["summary"].items()}
@@ -145,6 +145,9 @@ def plot(result: dict, path: Path) -> Path:
     if uni:
         b.axhline(uni, color="k", ls=":", lw=1)
         b.annotate("unigram baseline", (0.6, uni), xycoords=("axes fraction", "data"), fontsize=8, va="bottom")
+    if uni:
+        top = max(uni * 1.12, max(v for rs in per.values() for v in rs[0]["curve"]["val_loss"][1:2] or [uni]))
+        b.set_ylim(lo - 0.1, top)  # Θ₀'s loss (~5.5) would flatten everything else
     b.set_xlabel("tokens trained (all learners)")
     b.set_ylabel("validation loss of the global model")
     b.set_title("validation loss during training (seed 0)")

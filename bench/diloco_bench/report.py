@@ -219,7 +219,7 @@ def figure(ncols: int = 1, nrows: int = 1, width: float = 6.0, height: float = 4
 
 
 METHOD_COLORS = {"decoupled": "#1f77b4", "ddp": "#7f7f7f", "sync-diloco": "#d62728", "k1-no-grace": "#9467bd",
-                 "mean-merge": "#ff7f0e", "none": "#7f7f7f", "bf16": "#2ca02c", "int8": "#ff7f0e", "int4": "#1f77b4"}
+                 "mean-merge": "#ff7f0e", "none": "#8c564b", "bf16": "#2ca02c", "int8": "#ff7f0e", "int4": "#1f77b4"}
 
 
 def color(name: str) -> str:

@@ -88,7 +88,7 @@ class RunSpec:
 
 def standard_steps(ctx: report.Context) -> int:
     """Inner steps per learner of every comparison run (one length, so benchmarks can share runs)."""
-    return ctx.pick(20, 40, 200)
+    return ctx.pick(20, 64, 200)
 
 
 def seeds(ctx: report.Context) -> int:
@@ -180,12 +180,37 @@ def _load(path: Path, spec: RunSpec) -> dict:
     return summary
 
 
+def training_span(summary: dict) -> tuple[float, float] | None:
+    """(unix time the first learner began its first step, time of the last training report), from metrics.jsonl."""
+    first, last = None, None
+    for metrics in (Path(summary["run_dir"]) / "learners").glob("*/metrics.jsonl"):
+        recs = read_jsonl(metrics)
+        if recs:
+            r0 = recs[0]
+            start = float(r0["time"]) - int(r0.get("step", 0)) * float(r0.get("step_time_s") or 0.0)
+            first = start if first is None else min(first, start)
+            last = float(recs[-1]["time"]) if last is None else max(last, float(recs[-1]["time"]))
+    return (first, last) if first is not None and last > first else None
+
+
 def learner_tokens_per_s(summary: dict) -> float:
-    """Tokens trained by all learners per second of the run's wall time."""
-    return summary["tokens_trained"] / summary["wall_time_s"] if summary.get("wall_time_s") else 0.0
+    """Tokens trained by all learners per second while training: from the first training report of any learner
+    to the last one, so the one-time launch is left out but every restart's start-up counts."""
+    span = training_span(summary)
+    return summary["tokens_trained"] / (span[1] - span[0]) if span else 0.0
 
 
 def val_curve(summary: dict) -> tuple[list[float], list[float], list[float]]:
-    """(time_s, tokens, val_loss) of the global model's evaluations during the run (final included)."""
+    """(time_s, tokens, val_loss) of the global model's evaluations (snapshots, then the final model).
+
+    Times count from the start of training (see `training_span`), not from the launch, so the one-time start-up,
+    the same machinery for every method, does not dilute wall-time comparisons; the final model sits at the
+    last training report.
+    """
     points = summary.get("global_evals") or []
-    return ([p["time_s"] for p in points], [p["tokens"] for p in points], [p["val_loss"] for p in points])
+    span = training_span(summary)
+    index = read_jsonl(Path(summary["run_dir"]) / "snapshots" / "index.jsonl")
+    if span is None or len(index) + 1 != len(points):
+        return ([p["time_s"] for p in points], [p["tokens"] for p in points], [p["val_loss"] for p in points])
+    times = [max(0.0, float(snap["time"]) - span[0]) for snap in index] + [span[1] - span[0]]
+    return (times, [p["tokens"] for p in points], [p["val_loss"] for p in points])

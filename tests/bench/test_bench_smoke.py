@@ -24,7 +24,8 @@ def test_syncer_speed_tiny_writes_ratios_to_a_same_run_baseline_a_table_and_a_pn
         for part in ("merge", "decode", "spool"):
             timing = f[part]
             assert timing["time_s"] > 0 and timing["reference_s"] > 0
-            assert timing["ratio_min"] <= timing["ratio"] <= timing["ratio_max"]
+            assert timing["ratio"] == pytest.approx(timing["time_s"] / timing["reference_s"])
+            assert timing["time_s"] <= timing["time_median_s"] and timing["ratio_min"] <= timing["ratio_max"]
     assert [r["learners"] for r in fig["by_learners"]] == [2, 4]
     assert [r["preset"] for r in fig["by_size"]] == ["tiny"]
     assert data["targets"] and all({"claim", "target", "measured", "met", "why"} <= set(t) for t in data["targets"])

@@ -4,18 +4,21 @@ runs as its own ServiceAccount with exactly chaos/rbac.yaml."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from diloco_chaos.experiment import parse_experiment
-from diloco_chaos.record import Record
+from diloco_chaos.record import Record, read_record, summarize
 from diloco_chaos.runner import run_experiment
 from diloco_chaos.targets.kubernetes import KubernetesTarget
 from test_operator_cluster import cpu_units, events, job, unit_pods, wait_job_ready  # helpers only
 
-from cluster_kit import ROOT, wait_for
+from cluster_kit import PYTHONPATH, ROOT, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -73,6 +76,8 @@ async def test_pods_of_a_dilocojob_are_deleted_on_schedule_with_events_and_the_j
         assert f["time"] - f["scheduled_at"] < 1.5
     for r in recoveries:
         assert 0 < r["trained_again_s"] < 60 and r["merged_again_s"] is None
+    print(f"\nchaos pod kill -> replacement Running and Ready: median {summary['trained_again_s_median']:.2f}s, "
+          f"all {[round(r['trained_again_s'], 2) for r in recoveries]}")
     # An Event on every victim pod and on its unit, from the chaos tool.
     chaos_events = events(kubectl, ns, "ChaosPodKilled")
     for f in faults:
@@ -103,20 +108,31 @@ async def test_a_pod_fails_with_the_exit_code_through_kwok(kubectl, operator, ns
 
     def failed_seen():
         return [e for e in events(kubectl, ns, "PodFailed") if e["involvedObject"]["name"] == "crash-cpu-1"]
-    assert "exit code 3" in wait_for(failed_seen, 30, 0.2, "the operator's PodFailed event")[0]["message"]
+    try:
+        seen = wait_for(failed_seen, 60, 0.2, "the operator's PodFailed event")
+    except BaseException:
+        print([(e["reason"], e["involvedObject"]["name"], e["message"]) for e in kubectl.get("events", ns=ns)])
+        raise
+    assert "exit code 3" in seen[0]["message"]
     assert any(e["involvedObject"]["name"] == fault["members"][0] for e in events(kubectl, ns, "ChaosPodFailed"))
     assert kubectl.get("lu", "crash-cpu-1", ns=ns)["status"]["restarts"] == 1
     assert kubectl.get("lu", "crash-cpu-0", ns=ns)["status"].get("restarts", 0) == 0
 
 
-async def test_a_dry_run_touches_no_pod(kubectl, operator, ns, chaos_kubeconfig, tmp_path):
+def test_a_dry_run_from_the_cli_touches_no_pod(kubectl, operator, ns, chaos_kubeconfig, tmp_path):
     kubectl.apply(job("calm", cpu_units(2)), "-n", ns)
     wait_job_ready(kubectl, ns, "calm", 2)
     before = {p["metadata"]["uid"] for u in range(2) for p in unit_pods(kubectl, ns, f"calm-cpu-{u}")}
-    exp = _exp(schedule={"every": "500ms"}, safety={"maxFaults": 3, "maxDuration": "30s"}, dryRun=True)
-    record = Record(tmp_path / "record.jsonl")
-    summary = await run_experiment(exp, KubernetesTarget("calm", ns, kubeconfig=chaos_kubeconfig), record,
-                                   poll_s=0.1)
+    spec = {"name": "calm-dry", "schedule": {"every": "500ms"}, "safety": {"maxFaults": 3, "maxDuration": "30s"}}
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(spec))
+    out = subprocess.run(
+        [sys.executable, "-m", "diloco_trainer.cli", "chaos", "run", str(tmp_path / "exp.yaml"), "--job", "calm",
+         "--namespace", ns, "--kubeconfig", chaos_kubeconfig, "--dry-run", "--plain",
+         "--record", str(tmp_path / "record.jsonl")],
+        env={**os.environ, "PYTHONPATH": PYTHONPATH}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("WOULD kill") == 3 and "DRY RUN" in out.stdout
+    summary = summarize(read_record(tmp_path / "record.jsonl"))
     assert summary["faults"] == 3 and summary["dry_run_faults"] == 3
     assert {p["metadata"]["uid"] for u in range(2) for p in unit_pods(kubectl, ns, f"calm-cpu-{u}")} == before
     assert events(kubectl, ns, "ChaosPodKilled") == []

@@ -5,12 +5,12 @@ kr8s finds the credentials (KUBECONFIG, ~/.kube/config, or the in-cluster servic
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
 from dataclasses import dataclass
 
-import kr8s
 import kr8s.asyncio
 
 from diloco_operator import conditions as C
@@ -55,6 +55,7 @@ class Kube:
         self.api = api
         self.api.timeout = timeout_s
         self.instance = os.environ.get("POD_NAME") or socket.gethostname()
+        self._reauth = asyncio.Lock()
 
     @classmethod
     async def connect(cls, timeout_s: float = 30.0) -> "Kube":
@@ -70,14 +71,24 @@ class Kube:
             kwargs["content"] = json.dumps(body)
             kwargs["headers"] = {"Content-Type": content_type}
         base = "/api" if res.group_version == "v1" else "/apis"
-        try:
+        for attempt in (1, 2):
+            # raise_for_status=False: kr8s would re-authenticate on every 403 (e.g. "namespace is being
+            # terminated") and rebuild the session shared by concurrent reconciles; only 401 warrants that.
             async with self.api.call_api(method, version=res.group_version, base=base,
                                          namespace=namespace if res.namespaced else None,
-                                         url="/".join(parts), **kwargs) as resp:
+                                         url="/".join(parts), raise_for_status=False, **kwargs) as resp:
+                if resp.status_code == 401 and attempt == 1:
+                    async with self._reauth:
+                        await self.api.reauthenticate()  # e.g. a rotated service-account token
+                    continue
+                if resp.is_error:
+                    try:
+                        message = resp.json().get("message", resp.text)
+                    except ValueError:
+                        message = resp.text
+                    raise ApiError(resp.status_code, message)
                 return resp.json() if resp.content else {}
-        except kr8s.ServerError as exc:
-            status = exc.response.status_code if exc.response is not None else 0
-            raise ApiError(status, str(exc)) from exc
+        raise AssertionError("unreachable")
 
     async def get(self, res: Resource, namespace: str | None, name: str) -> dict | None:
         """The object, or None if it does not exist."""

@@ -35,7 +35,7 @@ def testbed():
 
 @pytest.fixture(scope="session")
 def kubectl(testbed) -> Kubectl:
-    return Kubectl(testbed.kubeconfig)
+    return Kubectl(testbed)
 
 
 @pytest.fixture(scope="session")

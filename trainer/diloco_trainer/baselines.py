@@ -181,7 +181,9 @@ def _worker(args: argparse.Namespace) -> int:
             opt.step()
             opt.zero_grad(set_to_none=True)
             stop_all = False
-            if step % sync_every == 0 or last:
+            # A worker told to stop syncs at once instead of at the next H boundary: its all-reduce meets the
+            # others' next one (collectives pair by call order), and the flag it carries stops them all there.
+            if step % sync_every == 0 or last or want_stop:
                 # Outer step: Δ = Θ − θ averaged over all workers (everyone waits here), Nesterov, θ ← Θ.
                 flat = torch.cat([(theta[n] - p.detach()).reshape(-1) for n, p in zip(names, params)]
                                  + [torch.tensor([float(want_stop)])])

@@ -94,9 +94,13 @@ class Controller:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a failed pass is retried with backoff, never fatal
+                if isinstance(exc, ApiError) and exc.status == 403 and "being terminated" in exc.message:
+                    log.debug("namespace of %s is being deleted; nothing to reconcile", key)
+                    self.forget(key)
+                    continue
                 n = self.failures[key] = self.failures.get(key, 0) + 1
                 delay = min(0.5 * 2 ** (n - 1), 30.0)
-                log.warning("reconcile %s failed (%s), retry %d in %.1fs", key, exc, n, delay)
+                log.warning("reconcile %s failed (%r), retry %d in %.1fs", key, exc, n, delay)
                 metrics.RECONCILES.labels(key[0], "error").inc()
                 self.enqueue(key, delay)
             finally:

@@ -150,6 +150,8 @@ class RunSession:
             learners = [c for c in sup.children.values() if c.role == "learner"]
             if learners and all(c.finished for c in learners):
                 return "every learner finished its steps"
+            if learners and all(c.finished or (c.exits and not c.alive and c.restart_at is None) for c in learners):
+                return "no learner is left running (the failed ones are not restarted)"
             if stop:
                 return f"{stop.requested} received"
             if fail_fast and any(c.exits and c.exits[-1] != 0 for c in learners):

@@ -46,14 +46,17 @@ def stalls(advances: list[float], start: float, end: float, threshold_s: float |
     return [(a, b) for a, b in gaps if b - a > threshold_s], threshold_s
 
 
-def uptime(advances: list[float], start: float, end: float, threshold_s: float | None = None) -> dict:
-    """System uptime over [start, end]: 1 − (time inside stalls) / (end − start)."""
+def uptime(advances: list[float], start: float, end: float, threshold_s: float | None = None,
+           origin: float | None = None) -> dict:
+    """System uptime over [start, end]: 1 − (time inside stalls) / (end − start). Stalls are reported in
+    seconds since `origin` (default `start`)."""
     if end <= start:
         return {"uptime": None, "stalls": [], "stall_threshold_s": threshold_s}
     found, threshold_s = stalls(advances, start, end, threshold_s)
     down = sum(b - a for a, b in found)
+    origin = start if origin is None else origin
     return {"uptime": 1.0 - down / (end - start), "stall_threshold_s": threshold_s,
-            "stalls": [{"from_s": a - start, "to_s": b - start, "s": b - a} for a, b in found]}
+            "stalls": [{"from_s": a - origin, "to_s": b - origin, "s": b - a} for a, b in found]}
 
 
 def _fragments(run_dir: Path, samples: list[dict]) -> int:
@@ -91,7 +94,7 @@ def from_run_dir(run_dir: str | Path, stall_threshold_s: float | None = None) ->
     fragments = _fragments(run_dir, samples)
     merged = _merged_steps(run_dir, samples)
 
-    learners, t_start, t_end = {}, None, None
+    learners, t_start, t_end, t_trained = {}, None, None, None
     names = {e["name"] for e in events if e.get("role") == "learner"}
     names |= {p.name for p in (run_dir / "learners").iterdir() if p.is_dir()}
     for name in sorted(names):
@@ -117,6 +120,9 @@ def from_run_dir(run_dir: str | Path, stall_threshold_s: float | None = None) ->
                             "useful_s": busy * fraction}
         t_start = starts[0] if t_start is None else min(t_start, starts[0])
         t_end = end if t_end is None else max(t_end, end)
+        last_step = max((float(r["time"]) for r in records if not r.get("final")), default=None)
+        if last_step is not None:
+            t_trained = last_step if t_trained is None else max(t_trained, last_step)
     if not learners:
         raise ValueError(f"{run_dir}: no learner has started yet")
 
@@ -124,9 +130,13 @@ def from_run_dir(run_dir: str | Path, stall_threshold_s: float | None = None) ->
     busy = sum(v["busy_s"] for v in learners.values())
     useful = sum(v["useful_s"] for v in learners.values())
     steady = sum(v["allocated_after_startup_s"] for v in learners.values())
-    advances = _advances(samples)
+    advances = advances_from_samples(samples)
     first = advances[0] if advances else None
-    up = uptime(advances, first, t_end, stall_threshold_s) if first is not None else {"uptime": 0.0, "stalls": []}
+    # From the first merge to the last training report: the start-up before and the shutdown drain after
+    # are not stalls of a running system (start-up is reported as first_merge_after_s).
+    up = {"uptime": 0.0, "stalls": []}
+    if first is not None and t_trained is not None:
+        up = uptime(advances, first, max(first, t_trained), stall_threshold_s, origin=t_start)
     return {
         "source": str(run_dir), "fragments": fragments, "learners": learners,
         "allocated_s": allocated, "busy_s": busy, "useful_s": useful,
@@ -141,14 +151,26 @@ def from_run_dir(run_dir: str | Path, stall_threshold_s: float | None = None) ->
     }
 
 
-def _advances(samples: list[dict]) -> list[float]:
-    """Times at which the syncer's outer-step count had grown since the previous sample."""
-    out, last = [], None
+def advances_from_samples(samples: list[dict]) -> list[float]:
+    """Estimated times of the global model's advances, from the syncer's status samples.
+
+    Between two answered samples the count of outer steps tells how many merges happened; they are spread
+    evenly over that interval (the sampler may have been slow or unanswered for a while, yet the syncer
+    merged), but never before the syncer's own start (`uptime_s`): a restarted syncer merged nothing while
+    it was down, so its replayed merges do not hide the outage.
+    """
+    out: list[float] = []
+    prev = None
     for s in sorted(samples, key=lambda s: s.get("time", 0.0)):
-        steps = int(s.get("outer_steps", 0))
-        if last is not None and steps > last:
-            out.append(float(s["time"]))
-        last = steps if last is None else max(last, steps)
+        t, count = float(s["time"]), int(s.get("outer_steps", 0))
+        if prev is not None and count > prev[1]:
+            since = prev[0]
+            if s.get("uptime_s") is not None:
+                since = max(since, t - float(s["uptime_s"]))
+            k = count - prev[1]
+            out.extend(since + (t - since) * (i + 1) / k for i in range(k))
+        if prev is None or count >= prev[1]:
+            prev = (t, count)
     return out
 
 

@@ -97,6 +97,18 @@ def test_uptime_is_whole_when_the_model_keeps_advancing():
     assert uptime([], 0.0, 100.0)["uptime"] == 0.0
 
 
+def test_merges_across_a_gap_in_the_samples_are_spread_over_it():
+    from diloco_chaos.goodput import advances_from_samples
+
+    # The sampler missed 20 s, but the syncer merged 10 times in between: the model kept advancing.
+    samples = [{"time": 0.0, "outer_steps": 0, "uptime_s": 50.0}, {"time": 20.0, "outer_steps": 10, "uptime_s": 70.0}]
+    assert advances_from_samples(samples) == pytest.approx([2.0 * i for i in range(1, 11)])
+    # The syncer restarted 5 s before the second sample: its 10 merges (a replayed spool) all came after that.
+    samples[1]["uptime_s"] = 5.0
+    adv = advances_from_samples(samples)
+    assert min(adv) > 15.0 and uptime(adv, 0.0, 20.0, threshold_s=3.0)["uptime"] == pytest.approx(1 - 15.5 / 20)
+
+
 def test_cluster_goodput_from_prometheus_counters():
     # 4 units for 1000 s, 100 tokens/s each when healthy, P = 2: 2 units' worth of merged fragment-tokens.
     g = from_counters(tokens_merged=2 * 2 * 100 * 1000, tokens_trained=3 * 100 * 1000, unit_tokens_per_s=100,
@@ -110,3 +122,14 @@ def test_cluster_goodput_from_prometheus_counters():
 def test_a_directory_that_is_not_a_run_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="not a run directory"):
         from_run_dir(tmp_path)
+
+
+def test_the_shutdown_drain_is_not_a_stall_but_stays_allocated(run_dir):
+    before = from_run_dir(run_dir)
+    with open(run_dir / "learners/learner-0/metrics.jsonl", "a") as f:  # drained for 25 s after the last step
+        f.write(json.dumps({"time": 125.0, "step": 90, "step_time_s": 1.0, "final": True}) + "\n")
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write(json.dumps({"time": 126.0, "name": "learner-0", "role": "learner", "event": "exit", "code": 0}) + "\n")
+    after = from_run_dir(run_dir)
+    assert after["uptime"] == pytest.approx(before["uptime"]) and len(after["stalls"]) == 1
+    assert after["learners"]["learner-0"]["allocated_s"] == pytest.approx(126.0)

@@ -29,6 +29,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     settings.watching.inactivity_timeout = 70
     settings.networking.request_timeout = 30
     settings.networking.connect_timeout = 10
+    # Server-side filtering: the operator never streams pods or Deployments that are not its own.
+    settings.watching.label_selectors["", "v1", "pods"] = f"{O.LABEL_COMPONENT}=learner"
+    settings.watching.label_selectors["apps", "v1", "deployments"] = f"{O.LABEL_COMPONENT}=syncer"
     settings.posting.level = logging.WARNING  # our own Events carry the decisions; kopf posts only its errors
     settings.peering.standalone = True  # one replica (Deployment with Recreate); no peering objects needed
     # Every API call and every watch event would otherwise be an INFO line; decisions are logged by the controller.

@@ -25,6 +25,7 @@ CONFIG_KEY = "config.yaml"
 SYNCER_STATE_DIR = "/var/lib/diloco"
 LEARNER_STATE_DIR = "/var/lib/diloco-learner"
 NODE_LOSS_GRACE_S = 30
+IMAGE_GID = 10001  # the Dockerfile's user
 
 
 def secret_name(job: str) -> str:
@@ -131,6 +132,7 @@ def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1) -> 
                "--max-body-mb", str(spec.syncer.maxBodyMb)]
     pod_spec = {
         "automountServiceAccountToken": False,
+        "securityContext": {"fsGroup": IMAGE_GID},  # the image runs as UID/GID 10001: let it write the PVC
         "containers": [{
             "name": "syncer", "image": spec.image, "imagePullPolicy": spec.imagePullPolicy, "command": command,
             "env": [token_env], "ports": [{"name": "api", "containerPort": api.SYNCER_PORT}],

@@ -1,20 +1,36 @@
 #!/usr/bin/env bash
-# One-time set-up: a virtualenv with the pinned dependencies (requirements.lock), kept in
-# ~/.cache/diloco keyed by the lock file's hash so fresh clones reuse it, linked here as .venv.
+# One-time set-up. The pinned dependencies (requirements.lock, torch from PyPI) go into a virtualenv cached in
+# ~/.cache/diloco keyed by the lock file's hash, so every clone reuses it; this checkout gets its own light
+# .venv layered on top of it (the cached site-packages plus this checkout's packages on its path, and a
+# `diloco` command), so two checkouts never point one install at each other's code.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$(pwd)
 PY=${PYTHON:-python3}
 key=$( { "$PY" -c 'import sys; print(sys.version)'; cat requirements.lock; } | sha256sum | cut -c1-16)
-VENV=${DILOCO_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/diloco/venv-$key}
-if [ ! -f "$VENV/.complete" ]; then
-  echo "[setup] creating $VENV (first time: downloads torch, a few minutes)" >&2
-  rm -rf "$VENV"
-  "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install --quiet --upgrade pip setuptools wheel >&2
-  "$VENV/bin/pip" install --quiet -r requirements.lock >&2
-  touch "$VENV/.complete"
+DEPS=${DILOCO_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/diloco/venv-$key}
+if [ ! -f "$DEPS/.complete" ]; then
+  echo "[setup] installing the pinned dependencies into $DEPS (first time: downloads torch, a few minutes)" >&2
+  rm -rf "$DEPS"
+  "$PY" -m venv "$DEPS"
+  "$DEPS/bin/pip" install --quiet --upgrade pip >&2
+  "$DEPS/bin/pip" install --quiet -r requirements.lock >&2
+  touch "$DEPS/.complete"
 fi
-# Editable install of this checkout (no dependency resolution: the lock already holds them).
-"$VENV/bin/pip" install --quiet --no-deps --no-build-isolation -e . >&2
-ln -sfn "$VENV" .venv
-echo "[setup] ready: .venv -> $VENV" >&2
+[ -L .venv ] && rm .venv  # an older set-up linked the shared virtualenv itself
+if [ ! -x .venv/bin/python ]; then
+  "$DEPS/bin/python" -m venv --without-pip .venv
+fi
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+deps_site=$("$DEPS/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "import site; site.addsitedir('$deps_site')" > "$site/_diloco_deps.pth"
+printf '%s\n' "$ROOT/trainer" "$ROOT/operator" "$ROOT/chaos" "$ROOT/bench" > "$site/_diloco_src.pth"
+cat > .venv/bin/diloco <<SCRIPT
+#!$ROOT/.venv/bin/python
+import sys
+from diloco_trainer.cli import main
+sys.exit(main())
+SCRIPT
+chmod +x .venv/bin/diloco
+ln -sf "$DEPS/bin/kopf" .venv/bin/kopf
+echo "[setup] ready: .venv (dependencies from $DEPS)" >&2

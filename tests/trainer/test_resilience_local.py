@@ -1,6 +1,6 @@
 """Real processes on loopback: `diloco local` with a real syncer and 3 real learners (tiny model).
 
-A learner is SIGKILLed mid-run, the syncer is SIGKILLed mid-run, the whole run gets Ctrl+C; training must
+A learner is SIGKILLed mid-run, the syncer is SIGKILLed mid-run, and both runs end with Ctrl+C; training must
 carry on, nothing acknowledged may be lost, and no process may outlive the run.
 """
 
@@ -172,9 +172,13 @@ def test_a_sigkilled_learner_is_restarted_resumes_its_shard_and_adopts_current_v
     run.wait(lambda: run.last(victim)["step"] > first["step"] and run.last(victim)["acked"] > 0,
              "the restarted learner to sync again")
 
+    # Ctrl+C: learners stop cleanly (each writes its final line), then the syncer checkpoints; nothing is left.
+    t_interrupt = time.monotonic()
     assert run.interrupt() == 0, run.log_tail()
+    assert time.monotonic() - t_interrupt < 90
     _assert_no_orphans(run)
     summary = run.summary()
+    assert summary["stop_reason"] == "SIGINT received"
     assert summary["restarts"] == {victim: 1}
     assert summary["val_loss"] < summary["unigram_loss"]
     merged = _merged_tokens(run)
@@ -186,7 +190,7 @@ def test_a_sigkilled_learner_is_restarted_resumes_its_shard_and_adopts_current_v
 
 
 def test_a_sigkilled_syncer_is_restarted_and_no_acknowledged_update_is_lost(local_run):
-    run = local_run("--steps", "2000", "--minutes", "4", "--restart-delay", "4", "--checkpoint-every-s", "2")
+    run = local_run("--steps", "2000", "--minutes", "4", "--restart-delay", "6", "--checkpoint-every-s", "2")
     run.wait(lambda: all(run.step(n) >= 20 and run.last(n).get("acked", 0) > 5 for n in LEARNERS)
              and sum(run.versions().values()) > 0, "the learners to sync a few times")
     syncer_pid = run.processes()["syncer"]["pid"]
@@ -195,9 +199,9 @@ def test_a_sigkilled_syncer_is_restarted_and_no_acknowledged_update_is_lost(loca
     t_kill = time.time()
     steps_at_kill = {n: run.step(n) for n in LEARNERS}
 
-    # While the syncer is away (4 s restart delay + its start-up) the learners keep training.
+    # While the syncer is away (6 s restart delay + its start-up) the learners keep training.
     run.wait(lambda: all(run.step(n) > steps_at_kill[n] + 4 for n in LEARNERS), "learners to train on", timeout=30)
-    assert time.time() - t_kill < 4, "learners did not train on while the syncer was down"
+    assert time.time() - t_kill < 6, "learners did not train on while the syncer was down"
     run.wait(lambda: run.processes()["syncer"]["alive"] and run.processes()["syncer"]["pid"] != syncer_pid,
              "the supervisor to restart the syncer")
     assert run.processes()["syncer"]["restarts"] == 1
@@ -243,16 +247,3 @@ def test_a_short_run_finishes_on_its_own_with_a_complete_run_directory(local_run
         acked, clean = _acked_tokens(run, name)
         assert clean and merged[name] == acked > 0
     assert "validation loss of the final global model" in run.log_tail()
-
-
-def test_ctrl_c_stops_every_process_and_still_writes_the_final_checkpoint(local_run):
-    run = local_run("--steps", "5000", "--minutes", "4")
-    run.wait(lambda: all(run.step(n) >= 6 for n in LEARNERS), "training to start")
-    started = time.monotonic()
-    assert run.interrupt() == 0, run.log_tail()
-    assert time.monotonic() - started < 60
-    _assert_no_orphans(run)
-    s = run.summary()
-    assert s["stop_reason"] == "SIGINT received"
-    assert (run.dir / "final" / "theta.safetensors").exists() and s["val_loss"] is not None
-    assert all(_acked_tokens(run, n)[1] for n in LEARNERS), "a learner was killed instead of stopping cleanly"

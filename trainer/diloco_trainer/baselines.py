@@ -43,7 +43,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default=None, help="where to write the run (default runs/<timestamp>/)")
     parser.add_argument("--log-every", type=int, default=5, help="metrics line every N steps")
     parser.add_argument("--snapshots", type=int, default=3, help="model snapshots evaluated at the end")
-    parser.add_argument("--eval-batches", type=int, default=16, help="validation batches for the final eval")
+    parser.add_argument("--eval-batches", type=int, default=32,
+                        help="validation batches (of inner.batch_size windows) for each evaluation of the global model")
     parser.add_argument("--plain", action="store_true", help="plain progress lines instead of the live table")
     # Internal: how the supervisor starts each worker.
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)

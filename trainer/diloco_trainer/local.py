@@ -45,7 +45,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-every", type=int, default=5, help="learner metrics line every N steps")
     parser.add_argument("--snapshots", type=int, default=3,
                         help="global-model snapshots taken during the run and evaluated at the end")
-    parser.add_argument("--eval-batches", type=int, default=16, help="validation batches for the final eval")
+    parser.add_argument("--eval-batches", type=int, default=32,
+                        help="validation batches (of inner.batch_size windows) for each evaluation of the global model")
     parser.add_argument("--plain", action="store_true", help="plain progress lines instead of the live table")
 
 

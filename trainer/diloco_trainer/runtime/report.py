@@ -3,9 +3,10 @@
 Communication formulas (per learner, per inner step, fp32 = 4 bytes per parameter):
 - DDP, ring all-reduce of the gradients every step: 2·(N−1)/N · 4·params (≈ 2 × 4·params for large N).
 - Synchronous DiLoCo, ring all-reduce of Δ (full model) every H steps: 2·(N−1)/N · 4·params / H.
-- Decoupled DiLoCo: measured — outer-gradient bytes the syncer received (its Prometheus counter, or the
-  learners' own `bytes_up`) divided by the inner steps trained; each fragment goes out once per H steps, so
-  about params/H values per step at the compression's bits (int4: 4 bits + a 4-byte scale per block).
+- Decoupled DiLoCo: measured — outer-gradient bytes the learners sent (their `bytes_up`, or the syncer's
+  Prometheus counter) divided by the inner steps trained; each fragment goes out once per H steps, so about
+  params/H values per step at the compression's bits (int4: 4 bits + a 4-byte scale per block). Received
+  bytes (`bytes_down`: every new fp32 fragment version the learner fetched) are reported next to it.
 """
 
 from __future__ import annotations
@@ -114,5 +115,9 @@ def summary_lines(s: dict) -> list[str]:
         lines.append(f"sent per learner per step: {format_bytes(b.get('sent_per_learner_step'))} "
                      f"({b.get('source', '')}) vs DDP {format_bytes(b.get('ddp_per_learner_step'))}"
                      + (f" → {ratio:,.0f}× less" if ratio and ratio > 1 else ""))
+        if b.get("received_per_learner_step") is not None:
+            lines.append(f"received per learner per step: {format_bytes(b['received_per_learner_step'])} "
+                         f"(new global fragment versions, fp32) vs DDP {format_bytes(b.get('ddp_per_learner_step'))} "
+                         "(a ring all-reduce receives what it sends)")
         lines.append(f"  DDP formula: {b.get('ddp_formula')}")
     return lines

@@ -72,7 +72,7 @@ class RunSession:
     """State the supervisor keeps while a run is live, and what it writes into the run directory."""
 
     def __init__(self, run_dir: Path, cfg: TrainConfig, mode: str, learners: int, plain: bool = False,
-                 eval_batches: int = 16, snapshots: int = 3):
+                 eval_batches: int = 32, snapshots: int = 3):
         self.run_dir, self.cfg, self.mode, self.n = run_dir, cfg, mode, learners
         self.plain = plain or not sys.stdout.isatty()
         self.eval_batches, self.n_snapshots = eval_batches, snapshots

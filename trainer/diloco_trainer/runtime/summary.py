@@ -66,8 +66,9 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
     for d in sorted((run_dir / "learners").iterdir()) if (run_dir / "learners").exists() else []:
         records = read_jsonl(d / "metrics.jsonl")
         per_learner[d.name] = learner_totals(records, starts.get(d.name, []))
-        per_learner[d.name]["bytes_up"] = sum(
-            float(g[-1].get("bytes_up", 0) or 0) for g in split_incarnations(records, starts.get(d.name, [])) if g)
+        lives = [g for g in split_incarnations(records, starts.get(d.name, [])) if g]
+        for key in ("bytes_up", "bytes_down"):
+            per_learner[d.name][key] = sum(float(g[-1].get(key, 0) or 0) for g in lives)
         per_learner[d.name]["final_loss"] = records[-1].get("loss") if records else None
         if records and records[-1].get("param_sha256"):
             per_learner[d.name]["param_sha256"] = records[-1]["param_sha256"]
@@ -111,6 +112,7 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
         summary["tokens_merged"] = sum(v["acked_tokens"] for v in per_learner.values())
 
     measured = sum(v["bytes_up"] for v in per_learner.values())
+    received = sum(v["bytes_down"] for v in per_learner.values())
     if mode == "decoupled":
         source = "measured by the learners" if measured else "measured at the syncer"
         sent = measured or outer_gradient_bytes
@@ -119,6 +121,7 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
     ddp = report.ddp_bytes_per_step(params, n_learners)
     summary["bytes"] = {
         "sent_per_learner_step": sent / steps if sent and steps else None,
+        "received_per_learner_step": received / steps if received and steps else None,
         "source": source,
         "ddp_per_learner_step": ddp,
         "ddp_formula": f"2·(N−1)/N · 4 B · params = 2·{n_learners - 1}/{n_learners} · 4 · {params:,} "

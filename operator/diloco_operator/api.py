@@ -90,6 +90,7 @@ class UnitTemplate(_Api):
     tolerations: list[Toleration] = Field(default_factory=list)
     resources: Resources = Field(default_factory=Resources)
     steps: int | None = Field(None, ge=1)  # learner --steps; None trains until stopped
+    stateVolume: Checkpoint | None = None  # per-pod PVC for --state-dir, kept across restarts (else emptyDir)
 
     @model_validator(mode="after")
     def _bounds(self) -> "UnitTemplate":
@@ -101,7 +102,7 @@ class UnitTemplate(_Api):
 
 
 class Checkpoint(_Api):
-    """The syncer's checkpoint volume (a PersistentVolumeClaim owned by the job)."""
+    """A PersistentVolumeClaim: the syncer's checkpoint volume, or a learner's state volume."""
 
     size: str = Field("10Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")
     storageClassName: str | None = None
@@ -174,6 +175,7 @@ class LearnerUnitSpec(_Api):
     tolerations: list[Toleration] = Field(default_factory=list)
     resources: Resources = Field(default_factory=Resources)
     steps: int | None = Field(None, ge=1)
+    stateVolume: Checkpoint | None = None
     restartPolicy: RestartPolicy = Field(default_factory=RestartPolicy)
 
 

@@ -257,6 +257,8 @@ class Controller:
         if plan.create:
             await self._ensure(SERVICES, O.unit_service(unit), update=False)
         for rank in plan.create:
+            if (pvc := O.unit_state_pvc(unit, rank)) is not None:
+                await self._ensure(PVCS, pvc, update=False)
             await self.kube.create(PODS, O.unit_pod(unit, plan.status["incarnation"], rank))
         if (patch := status_patch(old_status, plan.status)) is not None:
             await self.kube.merge_patch(LEARNERUNITS, ns, name, {"status": patch}, "status")

@@ -176,7 +176,7 @@ def unit_spec(job_name: str, spec: api.DilocoJobSpec, template: api.UnitTemplate
         jobName=job_name, template=template.name, index=index, unitIndex=unit_index, image=spec.image,
         imagePullPolicy=spec.imagePullPolicy, podsPerUnit=template.podsPerUnit, accelerator=template.accelerator,
         nodeSelector=template.nodeSelector, tolerations=template.tolerations, resources=template.resources,
-        steps=template.steps, restartPolicy=spec.restartPolicy,
+        steps=template.steps, stateVolume=template.stateVolume, restartPolicy=spec.restartPolicy,
     )
 
 
@@ -196,6 +196,25 @@ def unit_service(unit: dict) -> dict:
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, unit, selector),
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector,
                      "ports": [{"name": "dist", "port": api.MASTER_PORT}]}}
+
+
+def state_pvc_name(unit: str, rank: int) -> str:
+    return f"{unit}-state-{rank}"
+
+
+def unit_state_pvc(unit: dict, rank: int) -> dict | None:
+    """The PVC holding rank `rank`'s --state-dir (its data position), owned by the unit so it outlives pods;
+    None when the unit keeps its state in an emptyDir."""
+    spec = api.LearnerUnitSpec.model_validate(unit["spec"])
+    if spec.stateVolume is None:
+        return None
+    name = unit["metadata"]["name"]
+    pvc_spec: dict = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": spec.stateVolume.size}}}
+    if spec.stateVolume.storageClassName:
+        pvc_spec["storageClassName"] = spec.stateVolume.storageClassName
+    labels = {LABEL_JOB: spec.jobName, LABEL_UNIT: name, LABEL_RANK: str(rank)}
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": _meta(state_pvc_name(name, rank), unit,
+                                                                                    labels), "spec": pvc_spec}
 
 
 def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
@@ -249,8 +268,11 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
             "resources": _resources(spec.resources, extra),
             "volumeMounts": [{"name": "state", "mountPath": LEARNER_STATE_DIR}],
         }],
-        "volumes": [{"name": "state", "emptyDir": {}}],
+        "volumes": [{"name": "state", "persistentVolumeClaim": {"claimName": state_pvc_name(name, rank)}}
+                    if spec.stateVolume else {"name": "state", "emptyDir": {}}],
     }
+    if spec.stateVolume:
+        pod_spec["securityContext"] = {"fsGroup": IMAGE_GID}
     if node_selector:
         pod_spec["nodeSelector"] = node_selector
     pod_spec["tolerations"] = tolerations

@@ -217,3 +217,18 @@ def test_syncer_status_summary_and_address():
     assert with_ckpt["lastCheckpoint"] == "2026-01-01T00:01:00Z"
     annotated = {**JOB, "metadata": {**JOB["metadata"], "annotations": {syncer_status.URL_ANNOTATION: "http://x:1/"}}}
     assert syncer_status.syncer_address(annotated, 8470) == "http://x:1"
+
+
+def test_a_unit_with_a_state_volume_mounts_one_claim_per_rank():
+    spec = job_spec(units=[{"name": "gpu", "podsPerUnit": 2, "accelerator": {"type": "nvidia-l4", "count": 1},
+                            "stateVolume": {"size": "5Gi"}}])
+    unit = objects.learner_unit(JOB, objects.unit_spec("demo", spec, spec.units[0], 0, 0))
+    unit["metadata"]["uid"] = "lu-1"
+    pvc = objects.unit_state_pvc(unit, 1)
+    assert pvc["metadata"]["name"] == "demo-gpu-0-state-1" and pvc["metadata"]["ownerReferences"][0]["uid"] == "lu-1"
+    vols = objects.unit_pod(unit, 3, 1)["spec"]["volumes"]
+    assert vols == [{"name": "state", "persistentVolumeClaim": {"claimName": "demo-gpu-0-state-1"}}]
+    plain = objects.learner_unit(JOB, objects.unit_spec("demo", job_spec(), job_spec().units[0], 0, 0))
+    plain["metadata"]["uid"] = "lu-2"
+    assert objects.unit_state_pvc(plain, 0) is None
+    assert objects.unit_pod(plain, 0, 0)["spec"]["volumes"] == [{"name": "state", "emptyDir": {}}]

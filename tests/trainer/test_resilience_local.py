@@ -22,7 +22,7 @@ from diloco_trainer.runtime.rundir import last_jsonl, read_jsonl, split_incarnat
 
 ROOT = Path(__file__).resolve().parents[2]
 LEARNERS = ("learner-0", "learner-1", "learner-2")
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
 
 
 class LocalRun:

@@ -148,3 +148,13 @@ def test_schedule_rejects_nonsense_parameters():
         due_fragments(1, 0, 4)
     with pytest.raises(ValueError, match="num_fragments"):
         due_fragments(1, 16, 0)
+
+
+def test_first_sends_after_a_start_are_staggered_within_one_window():
+    from diloco_trainer.fragments import first_due_step
+
+    for H, P in [(16, 4), (24, 24), (4, 4), (8, 3)]:
+        firsts = [first_due_step(p, H, P) for p in range(P)]
+        assert all(1 <= f <= H for f in firsts)
+        assert len(set(firsts)) == P  # never two fragments due on the same step after a start
+        assert sorted(firsts) == sorted(s for s in range(1, H + 1) for _ in due_fragments(s, H, P))

@@ -75,6 +75,11 @@ def fragment_offset(p: int, sync_every: int, num_fragments: int) -> int:
     return (p * sync_every) // num_fragments
 
 
+def first_due_step(p: int, sync_every: int, num_fragments: int) -> int:
+    """Steps after a (re)start until fragment p is first due: its offset, or H for offset 0 (staggered sends)."""
+    return fragment_offset(p, sync_every, num_fragments) or sync_every
+
+
 def due_fragments(step: int, sync_every: int, num_fragments: int) -> list[int]:
     """Fragments due after the learner's own inner step `step` (1-based): those with step % H == offset(p).
 

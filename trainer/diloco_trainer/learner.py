@@ -21,7 +21,7 @@ from .devices import UnitGroup
 from .client import FragmentUpdate, Submission, SyncerClient
 from .config import TrainConfig
 from .data import ShardSampler, load_corpus, write_json_atomic
-from .fragments import due_fragments
+from .fragments import first_due_step
 from .model import build_model
 from .wire import ErrorFeedback, SubmissionMeta, encode_submission
 
@@ -59,6 +59,7 @@ class FragmentState:
 
     version: int
     base: dict[str, torch.Tensor]  # Θ_p as adopted: the reference the outer gradient is taken against
+    next_due: int  # local step after which this fragment's Δ goes out next
     c_steps: int = 0
     c_tokens: int = 0
     acked: bool = False  # a Δ from this base was acknowledged: send nothing until a newer version is adopted
@@ -149,7 +150,9 @@ class Learner:
                 for name, p in self.params.items():
                     p.copy_(boot.theta[name].to(self.device, p.dtype))
         self.group.broadcast_tensors([p.data for p in self.params.values()])
-        self.frags = [FragmentState(versions[p], self._copy(names)) for p, names in enumerate(self.plan)]
+        H, P = self.cfg.outer.sync_every, len(self.plan)
+        self.frags = [FragmentState(versions[p], self._copy(names), next_due=self.step + first_due_step(p, H, P))
+                      for p, names in enumerate(self.plan)]
 
         decay = [p for p in self.params.values() if p.dim() >= 2]
         no_decay = [p for p in self.params.values() if p.dim() < 2]
@@ -230,8 +233,10 @@ class Learner:
             # Due fragments go out before adoption: a version landing on the step p is due must not erase
             # the work this Δ carries.
             if self.group.is_main:
-                for p in due_fragments(self.step, self.cfg.outer.sync_every, self.cfg.outer.fragments):
-                    self._send(p)
+                for p, fs in enumerate(self.frags):
+                    if self.step >= fs.next_due:
+                        self._send(p)
+                        fs.next_due = self.step + self.cfg.outer.sync_every
             stop = self._adopt_updates()
 
             step_s = time.monotonic() - started
@@ -339,6 +344,10 @@ class Learner:
             fs = self.frags[p]
             fs.version, fs.base = version, self._copy(names)
             fs.c_steps = fs.c_tokens = 0
+            # Decision: the H-step clock of a fragment restarts at adoption. Every learner adopts a new version
+            # within about one poll of the others, so their next sends of p line up and land in the same merge
+            # (quorum + grace window) instead of one learner's merge erasing the others' unsent progress.
+            fs.next_due = self.step + self.cfg.outer.sync_every
             fs.acked = fs.in_flight = False
             fs.ef_before = None
             self.adoptions += 1

@@ -59,6 +59,7 @@ class OperatorProcess:
         self.logdir = logdir
         self.proc: subprocess.Popen | None = None
         self.metrics_port = _free_port()
+        self.liveness_port = _free_port()
         self.starts = 0
 
     def start(self) -> None:
@@ -68,7 +69,7 @@ class OperatorProcess:
         env = {**os.environ, "KUBECONFIG": self.kubeconfig, "PYTHONPATH": PYTHONPATH}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "diloco_trainer.cli", "operator", "--resync-seconds", "10",
-             "--metrics-port", str(self.metrics_port), "--verbose"],
+             "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port), "--verbose"],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         log.close()
 

@@ -282,7 +282,9 @@ def test_deleting_the_job_cascades_to_everything_it_owns(kubectl, operator, ns):
              "garbage collection of every owned object")
 
 
-def test_the_operator_exposes_prometheus_metrics(operator):
+def test_the_operator_exposes_prometheus_metrics_and_liveness(operator):
+    health = urllib.request.urlopen(f"http://127.0.0.1:{operator.liveness_port}/healthz", timeout=5)
+    assert health.status == 200
     text = urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5).read().decode()
     assert 'diloco_operator_reconciles_total{kind="unit",result="ok"}' in text
     assert "diloco_operator_unit_restarts_total" in text

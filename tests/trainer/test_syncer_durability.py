@@ -78,7 +78,9 @@ async def test_a_restart_resumes_from_the_checkpoint_with_momentum_and_counters(
     before = snapshot(st)
     await client.close()
 
+    assert st.last_checkpoint is not None  # the shutdown checkpoint
     resumed = make_syncer(tmp_path, cfg).state
+    assert resumed.last_checkpoint == pytest.approx(st.last_checkpoint)  # reported in /v1/status
     after = snapshot(resumed)
     assert_unchanged({**before, "spool": []}, after)
     assert resumed.versions == [2, 1] and resumed.outer_steps == [2, 1]

@@ -299,6 +299,7 @@ class Syncer:
             "quorum": st.config.outer.quorum,
             "fragments": st.num_fragments,
             "uptime_s": time.monotonic() - self.started,
+            "last_checkpoint": st.last_checkpoint,
         }
 
     async def healthz(self, request: web.Request) -> web.Response:

@@ -137,6 +137,7 @@ class SyncerState:
         self.first_pending_at: list[float | None] = [None] * P
         self.quorum_reached_at: list[float | None] = [None] * P
         self.dirty = False  # merged since the last checkpoint snapshot
+        self.last_checkpoint: float | None = None  # unix time of the last checkpoint written or loaded
         self.dir.mkdir(parents=True, exist_ok=True)
         self.spool = Spool(self.dir / "spool")
         self.reservation = VersionReservation(self.dir, P)
@@ -314,6 +315,7 @@ class SyncerState:
     def checkpoint_written(self, job: CheckpointJob) -> None:
         covered = set(job.spool_names)
         self.merged_spool = [n for n in self.merged_spool if n not in covered]
+        self.last_checkpoint = job.checkpoint.state["written_at"]
 
     def _load(self) -> None:
         ckpt = read_checkpoint(self.dir)
@@ -358,6 +360,7 @@ class SyncerState:
         self.outer_steps = [int(s["outer_steps"][str(p)]) for p in range(self.num_fragments)]
         for p, names in enumerate(self.plan):
             self.outer[p].load_state_dict({n: ckpt.momentum[n] for n in names if n in ckpt.momentum})
+        self.last_checkpoint = s.get("written_at")
         self.tokens_merged = int(s["tokens_merged"])
         self.contributions_merged = int(s.get("contributions_merged", 0))
         for lid, d in s["learners"].items():

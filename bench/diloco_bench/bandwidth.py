@@ -164,7 +164,7 @@ def _summarize(result: dict, wire: dict, small: dict, measured: dict) -> None:
         t["rows"].append([f"decoupled {scheme}", report_bytes(row["per_step"]), f"{row['ddp_ratio']:.0f}",
                           f"{row['bits_per_value']:.2f}",
                           f"up {report_bytes(up)} ({ratio_small:.0f}× < DDP), down {report_bytes(down)}" if up else "-",
-                          f"{100 * c['mean']:+.2f}% ± {100 * c['std']:.2f}" if c else "-"])
+                          (f"{100 * c['mean']:+.2f}%" + (f" ± {100 * c['std']:.2f}" if c["n"] > 1 else "")) if c else "-"])
     int4 = wire["schemes"]["int4"]
     ok = int4["ddp_ratio"] >= TARGET_RATIO
     report.target(result, "int4 bytes vs DDP", f"≥ {TARGET_RATIO:.0f}× fewer bytes than DDP",
@@ -206,7 +206,7 @@ def report_bytes(n: float | None) -> str:
 def plot(result: dict, path: Path) -> Path:
     fig_data = result["figures"]
     wire = fig_data["wire_100m_paper_schedule"] or fig_data["wire_bench_model"]
-    fig, (a, b) = report.figure(2, 1, width=6.4, height=4.4)
+    fig, (a, c, b) = report.figure(3, 1, width=5.6, height=4.4)
     labels = ["DDP", "sync\nDiLoCo"] + [f"decoupled\n{s}" for s in wire["schemes"]]
     values = [wire["ddp_per_step"], wire["sync_diloco_per_step"]] + [r["per_step"] for r in wire["schemes"].values()]
     colors = [report.color("ddp"), report.color("sync-diloco")] + [report.color(s) for s in wire["schemes"]]
@@ -224,6 +224,33 @@ def plot(result: dict, path: Path) -> Path:
                 f"N={wire['learners']}")
     a.margins(y=0.25)
 
+    small, measured = fig_data["wire_bench_model"], fig_data["runs"]
+    schemes = [k for k, v in measured.items() if v]
+    if schemes:
+        ups = [statistics.fmean(r["up_per_step"] for r in measured[k]) for k in schemes]
+        downs = [statistics.fmean(r["down_per_step"] for r in measured[k]) for k in schemes]
+        x = list(range(len(schemes)))
+        c.axhline(small["ddp_per_step"], color=report.color("ddp"), lw=2)
+        c.annotate(f"DDP {report_bytes(small['ddp_per_step'])} (each way)", (0.02, small["ddp_per_step"]),
+                   xycoords=("axes fraction", "data"), fontsize=8, va="bottom")
+        bu = c.bar([i - 0.2 for i in x], ups, 0.4, color=[report.color(k) for k in schemes], label="sent (up)")
+        bd = c.bar([i + 0.2 for i in x], downs, 0.4, color="white", edgecolor=[report.color(k) for k in schemes],
+                   hatch="..", label="received (down, fp32 fragments)")
+        for bars in (bu, bd):
+            for bar in bars:
+                c.annotate(report_bytes(bar.get_height()), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                           ha="center", va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
+        c.set_yscale("log")
+        c.set_xticks(x, schemes)
+        c.set_ylabel("bytes per learner per inner step (log)")
+        c.set_title(f"measured in the runs ({small['params'] / 1e6:.2f}M params, P={small['fragments']}, "
+                    f"H={small['sync_every']})")
+        c.legend(fontsize=7, loc="lower left")
+        c.margins(y=0.3)
+    else:
+        c.text(0.5, 0.5, "no training runs in this mode", ha="center", va="center", transform=c.transAxes)
+        c.set_axis_off()
+
     cost = fig_data["loss_cost"]
     if cost:
         schemes = [s for s in wire["schemes"] if s in cost]
@@ -238,7 +265,7 @@ def plot(result: dict, path: Path) -> Path:
                    fontsize=8, va="bottom")
         b.axhline(0, color="#444444", lw=0.8)
         b.set_ylabel("val loss change vs none (%)")
-        b.set_title(f"loss cost (bench model, {len(next(iter(cost.values()))['values'])} seed(s), dots = seeds)")
+        b.set_title(f"loss cost vs none ({max(c['n'] for c in cost.values())} seed(s), dots = seeds)")
     else:
         b.text(0.5, 0.5, "no training runs in this mode", ha="center", va="center", transform=b.transAxes)
         b.set_axis_off()

@@ -335,12 +335,12 @@ def plot(result: dict, path: Path) -> Path:
             ys.append((total + tok) / 1e3)
         b.plot(xs, ys, "-", lw=1.4, label=metrics.parent.name)
     for e in m["decoupled"]["faults"]:
-        b.axvline(float(e["time"]) - t0, color="#d62728", lw=0.8, alpha=0.6)
+        b.axvline(float(e["time"]) - t0, color="#444444", ls=":", lw=1)
     for name in [n for n in names[1:] if m[n]["stopped"]]:
         b.axvline(m[name]["stopped_after_s"], color=report.color(name), ls="--", lw=1)
         b.annotate(f"{name} stopped", (m[name]["stopped_after_s"], 0.02), xycoords=("data", "axes fraction"),
                    rotation=90, fontsize=7, color=report.color(name), ha="right", va="bottom")
-    b.set_xlabel("seconds since start (red lines: kills)")
+    b.set_xlabel("seconds since launch (dotted: kills; dashed: where each baseline's own run was stopped)")
     b.set_ylabel("thousand tokens trained, per learner")
     b.set_title("decoupled under chaos: learners keep training")
     b.legend(fontsize=7)

@@ -4,12 +4,12 @@ and per-learner shards with a deterministic batch sampler whose position survive
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import math
 import os
 import sysconfig
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .config import DataConfig
+from .fsutil import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -143,17 +144,9 @@ def default_cache_dir() -> Path:
 
 
 def _atomic_save(path: Path, array: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array, allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    atomic_write(path, buf.getvalue())
 
 
 def _file_corpus(root: Path, files: list[Path], cfg: DataConfig, cache_dir: Path | None) -> Corpus:
@@ -346,19 +339,4 @@ def unigram_loss(train_tokens: torch.Tensor, val_tokens: torch.Tensor) -> float:
     counts = torch.bincount(train_tokens.long(), minlength=vocab).double() + 1.0
     logp = counts.log() - math.log(float(counts.sum()))
     return float(-logp[val_tokens.long()].mean())
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON via temp file + fsync + rename, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 

@@ -20,7 +20,8 @@ from . import devices
 from .devices import UnitGroup
 from .client import FragmentUpdate, Submission, SyncerClient
 from .config import TrainConfig
-from .data import ShardSampler, load_corpus, write_json_atomic
+from .data import ShardSampler, load_corpus
+from .fsutil import atomic_write_json
 from .fragments import first_due_step
 from .model import build_model
 from .wire import ErrorFeedback, SubmissionMeta, encode_submission
@@ -193,7 +194,7 @@ class Learner:
     def _save_position(self) -> None:
         path = self._position_path()
         if path is not None and self.group.is_main:
-            write_json_atomic(path, self.sampler.state_dict())
+            atomic_write_json(path, self.sampler.state_dict())
 
     # ------------------------------------------------------------------ the loop
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import diloco_trainer
+from diloco_trainer.fsutil import atomic_write_json
 
 PACKAGE_ROOT = str(Path(diloco_trainer.__file__).resolve().parent.parent)
 
@@ -202,9 +203,7 @@ class Supervisor:
                 for c in self.children.values()
             ],
         }
-        tmp = self.processes_json.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        os.replace(tmp, self.processes_json)
+        atomic_write_json(self.processes_json, doc, indent=1)
 
 
 class StopFlag:

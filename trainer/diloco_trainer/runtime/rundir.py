@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from ..config import TrainConfig
+from ..fsutil import atomic_write_json
 
 
 def make_run_dir(path: str | Path | None, root: str | Path = "runs") -> Path:
@@ -42,10 +43,8 @@ def write_config(run: Path, cfg: TrainConfig) -> Path:
 
 
 def write_json(path: Path, obj) -> None:
-    """Write JSON atomically (temp + rename): readers never see half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False))
-    os.replace(tmp, path)
+    """Write JSON atomically: readers never see half a file."""
+    atomic_write_json(path, obj, indent=1)
 
 
 def append_jsonl(path: Path, record: dict) -> None:

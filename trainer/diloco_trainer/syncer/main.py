@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -12,6 +11,7 @@ import time
 from pathlib import Path
 
 from diloco_trainer.config import TrainConfig
+from diloco_trainer.fsutil import atomic_write_json
 
 log = logging.getLogger("diloco.syncer")
 
@@ -72,9 +72,7 @@ async def _serve(args: argparse.Namespace, config: TrainConfig, token: str) -> i
     port = runner.addresses[0][1]
     connect = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
     endpoint = state_dir / "endpoint.json"
-    tmp = endpoint.with_name("endpoint.json.tmp")
-    tmp.write_text(json.dumps({"host": args.host, "port": port, "url": f"http://{connect}:{port}", "pid": os.getpid()}))
-    os.replace(tmp, endpoint)
+    atomic_write_json(endpoint, {"host": args.host, "port": port, "url": f"http://{connect}:{port}", "pid": os.getpid()})
     print(f"diloco syncer listening on http://{connect}:{port} (state in {state_dir})", flush=True)
 
     stop = asyncio.Event()

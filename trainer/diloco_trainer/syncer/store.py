@@ -15,33 +15,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
+from diloco_trainer.fsutil import atomic_write, fsync_dir, write_synced
+
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = 1
 RESERVE_STEP = 1000  # version ids reserved per durable write (one tiny fsync per 1000 merges)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that a crash leaves either the old file or the complete new one."""
-    tmp = path.with_name(path.name + ".tmp")
-    _write_synced(tmp, data)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def tensors_to_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
@@ -87,7 +68,7 @@ class Spool:
         for name in names:
             (self.dir / name).unlink(missing_ok=True)
         if names:
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
 
     def load_all(self) -> list[SpoolEntry]:
         """Every spooled submission in acceptance order. Unreadable files are moved aside, loudly."""
@@ -123,15 +104,15 @@ def write_checkpoint(root: Path, ckpt: Checkpoint) -> None:
     final, tmp, old = root / "checkpoint", root / "checkpoint.tmp", root / "checkpoint.old"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _write_synced(tmp / "theta.safetensors", tensors_to_bytes(ckpt.theta))
-    _write_synced(tmp / "momentum.safetensors", tensors_to_bytes(ckpt.momentum))
-    _write_synced(tmp / "state.json", json.dumps({"format": CHECKPOINT_FORMAT, **ckpt.state}).encode())
-    _fsync_dir(tmp)
+    write_synced(tmp / "theta.safetensors", tensors_to_bytes(ckpt.theta))
+    write_synced(tmp / "momentum.safetensors", tensors_to_bytes(ckpt.momentum))
+    write_synced(tmp / "state.json", json.dumps({"format": CHECKPOINT_FORMAT, **ckpt.state}).encode())
+    fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -39,6 +39,14 @@ def smooth(values: list[float]) -> np.ndarray:
     return (csum[hi] - csum[lo]) / (hi - lo)
 
 
+def _si(v: float) -> str:
+    """Axis labels like 250k, 1.5M."""
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(v) >= div:
+            return f"{v / div:g}{suffix}"
+    return f"{v:g}"
+
+
 def total_tokens_at(curves: list[Curve], times: np.ndarray) -> np.ndarray:
     """Tokens trained by all learners together at each time (each learner's counter interpolated)."""
     total = np.zeros(len(times))
@@ -55,6 +63,7 @@ def plot_run(path: Path, curves: list[Curve], evals: list[tuple[float, float, fl
     `evals` are (time_s, total_tokens, val_loss) points of the global model (final included).
     """
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -90,8 +99,9 @@ def plot_run(path: Path, curves: list[Curve], evals: list[tuple[float, float, fl
     if unigram is not None:
         for ax in (ax_t, ax_n):
             ax.axhline(unigram, color="grey", linestyle="--", linewidth=1, label=f"unigram baseline {unigram:.2f}")
-    ax_t.set_xlabel("wall time (minutes)")
+    ax_t.set_xlabel("wall time since launch (minutes)")
     ax_n.set_xlabel("tokens trained by all learners")
+    ax_n.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: _si(v)))
     ax_t.set_ylabel("cross-entropy (nats / byte)")
     for ax in (ax_t, ax_n):
         ax.grid(alpha=0.3)

@@ -32,6 +32,7 @@ class View:
     learners: list[LearnerView] = field(default_factory=list)
     syncer: dict | None = None  # the last /v1/status answer, None while the syncer is away
     syncer_restarts: int = 0
+    no_syncer: str | None = None  # baselines: what stands in for the syncer line (e.g. "all-reduce every step")
     goodput: float | None = None
     tokens_trained: int = 0
     messages: list[str] = field(default_factory=list)  # recent events (restarts, exits)
@@ -95,6 +96,8 @@ def render(view: View) -> Group:
 
 
 def syncer_text(view: View) -> Text:
+    if view.no_syncer:
+        return Text(view.no_syncer)
     s = view.syncer
     goodput = f"{100 * view.goodput:.1f}%" if view.goodput is not None else "-"
     restarts = f", restarts {view.syncer_restarts}" if view.syncer_restarts else ""
@@ -119,5 +122,8 @@ def plain_line(view: View) -> str:
         code = {"restarting": "R"}.get(lv.status, lv.status[0])
         parts.append(f"{lv.name}:{code} s{lv.total_steps} L{loss} {versions_text(m.get('versions'))}")
     s = view.syncer
-    parts.append(f"| syncer outer={s.get('outer_steps', 0)} merges={s.get('merges', 0)}" if s else "| syncer away")
+    if view.no_syncer:
+        parts.append(f"| {view.no_syncer}")
+    else:
+        parts.append(f"| syncer outer={s.get('outer_steps', 0)} merges={s.get('merges', 0)}" if s else "| syncer away")
     return " ".join(parts)

@@ -116,8 +116,9 @@ def summary_lines(s: dict) -> list[str]:
                      f"({b.get('source', '')}) vs DDP {format_bytes(b.get('ddp_per_learner_step'))}"
                      + (f" → {ratio:,.0f}× less" if ratio and ratio > 1 else ""))
         if b.get("received_per_learner_step") is not None:
-            lines.append(f"received per learner per step: {format_bytes(b['received_per_learner_step'])} "
-                         f"(new global fragment versions, fp32) vs DDP {format_bytes(b.get('ddp_per_learner_step'))} "
-                         "(a ring all-reduce receives what it sends)")
+            what = "new global fragment versions, fp32" if s["mode"] == "decoupled" else b.get("source", "")
+            lines.append(f"received per learner per step: {format_bytes(b['received_per_learner_step'])} ({what}) "
+                         f"vs DDP {format_bytes(b.get('ddp_per_learner_step'))} (a ring all-reduce receives what "
+                         "it sends)")
         lines.append(f"  DDP formula: {b.get('ddp_formula')}")
     return lines

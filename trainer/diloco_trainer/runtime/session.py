@@ -22,6 +22,8 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "local.yaml" 
 # Sized with configs/local.yaml: the default run (4 learners on 2 cores) ends within 5 minutes, evaluation included.
 DEFAULT_STEPS = 400
 DEFAULT_MINUTES = 3.5
+_BASELINE_NOTE = {"ddp": "no syncer: gradients all-reduced every step (gloo)",
+                  "sync-diloco": "no syncer: Δ all-reduced every H steps, everyone waits (gloo)"}
 CRASH_LOOP = 3  # this many consecutive incarnations that each lived < CRASH_LOOP_S: give up
 CRASH_LOOP_S = 15.0
 
@@ -288,6 +290,7 @@ class RunSession:
             title=f"diloco {self.mode} — {self.run_dir}", elapsed_s=time.monotonic() - self.started,
             budget_s=self.budget_s, learners=views, syncer=self.status,
             syncer_restarts=syncer.restarts if syncer else 0, goodput=self._live_goodput(),
+            no_syncer=None if self.mode == "decoupled" else _BASELINE_NOTE.get(self.mode, self.mode),
             tokens_trained=self._tokens_trained(), messages=self.messages)
 
     def _live_goodput(self) -> float | None:

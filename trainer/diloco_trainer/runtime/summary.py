@@ -79,9 +79,9 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
 
     evals: list[tuple[float, float, float]] = []
     index = read_jsonl(run_dir / "snapshots" / "index.jsonl")
-    for snap in index:
+    for snap in index:  # points for the plot: a quarter of the final evaluation's batches is plenty
         theta = report.load_theta(run_dir / "snapshots" / snap["file"])
-        loss = report.evaluate_theta(cfg, theta, val_tokens, eval_batches, cfg.inner.batch_size)
+        loss = report.evaluate_theta(cfg, theta, val_tokens, max(1, eval_batches // 4), cfg.inner.batch_size)
         evals.append((float(snap["time"]) - t0, float(snap.get("tokens", 0)), loss))
     val_loss = None
     final = run_dir / "final" / "theta.safetensors"

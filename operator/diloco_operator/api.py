@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from diloco_chaos.experiment import JobChaos
 from diloco_trainer.config import TrainConfig
 
 GROUP = "diloco.dev"
@@ -136,6 +137,7 @@ class DilocoJobSpec(_Api):
     units: list[UnitTemplate] = Field(..., min_length=1, max_length=16)
     syncer: SyncerSpec = Field(default_factory=SyncerSpec)
     restartPolicy: RestartPolicy = Field(default_factory=RestartPolicy)
+    chaos: JobChaos | None = None  # a chaos schedule the operator runs on this job's own units (docs/chaos.md)
 
     @model_validator(mode="after")
     def _consistent(self) -> "DilocoJobSpec":

@@ -4,6 +4,7 @@ the controller's queue. Run as `kopf run -m diloco_operator.handlers` (what `dil
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 
@@ -12,6 +13,7 @@ from prometheus_client import start_http_server
 
 from diloco_operator import api
 from diloco_operator import objects as O
+from diloco_operator.chaosrun import run_job_chaos
 from diloco_operator.controller import Controller
 from diloco_operator.kube import Kube
 
@@ -90,3 +92,22 @@ async def syncer_event(body: kopf.Body, memo: kopf.Memo, **_) -> None:
     job = body["metadata"].get("labels", {}).get(O.LABEL_JOB)
     if job:
         memo["controller"].enqueue(("job", body["metadata"]["namespace"], job))
+
+
+@kopf.daemon(api.GROUP, api.VERSION, "dilocojobs", when=lambda spec, **_: bool(spec.get("chaos")),
+             cancellation_timeout=30, backoff=10)
+async def job_chaos(body: kopf.Body, spec: kopf.Spec, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_) -> None:
+    """Runs the job's spec.chaos; a changed spec.chaos stops the running experiment and starts the new one."""
+    while not stopped:
+        chaos = copy.deepcopy(dict(spec.get("chaos") or {}))  # body and spec are kopf's live views
+        if not chaos:
+            return
+
+        def changed() -> bool:
+            return bool(stopped) or dict(spec.get("chaos") or {}) != chaos
+
+        job = {"apiVersion": body["apiVersion"], "kind": body["kind"],
+               "metadata": copy.deepcopy(dict(body["metadata"]))}
+        await run_job_chaos(memo["controller"].kube, job, chaos, changed)
+        while not changed():  # ended (or refused): nothing to do until the spec changes
+            await asyncio.sleep(1)

@@ -50,6 +50,12 @@ BAD = [
     ("replicas above every maxCount",
      _with("spec", {"image": "x", "replicas": 5, "units": [{"name": "a", "count": 1, "maxCount": 2}]}),
      "spec.replicas"),
+    ("chaos without a schedule", _with("spec.chaos", {"action": {"type": "kill"}}), "spec.chaos.schedule"),
+    ("unknown chaos action", _with("spec.chaos", {"schedule": {"every": "2m"}, "action": {"type": "explode"}}),
+     "spec.chaos.action.type"),
+    ("chaos exit code out of range",
+     _with("spec.chaos", {"schedule": {"every": "2m"}, "action": {"type": "fail", "exitCode": 300}}),
+     "spec.chaos.action.exitCode"),
 ]
 
 

@@ -189,6 +189,14 @@ def rich_table(result: dict) -> Table:
     return table
 
 
+def decide(sp: dict, limit: float) -> bool | None:
+    """mean ≤ limit, unless the spread over seeds is wider than the distance to the limit (then None: the runs
+    cannot tell), or there is a single value (then the mean decides, and the table says "1 seed")."""
+    if sp["n"] > 1 and sp["std"] >= abs(sp["mean"] - limit):
+        return None
+    return sp["mean"] <= limit
+
+
 def verdict(met: bool | None) -> str:
     return {True: "[green]met[/]", False: "[red]short[/]", None: "[yellow]n/a[/]"}[met]
 

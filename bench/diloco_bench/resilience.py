@@ -227,8 +227,8 @@ def _sync_window(fig: dict, window_s: float, sync_every: int) -> None:
         fig["keep_useful"] = fig["keep_tokens_per_s"]
     fig["stopped_after_s"] = ch["wall_time_s"]
     n = 4
-    step_s = ff["wall_time_s"] / max(1, ff["tokens_trained"] / n / (runs.BENCH_CONFIG["inner"]["batch_size"]
-                                                                  * runs.BENCH_CONFIG["model"]["seq_len"]))
+    tokens_per_step = runs.BENCH_CONFIG["inner"]["batch_size"] * runs.BENCH_CONFIG["model"]["seq_len"]
+    step_s = n * tokens_per_step / ff["tokens_per_s"]  # one synchronous step of all n workers
     restart = _startup_s(fig["failure_free_run"]) or 0.0
     lost = sync_every / 2 * step_s
     keep = 1.0 / (1.0 + n / MTBF_S * (restart + lost))

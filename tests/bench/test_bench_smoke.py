@@ -69,3 +69,10 @@ def test_run_spec_keys_differ_by_settings_but_not_by_label_and_overrides_reach_t
     assert a.config()["outer"]["merge"] == "mean" and runs.BENCH_CONFIG["outer"]["merge"] == "rda"
     with pytest.raises(ValueError, match="method"):
         runs.RunSpec("allreduce", 10)
+
+
+def test_a_verdict_is_undecided_when_the_seed_spread_is_wider_than_the_margin():
+    assert report.decide(report.spread([0.06, -0.04]), 0.005) is None
+    assert report.decide(report.spread([0.09, 0.10]), 0.02) is False
+    assert report.decide(report.spread([0.001, 0.002]), 0.005) is True
+    assert report.decide(report.spread([0.001]), 0.005) is True

@@ -121,6 +121,13 @@ def _assert_no_orphans(run: LocalRun) -> None:
     assert not [p for p in pids if _alive(p)], "processes outlived diloco local"
 
 
+def _why(run: LocalRun, name: str) -> str:
+    """What an accounting failure needs: kills by the supervisor and the learner's last log lines."""
+    kills = [e for e in read_jsonl(run.dir / "events.jsonl") if e["event"] in ("kill", "exit")]
+    log = (run.dir / "logs" / f"{name}.log").read_text().splitlines()[-8:]
+    return f"events {kills}\n" + "\n".join(log)
+
+
 def _acked_tokens(run: LocalRun, name: str) -> tuple[int, bool]:
     """Σ over incarnations of each one's last acked_tokens, and whether every incarnation wrote its final line."""
     records = read_jsonl(run.dir / "learners" / name / "metrics.jsonl")
@@ -175,7 +182,7 @@ def test_a_sigkilled_learner_is_restarted_resumes_its_shard_and_adopts_current_v
     # Ctrl+C: learners stop cleanly (each writes its final line), then the syncer checkpoints; nothing is left.
     t_interrupt = time.monotonic()
     assert run.interrupt() == 0, run.log_tail()
-    assert time.monotonic() - t_interrupt < 90
+    assert time.monotonic() - t_interrupt < 150
     _assert_no_orphans(run)
     summary = run.summary()
     assert summary["stop_reason"] == "SIGINT received"
@@ -184,7 +191,7 @@ def test_a_sigkilled_learner_is_restarted_resumes_its_shard_and_adopts_current_v
     merged = _merged_tokens(run)
     for name in others:  # learners that were never killed: every acknowledged token was merged, once
         acked, clean = _acked_tokens(run, name)
-        assert clean and merged[name] == acked, (name, merged[name], acked)
+        assert clean and merged[name] == acked, (name, merged[name], acked, _why(run, name))
     # The killed life could not log its last acks, so the syncer may hold more than the learner reported.
     assert merged[victim] >= _acked_tokens(run, victim)[0] > 0
 
@@ -220,8 +227,8 @@ def test_a_sigkilled_syncer_is_restarted_and_no_acknowledged_update_is_lost(loca
     merged = _merged_tokens(run)
     for name in LEARNERS:
         acked, clean = _acked_tokens(run, name)
-        assert clean, f"{name} did not write its final metrics line"
-        assert merged[name] == acked, f"{name}: syncer merged {merged[name]} tokens, learner had {acked} acked"
+        assert clean, f"{name} did not write its final metrics line\n{_why(run, name)}"
+        assert merged[name] == acked, f"{name}: syncer merged {merged[name]}, learner acked {acked}\n{_why(run, name)}"
     assert run.summary()["restarts"] == {"syncer": 1}
     # They noticed the outage (and trained through it): lines logged while it lasted say the syncer was away.
     during = [r for n in LEARNERS for r in read_jsonl(run.dir / "learners" / n / "metrics.jsonl")
@@ -245,5 +252,5 @@ def test_a_short_run_finishes_on_its_own_with_a_complete_run_directory(local_run
     merged = _merged_tokens(run)
     for name in LEARNERS:
         acked, clean = _acked_tokens(run, name)
-        assert clean and merged[name] == acked > 0
+        assert clean and merged[name] == acked > 0, (name, merged[name], acked, _why(run, name))
     assert "validation loss of the final global model" in run.log_tail()

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
                 "learner", "--syncer", endpoint["url"], "--learner-id", name,
                 "--unit", str(i), "--units", str(args.learners), "--state-dir", str(state_dir),
                 "--steps", str(steps), "--slowdown", f"{slowdown[i]:g}", "--log-every", str(args.log_every),
-                "--device", "cpu")
+                "--device", "cpu", "--drain-s", "20")
             if args.jitter:
                 learner_argv += ["--jitter", f"{args.jitter:g}"]
             sup.add(Child(name, "learner", learner_argv, env, run_dir / "logs" / f"{name}.log",
@@ -108,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
         reason = session.supervise(sup, stop, started, budget_s=minutes * 60, steps=steps)
         session.message(f"stopping: {reason}")
         train_end = time.monotonic()
-        sup.stop([c.name for c in sup.children.values() if c.role == "learner"], timeout=30.0)
+        # Learners drain their last submissions (bounded by their --drain-s) and exit; on a busy machine that can
+        # take a while, and a learner killed here would lose the acknowledgements it has not logged yet.
+        sup.stop([c.name for c in sup.children.values() if c.role == "learner"], timeout=60.0)
         session.drain_syncer(sup, timeout=20.0)
         sup.stop(["syncer"], timeout=60.0)  # SIGTERM: the syncer writes its final checkpoint
         sup.poll()

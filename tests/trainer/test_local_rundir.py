@@ -171,3 +171,20 @@ def test_progress_table_shows_each_learner_and_the_syncer():
     assert "learner-3 ×2" in text and "restarting ↻1" in text
     assert "outer steps 80" in text and "goodput 46.0%" in text and "exited with code -9" in text
     assert "syncer away" in progress.plain_line(progress.View("x", 1.0, None, []))
+
+
+def test_a_crashed_learner_restarts_for_the_missing_steps_only_and_not_at_all_when_it_was_done(tmp_path):
+    from diloco_trainer.config import TrainConfig
+    from diloco_trainer.runtime.procs import Child
+    from diloco_trainer.runtime.session import RunSession
+
+    session = RunSession(tmp_path, TrainConfig(), mode="decoupled", learners=1, plain=True)
+    state = tmp_path / "learner-0"
+    state.mkdir()
+    session.add_learner("learner-0", state, steps=80, slowdown=1.0)
+    child = Child("learner-0", "learner", ["diloco", "learner", "--steps", "80"], {}, tmp_path / "l.log",
+                  starts=[100.0])
+    (state / "metrics.jsonl").write_text(json.dumps(_rec(110, 50, 5000, 0)) + "\n")
+    assert session._before_restart(child, steps=80) and child.argv[-1] == "30"
+    (state / "metrics.jsonl").write_text(json.dumps(_rec(120, 80, 8000, 0)) + "\n")  # crashed while exiting
+    assert not session._before_restart(child, steps=80)

@@ -188,3 +188,13 @@ def test_stop_reaches_a_child_paused_with_sigstop(tmp_path):
         started = time.monotonic()
         sup.stop(["learner-0"], timeout=10.0)
         assert child.exits == [0] and time.monotonic() - started < 5, "the paused child was not woken to stop cleanly"
+
+
+def test_a_crashed_child_the_policy_declines_is_marked_finished_not_restarted(tmp_path):
+    with Supervisor() as sup:
+        sup.should_restart = lambda child: False
+        sup.add(_child(tmp_path, "learner-0", "import sys; sys.exit(1)", restart_delay=0.0))
+        child = sup.start("learner-0")
+        _wait(lambda: child.exits == [1], sup=sup)
+        sup.poll()
+        assert child.finished and child.restart_at is None and child.restarts == 0

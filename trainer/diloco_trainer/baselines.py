@@ -60,7 +60,10 @@ def run(args: argparse.Namespace) -> int:
     if args.learners < 1 or args.steps < 1 or args.minutes <= 0:
         raise SystemExit("diloco baseline: --learners and --steps must be >= 1, --minutes > 0")
     slowdown = parse_slowdown(args.slowdown, args.learners)
-    run_dir = make_run_dir(args.run_dir)
+    try:
+        run_dir = make_run_dir(args.run_dir)
+    except ValueError as exc:
+        raise SystemExit(f"diloco baseline: {exc}") from None
     config_path = write_config(run_dir, cfg)
     session = RunSession(run_dir, cfg, mode=args.mode, learners=args.learners, plain=args.plain,
                          eval_batches=args.eval_batches, snapshots=args.snapshots)

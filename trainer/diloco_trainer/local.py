@@ -62,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.jitter < 1 or args.restart_delay < 0 or not args.checkpoint_every_s > 0:
         raise SystemExit("diloco local: --jitter must be in [0, 1), --restart-delay >= 0, --checkpoint-every-s > 0")
 
-    run_dir = make_run_dir(args.run_dir)
+    try:
+        run_dir = make_run_dir(args.run_dir)
+    except ValueError as exc:
+        raise SystemExit(f"diloco local: {exc}") from None
     config_path = write_config(run_dir, cfg)
     token = secrets.token_urlsafe(24)
     env = procs.child_env({"DILOCO_TOKEN": token})

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +78,8 @@ class Supervisor:
 
     def __init__(self, processes_json: Path | None = None, events_jsonl: Path | None = None):
         self.children: dict[str, Child] = {}
+        # Asked on every crash (non-zero exit) of a restartable child; False marks it finished instead.
+        self.should_restart: Callable[[Child], bool] = lambda child: True
         self.processes_json = processes_json
         self.events_jsonl = events_jsonl
         self.stopping = False
@@ -129,7 +132,10 @@ class Supervisor:
                 if code == 0:
                     child.finished = True
                 elif child.restart and not self.stopping and not child.stop_requested:
-                    child.restart_at = now + child.restart_delay
+                    if self.should_restart(child):
+                        child.restart_at = now + child.restart_delay
+                    else:
+                        child.finished = True
                 self.write_processes_json()
             if child.restart_at is not None and now >= child.restart_at and not self.stopping:
                 self.start(child.name)

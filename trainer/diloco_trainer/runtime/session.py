@@ -139,11 +139,12 @@ class RunSession:
         """
         self.started, self.budget_s = started, budget_s
         self.started_wall = time.time() - (time.monotonic() - started)
+        sup.should_restart = lambda child: self._before_restart(child, steps)
         self._open_display()
         next_sample = 0.0
         while True:
             for event in sup.poll():
-                self._on_event(sup, event, steps)
+                self._on_event(sup, event)
             now = time.monotonic()
             if now >= next_sample:
                 next_sample = now + 1.0
@@ -181,17 +182,26 @@ class RunSession:
         last = lives[-CRASH_LOOP:]
         return len(last) == CRASH_LOOP and all(code > 0 and life < CRASH_LOOP_S for code, life in last)
 
-    def _on_event(self, sup: Supervisor, event: dict, steps: int) -> None:
+    def _before_restart(self, child, steps: int) -> bool:
+        """A crashed learner comes back for the steps still missing; one that had trained them all is done."""
+        info = self.learners.get(child.name)
+        if info is None:
+            return True  # the syncer
+        done = learner_totals(read_jsonl(info["state_dir"] / "metrics.jsonl"), child.starts)["step"]
+        if done >= steps:  # it failed on its way out, after its last step
+            return False
+        argv = child.argv
+        argv[argv.index("--steps") + 1] = str(steps - done)
+        return True
+
+    def _on_event(self, sup: Supervisor, event: dict) -> None:
         name, kind = event["name"], event["event"]
         if kind == "exit" and event["code"] != 0:
             child = sup.children[name]
             when = f"; restarting in {child.restart_delay:g}s" if child.restart_at is not None else ""
             self.message(f"{name} exited with code {event['code']}{when}")
-            if name in self.learners:  # the restarted learner trains only the steps still missing
-                info = self.learners[name]
-                done = learner_totals(read_jsonl(info["state_dir"] / "metrics.jsonl"), child.starts)["step"]
-                argv = child.argv
-                argv[argv.index("--steps") + 1] = str(max(1, steps - done))
+            if child.finished:
+                self.message(f"{name} had trained all its steps before it failed; not restarted")
         elif kind == "start" and len(sup.children[name].starts) > 1:
             self.message(f"{name} restarted (pid {event['pid']}, restart #{sup.children[name].restarts})")
 

@@ -46,7 +46,9 @@ def test_learner_trains_and_every_acknowledged_token_is_merged_then_a_restart_re
     recs = metrics(state)
     final = recs[-1]
     assert final["final"] and final["step"] == 48 and final["tokens"] == 48 * 8 * 64
-    assert final["queued"] == final["sent"] >= 20, "with the syncer up, every Δ is delivered, none superseded"
+    # Each of the 4 fragments goes out H=8 steps after the version it adopted, and adoption follows its own send by
+    # a step or two (the clock restarts at adoption), so 48 steps carry 3 to 5 sends per fragment.
+    assert final["queued"] == final["sent"] >= 12, "with the syncer up, every Δ is delivered, none superseded"
     assert final["acked"] == final["sent"] and final["rejected"] == 0 and final["pending"] == 0
     assert final["adoptions"] > 0 and all(v > 0 for v in final["versions"].values())
     _versions_never_decrease(recs)

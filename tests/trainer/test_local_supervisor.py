@@ -71,6 +71,24 @@ def test_supervisor_restarts_a_crashed_child_and_counts_restarts(tmp_path):
         assert doc["supervisor_pid"] == os.getpid()
 
 
+def test_a_child_that_keeps_crashing_at_start_is_restarted_with_a_doubling_delay(tmp_path):
+    with Supervisor() as sup:
+        sup.add(_child(tmp_path, "learner-0", "import sys; sys.exit(1)", restart_delay=0.2))
+        sup.start("learner-0")
+        child = sup.children["learner-0"]
+        _wait(lambda: child.restarts == 3, timeout=20, sup=sup)
+    gaps = [b - a for a, b in zip(child.starts, child.starts[1:])]
+    # 0.4 s, 0.8 s, 1.6 s (plus the child's own start-up, well under 0.4 s): each gap at least the delay.
+    assert gaps[0] >= 0.4 and gaps[1] >= 0.8 and gaps[2] >= 1.6, gaps
+    assert child.quick_crashes == 3
+
+
+def test_a_child_that_ran_a_while_before_crashing_is_restarted_after_the_base_delay(tmp_path):
+    child = Child("learner-0", "learner", ["true"], {}, tmp_path / "log", restart_delay=0.5, quick_crashes=4)
+    child.starts.append(time.time() - 3600)
+    assert child.next_restart_delay(time.time()) == 0.5 and child.quick_crashes == 0
+
+
 def test_supervisor_does_not_restart_a_child_that_finished_cleanly(tmp_path):
     with Supervisor() as sup:
         sup.add(_child(tmp_path, "learner-0", "print('done')", restart_delay=0.0))

@@ -18,6 +18,7 @@ from .runtime.procs import Child, StopFlag, Supervisor
 from .runtime.rundir import make_run_dir, write_config
 from .runtime.session import (DEFAULT_CONFIG, DEFAULT_MINUTES, DEFAULT_STEPS, RunSession, load_config,
                               parse_slowdown)
+from .runtime.spares import SparePool
 
 
 
@@ -36,8 +37,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="per-learner slowdown factors, e.g. 1,1,1,2 (one value applies to all)")
     parser.add_argument("--jitter", type=float, default=0.0,
                         help="random extra step time, as a fraction of the step time (imitates noisy hardware)")
-    parser.add_argument("--restart-delay", type=float, default=2.0,
-                        help="seconds before a learner (or the syncer) that died is started again")
+    parser.add_argument("--restart-delay", type=float, default=0.5,
+                        help="seconds before a learner (or the syncer) that died is started again; doubled for "
+                             "each further crash soon after a start (crash-loop back-off, at most 60 s)")
+    parser.add_argument("--spares", type=int, default=1,
+                        help="warm spare learner processes (torch imported, waiting): a restarted learner takes "
+                             "one over instead of starting from scratch (default 1; 0 = cold restarts)")
     parser.add_argument("--no-restart", action="store_true", help="do not restart processes that die")
     parser.add_argument("--checkpoint-every-s", type=float, default=5.0,
                         help="the syncer checkpoints at most this often (what a syncer crash can cost)")
@@ -59,8 +64,9 @@ def run(args: argparse.Namespace) -> int:
     steps, minutes = args.steps, args.minutes
     if steps < 1 or minutes <= 0:
         raise SystemExit("diloco local: --steps must be >= 1 and --minutes > 0")
-    if not 0 <= args.jitter < 1 or args.restart_delay < 0 or not args.checkpoint_every_s > 0:
-        raise SystemExit("diloco local: --jitter must be in [0, 1), --restart-delay >= 0, --checkpoint-every-s > 0")
+    if not 0 <= args.jitter < 1 or args.restart_delay < 0 or not args.checkpoint_every_s > 0 or args.spares < 0:
+        raise SystemExit("diloco local: --jitter must be in [0, 1), --restart-delay >= 0, --checkpoint-every-s > 0, "
+                         "--spares >= 0")
 
     try:
         run_dir = make_run_dir(args.run_dir)
@@ -107,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
             session.add_learner(name, state_dir, steps, slowdown[i])
             sup.start(name)
         sup.write_processes_json()
+        if args.spares and not args.no_restart:
+            sup.spares = SparePool(run_dir / "spares", args.spares, procs.diloco_argv("learner"), env, sup.spawn)
+            sup.spares.refill()
 
         reason = session.supervise(sup, stop, started, budget_s=minutes * 60, steps=steps)
         session.message(f"stopping: {reason}")

@@ -21,6 +21,8 @@ from pathlib import Path
 import diloco_trainer
 from diloco_trainer.fsutil import atomic_write_json
 
+from .spares import SparePool
+
 PACKAGE_ROOT = str(Path(diloco_trainer.__file__).resolve().parent.parent)
 
 
@@ -41,6 +43,10 @@ def child_env(extra: dict[str, str] | None = None, threads: int = 1) -> dict[str
     return env
 
 
+QUICK_CRASH_S = 20.0
+MAX_RESTART_DELAY_S = 60.0
+
+
 @dataclass
 class Child:
     """One supervised program; `restart` says whether a crash (non-zero exit) is restarted."""
@@ -51,7 +57,7 @@ class Child:
     env: dict[str, str]
     log_path: Path
     restart: bool = True
-    restart_delay: float = 1.0
+    restart_delay: float = 1.0  # before the first restart; doubled for each crash within QUICK_CRASH_S of a start
     meta: dict = field(default_factory=dict)  # shown in processes.json (state_dir, url, ...)
     proc: subprocess.Popen | None = None
     starts: list[float] = field(default_factory=list)  # wall-clock start of every incarnation
@@ -59,6 +65,14 @@ class Child:
     finished: bool = False  # exited 0: done, not restarted
     restart_at: float | None = None  # monotonic time of a scheduled restart
     stop_requested: bool = False  # stopped on purpose: an exit now is not a crash to restart
+    quick_crashes: int = 0  # consecutive crashes soon after a start (a crash loop backs off)
+
+    def next_restart_delay(self, now_wall: float) -> float:
+        """Back-off: `restart_delay` after a crash of a process that ran a while; doubling while it keeps crashing
+        within QUICK_CRASH_S of its start (at most MAX_RESTART_DELAY_S), as Kubernetes' CrashLoopBackOff."""
+        ran = now_wall - self.starts[-1] if self.starts else 0.0
+        self.quick_crashes = self.quick_crashes + 1 if ran < QUICK_CRASH_S else 0
+        return min(MAX_RESTART_DELAY_S, self.restart_delay * 2 ** min(self.quick_crashes, 10))
 
     @property
     def restarts(self) -> int:
@@ -84,6 +98,7 @@ class Supervisor:
         self.events_jsonl = events_jsonl
         self.stopping = False
         self.events: list[dict] = []  # start / exit / restart records, for the run directory
+        self.spares: SparePool | None = None  # warm spares that restarted learners take over (optional)
 
     def __enter__(self) -> "Supervisor":
         return self
@@ -101,21 +116,31 @@ class Supervisor:
         child = self.children[name]
         assert not child.alive, f"{name} is already running"
         child.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # A restarted learner becomes a warm spare when one is ready (see spares.py): no interpreter start, no import.
+        spare = None
+        if self.spares is not None and child.starts and child.role == "learner":
+            spare = self.spares.take(child.argv, child.env, child.log_path)
         with open(child.log_path, "ab") as log:
-            log.write(f"\n=== {time.strftime('%H:%M:%S')} start #{len(child.starts) + 1}: "
-                      f"{' '.join(child.argv)}\n".encode())
+            how = f"warm spare pid {spare.pid} takes over" if spare is not None else " ".join(child.argv)
+            log.write(f"\n=== {time.strftime('%H:%M:%S')} start #{len(child.starts) + 1}: {how}\n".encode())
             log.flush()
-            child.proc = subprocess.Popen(
-                [sys.executable, "-m", "diloco_trainer.runtime.guard", str(os.getpid()), *child.argv],
-                env=child.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        child.proc = spare if spare is not None else self.spawn(child.argv, child.env, child.log_path)
         child.starts.append(time.time())
         child.restart_at = None
         child.stop_requested = False
-        self._event(child, "start", pid=child.proc.pid)
+        self._event(child, "start", pid=child.proc.pid, **({"spare": True} if spare is not None else {}))
         self.write_processes_json()
         return child
+
+    @staticmethod
+    def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+        """Start a guarded program in its own session, output appended to `log_path`."""
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "diloco_trainer.runtime.guard", str(os.getpid()), *argv],
+                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
 
     def poll(self) -> list[dict]:
         """Reap exited children, schedule restarts for crashed ones, start those that are due.
@@ -133,7 +158,7 @@ class Supervisor:
                     child.finished = True
                 elif child.restart and not self.stopping and not child.stop_requested:
                     if self.should_restart(child):
-                        child.restart_at = now + child.restart_delay
+                        child.restart_at = now + child.next_restart_delay(time.time())
                     else:
                         child.finished = True
                 self.write_processes_json()
@@ -173,6 +198,8 @@ class Supervisor:
     def close(self) -> None:
         """Stop everything still running (learners first), never leaving an orphan behind."""
         self.stopping = True
+        if self.spares is not None:
+            self.spares.close()
         for syncer_last in (False, True):  # learners first: they may still hand their last updates over
             names = [c.name for c in self.children.values() if c.alive and (c.role == "syncer") == syncer_last]
             if names:

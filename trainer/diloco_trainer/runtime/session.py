@@ -14,7 +14,7 @@ import yaml
 from ..config import TrainConfig
 from . import progress, report
 from .procs import Supervisor
-from .rundir import append_jsonl, last_jsonl, learner_totals, read_jsonl
+from .rundir import append_jsonl, last_jsonl, learner_totals, read_jsonl, steps_in_incarnation
 from .summary import build_summary, write_outputs
 from .syncer_client import SyncerClient, wait_for_endpoint
 
@@ -135,7 +135,8 @@ class RunSession:
                   fail_fast: bool = False) -> str:
         """Watch the run until every learner finished, the budget ran out or a stop was requested.
 
-        `fail_fast` (synchronous baselines): one worker that fails ends the run, as it ends a real DDP job.
+        `fail_fast` (synchronous baselines): one worker that fails ends the watch, as it ends a real DDP job; the
+        caller decides whether the job restarts (bounded by its --max-restarts, so no crash-loop check here).
         """
         self.started, self.budget_s = started, budget_s
         self.started_wall = time.time() - (time.monotonic() - started)
@@ -157,12 +158,12 @@ class RunSession:
                 return "no learner is left running (the failed ones are not restarted)"
             if stop:
                 return f"{stop.requested} received"
-            if fail_fast and any(c.exits and c.exits[-1] != 0 for c in learners):
+            if fail_fast and any(c.exits and len(c.exits) == len(c.starts) and c.exits[-1] != 0 for c in learners):
                 return "a worker failed; a synchronous job cannot continue without it"
             if now - started >= budget_s:
                 return f"time budget of {budget_s / 60:.1f} min used"
             for c in sup.children.values():
-                if self._crash_looping(sup, c.name):
+                if not fail_fast and self._crash_looping(sup, c.name):
                     raise SystemExit(f"{c.name} failed {CRASH_LOOP} times in a row within {CRASH_LOOP_S:.0f}s "
                                      f"of starting; see {c.log_path}")
             time.sleep(0.25)
@@ -198,12 +199,14 @@ class RunSession:
         name, kind = event["name"], event["event"]
         if kind == "exit" and event["code"] != 0:
             child = sup.children[name]
-            when = f"; restarting in {child.restart_delay:g}s" if child.restart_at is not None else ""
+            when = (f"; restarting in {max(0.0, child.restart_at - time.monotonic()):.1f}s"
+                    if child.restart_at is not None else "")
             self.message(f"{name} exited with code {event['code']}{when}")
             if child.finished:
                 self.message(f"{name} had trained all its steps before it failed; not restarted")
         elif kind == "start" and len(sup.children[name].starts) > 1:
-            self.message(f"{name} restarted (pid {event['pid']}, restart #{sup.children[name].restarts})")
+            how = "a warm spare took over, " if event.get("spare") else ""
+            self.message(f"{name} restarted ({how}pid {event['pid']}, restart #{sup.children[name].restarts})")
 
     def _sample(self, sup: Supervisor) -> None:
         """Once a second: the syncer's status into syncer.jsonl, its byte counter, and due snapshots."""
@@ -268,7 +271,7 @@ class RunSession:
     def _total_steps(self, name: str) -> int:
         info = self.learners[name]
         rec = info["last"] or {}
-        return info["done_before"] + int(rec.get("step", 0))
+        return info["done_before"] + steps_in_incarnation(rec)
 
     def _tokens_trained(self) -> int:
         return sum(info["tokens_before"] + int((info["last"] or {}).get("tokens", 0))
@@ -281,7 +284,7 @@ class RunSession:
             if child is not None and len(child.starts) != info["seen_starts"]:
                 # A new incarnation: fold the old one's counters into the totals shown.
                 prev = info["last"] or {}
-                info["done_before"] += int(prev.get("step", 0))
+                info["done_before"] += steps_in_incarnation(prev)
                 info["tokens_before"] += int(prev.get("tokens", 0))
                 info["seen_starts"] = len(child.starts)
                 info["last"] = None
@@ -310,7 +313,7 @@ class RunSession:
         return min(1.0, float(self.status.get("tokens_merged", 0)) / trained) if trained else None
 
     def _open_display(self) -> None:
-        if self.plain:
+        if self.plain or self._live is not None:  # a restarted job is watched again in the same display
             return
         from rich.live import Live
 

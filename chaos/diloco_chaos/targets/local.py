@@ -142,7 +142,10 @@ class LocalTarget:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             return None
-        expected = b"--learner-id " + name.encode() if p["role"] == "learner" else b"syncer --config"
+        if p.get("cmdline_tag"):  # a warm spare that became this learner (runtime/spares.py)
+            expected = str(p["cmdline_tag"]).encode()
+        else:
+            expected = b"--learner-id " + name.encode() if p["role"] == "learner" else b"syncer --config"
         return pid if expected in b" ".join(argv) else None
 
     # ------------------------------------------------------------------ actions

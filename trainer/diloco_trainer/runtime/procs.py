@@ -66,6 +66,9 @@ class Child:
     restart_at: float | None = None  # monotonic time of a scheduled restart
     stop_requested: bool = False  # stopped on purpose: an exit now is not a crash to restart
     quick_crashes: int = 0  # consecutive crashes soon after a start (a crash loop backs off)
+    # What the running incarnation's command line contains that no other process's does, for tools that check a PID
+    # before signalling it (None: the child's own argv; a warm spare that took over still shows its --standby DIR).
+    cmdline_tag: str | None = None
 
     def next_restart_delay(self, now_wall: float) -> float:
         """Back-off: `restart_delay` after a crash of a process that ran a while; doubling while it keeps crashing
@@ -121,10 +124,13 @@ class Supervisor:
         if self.spares is not None and child.starts and child.role == "learner":
             spare = self.spares.take(child.argv, child.env, child.log_path)
         with open(child.log_path, "ab") as log:
-            how = f"warm spare pid {spare.pid} takes over" if spare is not None else " ".join(child.argv)
+            how = f"warm spare pid {spare[0].pid} takes over" if spare is not None else " ".join(child.argv)
             log.write(f"\n=== {time.strftime('%H:%M:%S')} start #{len(child.starts) + 1}: {how}\n".encode())
             log.flush()
-        child.proc = spare if spare is not None else self.spawn(child.argv, child.env, child.log_path)
+        if spare is not None:
+            child.proc, child.cmdline_tag = spare[0], f"--standby {spare[1]}"
+        else:
+            child.proc, child.cmdline_tag = self.spawn(child.argv, child.env, child.log_path), None
         child.starts.append(time.time())
         child.restart_at = None
         child.stop_requested = False
@@ -232,7 +238,8 @@ class Supervisor:
             "stopping": self.stopping,
             "processes": [
                 {"name": c.name, "role": c.role, "pid": c.pid, "alive": c.alive, "restarts": c.restarts,
-                 "finished": c.finished, "started": c.starts[-1] if c.starts else None, **c.meta}
+                 "finished": c.finished, "started": c.starts[-1] if c.starts else None,
+                 **({"cmdline_tag": c.cmdline_tag} if c.cmdline_tag else {}), **c.meta}
                 for c in self.children.values()
             ],
         }

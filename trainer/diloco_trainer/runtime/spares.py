@@ -90,8 +90,9 @@ class SparePool:
     def fits(self, argv: list[str], env: dict[str, str]) -> bool:
         return argv[: len(self.prefix)] == self.prefix and env == self.env
 
-    def take(self, argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen | None:
-        """A ready spare now running `argv` (its output appended to `log_path`), or None if none is ready."""
+    def take(self, argv: list[str], env: dict[str, str], log_path: Path) -> tuple[subprocess.Popen, Path] | None:
+        """A ready spare now running `argv` (its output appended to `log_path`) and its directory (its command line
+        says `--standby DIR` for the rest of its life), or None if none is ready."""
         if not self.fits(argv, env):
             return None
         for i, (directory, proc) in enumerate(self.spares):
@@ -100,7 +101,7 @@ class SparePool:
                 atomic_write_json(directory / ASSIGNMENT, {"args": argv[len(self.prefix):], "log": str(log_path)})
                 self.taken += 1
                 self.refill()
-                return proc
+                return proc, directory
         return None
 
     def close(self) -> None:

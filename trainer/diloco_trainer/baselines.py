@@ -5,6 +5,7 @@ and final evaluation as `diloco local`; N worker processes talk over torch.distr
 - ddp: gradients all-reduced (averaged) every step; one model.
 - sync-diloco: H inner steps each, then all-reduce of Δ = Θ − θ (full model, fp32), the same `NesterovOuter`
   step everywhere, θ ← Θ; everyone waits for the slowest worker at every outer step.
+With --max-restarts N a failed worker restarts the whole job from the last committed checkpoint (as torchrun does).
 """
 
 from __future__ import annotations
@@ -12,19 +13,23 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import signal
 import socket
 import time
 from pathlib import Path
 
-from .runtime import procs
+from . import checkpoint
+from .fsutil import atomic_write
+from .runtime import elastic, procs
 from .runtime.procs import Child, StopFlag, Supervisor
-from .runtime.rundir import append_jsonl, make_run_dir, write_config, write_json
+from .runtime.rundir import append_jsonl, make_run_dir, read_jsonl, write_config, write_json
 from .runtime.session import (DEFAULT_CONFIG, DEFAULT_MINUTES, DEFAULT_STEPS, RunSession, load_config,
                               parse_slowdown)
 
 MODES = ("ddp", "sync-diloco")
+DDP_CHECKPOINT_EVERY = 25  # steps; sync-diloco checkpoints every outer step by default
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -46,10 +51,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-batches", type=int, default=32,
                         help="validation batches (of inner.batch_size windows) for each evaluation of the global model")
     parser.add_argument("--plain", action="store_true", help="plain progress lines instead of the live table")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart all workers from the last checkpoint after a failure, at most N times "
+                             "(default 0: the run stops at the first failure)")
+    parser.add_argument("--checkpoint-every", type=int, default=None, metavar="S",
+                        help="inner steps between checkpoints when --max-restarts > 0 (default: the outer period H "
+                             f"for sync-diloco, which S must be a multiple of; {DDP_CHECKPOINT_EVERY} for ddp)")
     # Internal: how the supervisor starts each worker.
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--master-port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)  # unix time to stop
+    parser.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)  # from the committed checkpoint
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,8 +69,9 @@ def run(args: argparse.Namespace) -> int:
         return _worker(args)
     started = time.monotonic()  # --minutes counts from here, as in diloco local
     cfg = load_config(args.config, args.set)
-    if args.learners < 1 or args.steps < 1 or args.minutes <= 0:
-        raise SystemExit("diloco baseline: --learners and --steps must be >= 1, --minutes > 0")
+    if args.learners < 1 or args.steps < 1 or args.minutes <= 0 or args.max_restarts < 0:
+        raise SystemExit("diloco baseline: --learners and --steps must be >= 1, --minutes > 0, --max-restarts >= 0")
+    checkpoint_every = checkpoint_period(args.mode, args.checkpoint_every, cfg.outer.sync_every)
     slowdown = parse_slowdown(args.slowdown, args.learners)
     try:
         run_dir = make_run_dir(args.run_dir)
@@ -68,28 +81,43 @@ def run(args: argparse.Namespace) -> int:
     session = RunSession(run_dir, cfg, mode=args.mode, learners=args.learners, plain=args.plain,
                          eval_batches=args.eval_batches, snapshots=args.snapshots)
     session.prepare_data()
-    port = _free_port()
     deadline = time.time() + args.minutes * 60 - (time.monotonic() - started)  # the workers agree on it
-    env = procs.child_env()
+
+    def worker_argv(rank: int, port: int, resume: bool) -> list[str]:
+        return procs.diloco_argv(
+            "baseline", args.mode, "--config", str(config_path), "--learners", str(args.learners),
+            "--rank", str(rank), "--master-port", str(port), "--run-dir", str(run_dir),
+            "--steps", str(args.steps), "--deadline", f"{deadline:.3f}", "--slowdown", f"{slowdown[rank]:g}",
+            "--jitter", f"{args.jitter:g}", "--log-every", str(args.log_every), "--snapshots", str(args.snapshots),
+            # No restarts, no use for checkpoints: the plain baseline pays nothing for them.
+            "--checkpoint-every", str(checkpoint_every if args.max_restarts else 0), *(["--resume"] if resume else []))
 
     stop = StopFlag()
+    env = procs.child_env()
     with Supervisor(run_dir / "processes.json", run_dir / "events.jsonl") as sup, stop.installed():
+        port = _free_port()
         for rank in range(args.learners):
             name = f"learner-{rank}"
             state_dir = run_dir / "learners" / name
-            argv = procs.diloco_argv(
-                "baseline", args.mode, "--config", str(config_path), "--learners", str(args.learners),
-                "--rank", str(rank), "--master-port", str(port), "--run-dir", str(run_dir),
-                "--steps", str(args.steps), "--deadline", f"{deadline:.3f}", "--slowdown", f"{slowdown[rank]:g}",
-                "--jitter", f"{args.jitter:g}", "--log-every", str(args.log_every),
-                "--snapshots", str(args.snapshots))
-            # A synchronous job cannot lose a worker: no restarts (that is what the baseline demonstrates).
-            sup.add(Child(name, "learner", argv, env, run_dir / "logs" / f"{name}.log", restart=False,
+            # The supervisor never restarts a worker alone: a synchronous job restarts as a whole (below).
+            sup.add(Child(name, "learner", worker_argv(rank, port, resume=False), env,
+                          run_dir / "logs" / f"{name}.log", restart=False,
                           meta={"state_dir": str(state_dir), "rank": rank}))
             session.add_learner(name, state_dir, args.steps, slowdown[rank])
             sup.start(name)
-        reason = session.supervise(sup, stop, started, budget_s=args.minutes * 60, steps=args.steps,
-                                   fail_fast=True)
+        restarts = 0
+        while True:
+            reason = session.supervise(sup, stop, started, budget_s=args.minutes * 60, steps=args.steps,
+                                       fail_fast=True)
+            failed = elastic.failed_worker(sup.children.values())
+            if failed is None or stop or restarts >= args.max_restarts or time.time() >= deadline:
+                break
+            restarts += 1
+            port = _free_port()  # the old rendezvous port may linger in TIME_WAIT
+            _restart_job(session, sup, run_dir, failed, restarts, args.max_restarts,
+                         [worker_argv(rank, port, resume=True) for rank in range(args.learners)])
+        if failed is not None and args.max_restarts and restarts >= args.max_restarts:
+            reason += f" (--max-restarts {args.max_restarts}: {restarts} used)"
         session.message(f"stopping: {reason}")
         train_end = time.monotonic()
         sup.stop([c.name for c in sup.children.values()], timeout=60.0)
@@ -97,6 +125,40 @@ def run(args: argparse.Namespace) -> int:
         session.close_display()
     summary = session.finish(sup, train_end - started, stop_reason=reason)
     return 0 if summary.get("val_loss") is not None else 1
+
+
+def checkpoint_period(mode: str, every: int | None, sync_every: int) -> int:
+    """Steps between checkpoints: --checkpoint-every, else H (sync-diloco) or DDP_CHECKPOINT_EVERY; for sync-diloco
+    only a multiple of H, so that a checkpoint falls right after an outer step (θ = Θ, nothing unsynced)."""
+    if every is None:
+        return sync_every if mode == "sync-diloco" else DDP_CHECKPOINT_EVERY
+    if every < 1:
+        raise SystemExit(f"diloco baseline: --checkpoint-every must be >= 1, got {every}")
+    if mode == "sync-diloco" and every % sync_every:
+        raise SystemExit(f"diloco baseline: --checkpoint-every {every} is not a multiple of the outer period "
+                         f"H = {sync_every} (outer.sync_every); sync-diloco checkpoints right after an outer step")
+    return every
+
+
+def _restart_job(session: RunSession, sup: Supervisor, run_dir: Path, failed: Child, restart: int,
+                 max_restarts: int, argv_by_rank: list[list[str]]) -> None:
+    """Stop every worker, record what the failure cost, start them all again from the committed checkpoint."""
+    code = failed.exits[-1]
+    workers = [c for c in sup.children.values() if c.role == "learner"]
+    sup.stop([c.name for c in workers if c.alive], timeout=elastic.STOP_TIMEOUT_S)  # blocked in a collective
+    record = checkpoint.committed(run_dir)
+    resume_step = record["step"] if record else None
+    last = {c.name: elastic.last_step_since(read_jsonl(Path(c.meta["state_dir"]) / "metrics.jsonl"), c.starts[-1])
+            for c in workers}
+    lost = elastic.lost_steps(last, resume_step or 0)
+    session.message(elastic.restart_message(failed.name, code, len(workers), resume_step, restart, max_restarts))
+    append_jsonl(run_dir / "events.jsonl", {
+        "time": time.time(), "name": "job", "role": "job", "event": "job_restart", "restart": restart,
+        "max_restarts": max_restarts, "failed": failed.name, "code": code, "checkpoint_step": resume_step or 0,
+        "failed_step": last[failed.name], "lost_steps": sum(lost.values()), "lost_steps_by_worker": lost})
+    for child in workers:
+        child.argv, child.finished = argv_by_rank[child.meta["rank"]], False
+        sup.start(child.name)
 
 
 def _free_port() -> int:
@@ -108,8 +170,22 @@ def _free_port() -> int:
 # ---------------------------------------------------------------------- worker
 
 
+COUNTERS = ("step", "syncs", "bytes_up", "synced_steps", "snapshots")  # what a checkpoint carries besides tensors
+
+
+class PeerLost(Exception):
+    """A collective failed because another worker is gone; the parent restarts the job or stops it."""
+
+
+def _collective(fn, *args) -> None:
+    try:
+        fn(*args)
+    except RuntimeError as exc:  # gloo: "Connection closed by peer" and the like
+        raise PeerLost(str(exc).splitlines()[0]) from exc
+
+
 def _worker(args: argparse.Namespace) -> int:
-    """One rank: train, synchronize as the mode says, log metrics.jsonl, rank 0 writes snapshots and Θ."""
+    """One rank: train, synchronize as the mode says, checkpoint, log metrics.jsonl; rank 0 writes snapshots and Θ."""
     import torch
     import torch.distributed as dist
 
@@ -147,95 +223,161 @@ def _worker(args: argparse.Namespace) -> int:
     tokens_per_step = cfg.inner.batch_size * cfg.model.seq_len
     deadline = args.deadline if args.deadline is not None else time.time() + args.minutes * 60
     t0 = time.time()
-    syncs = bytes_up = 0
-    synced_tokens = synced_steps = 0
-    snaps = 1  # next snapshot index; 0 is Θ₀
+    step = syncs = bytes_up = synced_steps = snaps = 0  # snaps: the next snapshot's index (0 is Θ₀)
+    committed = checkpoint.committed(run_dir) if args.resume else None
+    if committed is not None:
+        tensors, saved = checkpoint.load(state_dir, committed["step"])
+        if (saved["mode"], saved["world"], saved["rank"]) != (args.mode, world, rank):
+            raise SystemExit(f"{name}: checkpoint of step {committed['step']} is for {saved['mode']} rank "
+                             f"{saved['rank']} of {saved['world']}, not {args.mode} rank {rank} of {world}")
+        _restore_tensors(tensors, model, opt, theta, outer)
+        sampler.load_state_dict(saved["sampler"])
+        checkpoint.rng_from_json(rng, saved["rng"])
+        step, syncs, bytes_up, synced_steps, snaps = (int(saved["counters"][k]) for k in COUNTERS)
+        print(f"{name}: resumed from the checkpoint of step {step}", flush=True)
+    # metrics.jsonl counts this incarnation's work (tokens, syncs, bytes) from here; `step` is the position.
+    start_step, start_syncs, start_bytes = step, syncs, bytes_up
     if rank == 0:
-        _save_snapshot(run_dir, 0, model, 0)
+        _keep_snapshots(run_dir, snaps)  # ones a rolled-back incarnation took after the checkpoint are re-taken
+        if snaps == 0:
+            _save_snapshot(run_dir, 0, model, 0)
+            snaps = 1
     metrics = open(state_dir / "metrics.jsonl", "a")
-    step = 0
     win_loss, win_steps, win_busy, win_start = 0.0, 0, 0.0, time.time()  # one log window, as the learner logs
-    while step < args.steps:
-        t_step = time.time()
-        x, y = sampler.next_batch()
-        for g in opt.param_groups:
-            g["lr"] = schedule(step + 1)
-        _, loss = model(x, y)
-        loss.backward()
-        step += 1
-        win_loss, win_steps = win_loss + loss.item(), win_steps + 1
-        time.sleep(step_sleep(time.time() - t_step, float(args.slowdown), args.jitter, rng))
-        last = step >= args.steps
-        want_stop = stopping["flag"] or time.time() >= deadline
-        if outer is None:  # DDP: average gradients (the stop flag rides along) and step everyone together
-            flat = torch.cat([p.grad.reshape(-1) for p in params] + [torch.tensor([float(want_stop)])])
-            dist.all_reduce(flat)
-            stop_all = flat[-1].item() > 0
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset: offset + p.numel()].view_as(p).div_(world))
-                offset += p.numel()
-            torch.nn.utils.clip_grad_norm_(params, cfg.inner.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            syncs, bytes_up = syncs + 1, bytes_up + per_sync_bytes
-            synced_steps, synced_tokens = step, step * tokens_per_step
-        else:
-            torch.nn.utils.clip_grad_norm_(params, cfg.inner.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            stop_all = False
-            # A worker told to stop syncs at once instead of at the next H boundary: its all-reduce meets the
-            # others' next one (collectives pair by call order), and the flag it carries stops them all there.
-            if step % sync_every == 0 or last or want_stop:
-                # Outer step: Δ = Θ − θ averaged over all workers (everyone waits here), Nesterov, θ ← Θ.
-                flat = torch.cat([(theta[n] - p.detach()).reshape(-1) for n, p in zip(names, params)]
-                                 + [torch.tensor([float(want_stop)])])
-                dist.all_reduce(flat)
+    try:
+        while step < args.steps:
+            t_step = time.time()
+            x, y = sampler.next_batch()
+            for g in opt.param_groups:
+                g["lr"] = schedule(step + 1)
+            _, loss = model(x, y)
+            loss.backward()
+            step += 1
+            win_loss, win_steps = win_loss + loss.item(), win_steps + 1
+            time.sleep(step_sleep(time.time() - t_step, float(args.slowdown), args.jitter, rng))
+            last = step >= args.steps
+            want_stop = stopping["flag"] or time.time() >= deadline
+            if outer is None:  # DDP: average gradients (the stop flag rides along) and step everyone together
+                flat = torch.cat([p.grad.reshape(-1) for p in params] + [torch.tensor([float(want_stop)])])
+                _collective(dist.all_reduce, flat)
                 stop_all = flat[-1].item() > 0
-                flat.div_(world)
-                delta, offset = {}, 0
-                for n, p in zip(names, params):
-                    delta[n] = flat[offset: offset + p.numel()].view_as(p)
+                offset = 0
+                for p in params:
+                    p.grad.copy_(flat[offset: offset + p.numel()].view_as(p).div_(world))
                     offset += p.numel()
-                outer.step(theta, delta)
-                with torch.no_grad():
+                torch.nn.utils.clip_grad_norm_(params, cfg.inner.grad_clip)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                syncs, bytes_up, synced_steps = syncs + 1, bytes_up + per_sync_bytes, step
+            else:
+                torch.nn.utils.clip_grad_norm_(params, cfg.inner.grad_clip)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                stop_all = False
+                # A worker told to stop syncs at once instead of at the next H boundary: its all-reduce meets the
+                # others' next one (collectives pair by call order), and the flag it carries stops them all there.
+                if step % sync_every == 0 or last or want_stop:
+                    # Outer step: Δ = Θ − θ averaged over all workers (everyone waits here), Nesterov, θ ← Θ.
+                    flat = torch.cat([(theta[n] - p.detach()).reshape(-1) for n, p in zip(names, params)]
+                                     + [torch.tensor([float(want_stop)])])
+                    _collective(dist.all_reduce, flat)
+                    stop_all = flat[-1].item() > 0
+                    flat.div_(world)
+                    delta, offset = {}, 0
                     for n, p in zip(names, params):
-                        p.copy_(theta[n])
-                syncs, bytes_up = syncs + 1, bytes_up + per_sync_bytes
-                synced_steps, synced_tokens = step, step * tokens_per_step
-        win_busy += time.time() - t_step
-        done = last or stop_all
-        if step % args.log_every == 0 or done:
-            now = time.time()
-            rec = {"time": now, "learner_id": name, "step": step, "loss": win_loss / win_steps,
-                   "tokens": step * tokens_per_step,
-                   "tokens_per_s": win_steps * tokens_per_step / max(now - win_start, 1e-9),
-                   "step_time_s": win_busy / win_steps, "versions": {"all": syncs}, "sent": syncs, "acked": syncs,
-                   "acked_tokens": synced_tokens, "acked_steps": synced_steps, "rejected": 0, "adoptions": syncs,
-                   "syncer_up": True, "bytes_up": bytes_up, "bytes_down": bytes_up}
+                        delta[n] = flat[offset: offset + p.numel()].view_as(p)
+                        offset += p.numel()
+                    outer.step(theta, delta)
+                    with torch.no_grad():
+                        for n, p in zip(names, params):
+                            p.copy_(theta[n])
+                    syncs, bytes_up, synced_steps = syncs + 1, bytes_up + per_sync_bytes, step
+            win_busy += time.time() - t_step
+            done = last or stop_all
+            # A checkpoint step (a multiple of H for sync-diloco: right after the outer step) is always logged, so
+            # every worker's metrics reach the committed step and the work a restart loses can be counted.
+            save_now = bool(args.checkpoint_every) and step % args.checkpoint_every == 0 and not done
+            if step % args.log_every == 0 or done or save_now:
+                now = time.time()
+                synced_here = synced_steps - start_step
+                rec = {"time": now, "learner_id": name, "step": step, "resumed_from_step": start_step,
+                       "loss": win_loss / win_steps, "tokens": (step - start_step) * tokens_per_step,
+                       "tokens_per_s": win_steps * tokens_per_step / max(now - win_start, 1e-9),
+                       "step_time_s": win_busy / win_steps, "versions": {"all": syncs}, "sent": syncs - start_syncs,
+                       "acked": syncs - start_syncs, "acked_tokens": synced_here * tokens_per_step,
+                       "acked_steps": synced_here, "rejected": 0, "adoptions": syncs - start_syncs,
+                       "syncer_up": True, "bytes_up": bytes_up - start_bytes, "bytes_down": bytes_up - start_bytes}
+                if done:
+                    rec["param_sha256"] = _param_digest(model if outer is None else theta)
+                metrics.write(json.dumps(rec) + "\n")
+                metrics.flush()
+                win_loss, win_steps, win_busy, win_start = 0.0, 0, 0.0, now
+            progress = max(step / args.steps, (time.time() - t0) / max(1e-9, deadline - t0))
+            if rank == 0 and not done and snaps <= args.snapshots and progress >= snaps / (args.snapshots + 1):
+                _save_snapshot(run_dir, snaps, model if outer is None else theta, step * tokens_per_step * world)
+                snaps += 1
+            if save_now:
+                counters = dict(zip(COUNTERS, (step, syncs, bytes_up, synced_steps, snaps)))
+                state = {"mode": args.mode, "world": world, "rank": rank, "counters": counters,
+                         "sampler": sampler.state_dict(), "rng": checkpoint.rng_to_json(rng)}
+                _save_checkpoint(run_dir, state_dir, step, rank, _checkpoint_tensors(model, opt, theta, outer), state)
             if done:
-                rec["param_sha256"] = _param_digest(model if outer is None else theta)
-            metrics.write(json.dumps(rec) + "\n")
-            metrics.flush()
-            win_loss, win_steps, win_busy, win_start = 0.0, 0, 0.0, now
-        progress = max(step / args.steps, (time.time() - t0) / max(1e-9, deadline - t0))
-        if rank == 0 and not done and snaps <= args.snapshots and progress >= snaps / (args.snapshots + 1):
-            _save_snapshot(run_dir, snaps, model if outer is None else theta, step * tokens_per_step * world)
-            snaps += 1
-        if done:
-            break
-    if rank == 0:
-        from safetensors.torch import save_file
+                break
+        if rank == 0:
+            from safetensors.torch import save_file
 
-        final = theta if outer is not None else {n: p.detach() for n, p in model.named_parameters()}
-        save_file({n: t.contiguous() for n, t in final.items()}, str(run_dir / "final" / "theta.safetensors"))
-        write_json(run_dir / "final" / "state.json", {"mode": args.mode, "steps": step, "outer_steps": syncs,
-                                                      "learners": world, "wall_s": time.time() - t0})
-    metrics.close()
-    dist.barrier()
+            final = theta if outer is not None else {n: p.detach() for n, p in model.named_parameters()}
+            save_file({n: t.contiguous() for n, t in final.items()}, str(run_dir / "final" / "theta.safetensors"))
+            write_json(run_dir / "final" / "state.json", {"mode": args.mode, "steps": step, "outer_steps": syncs,
+                                                          "learners": world, "wall_s": time.time() - t0})
+        metrics.close()
+        _collective(dist.barrier)
+    except PeerLost as exc:
+        print(f"{name}: a collective failed at step {step} ({exc}): another worker is gone", flush=True)
+        metrics.close()
+        os._exit(elastic.PEER_LOST_EXIT)  # a normal exit hangs in gloo's teardown after a peer died
     dist.destroy_process_group()
     return 0
+
+
+def _save_checkpoint(run_dir: Path, state_dir: Path, step: int, rank: int, tensors: dict, state: dict) -> None:
+    """Write this rank's checkpoint; rank 0 commits it once every rank has, then each drops its older one."""
+    import torch.distributed as dist
+
+    checkpoint.save(state_dir, step, tensors, state)
+    _collective(dist.barrier)  # every rank holds step S on disk ...
+    if rank == 0:
+        checkpoint.commit(run_dir, step, mode=state["mode"], world=state["world"])
+    _collective(dist.barrier)  # ... and S is committed: the previous step's files can go
+    checkpoint.prune(state_dir, keep=step)
+
+
+def _checkpoint_tensors(model, opt, theta, outer) -> dict:
+    """Everything a rank resumes from that is a tensor: θ, AdamW moments and steps, Θ and the outer momentum."""
+    import torch
+
+    out = {f"model.{n}": p for n, p in model.named_parameters()}
+    out.update(checkpoint.optimizer_tensors(opt))
+    if theta is not None:
+        out.update({f"theta.{n}": t for n, t in theta.items()})
+        out.update({f"outer_momentum.{n}": t for n, t in outer.state_dict().items()})
+    out["torch_rng"] = torch.get_rng_state()
+    return out
+
+
+def _restore_tensors(tensors: dict, model, opt, theta, outer) -> None:
+    import torch
+
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(tensors[f"model.{n}"])
+        for n, t in (theta or {}).items():
+            t.copy_(tensors[f"theta.{n}"])
+    checkpoint.load_optimizer_tensors(opt, tensors)
+    if outer is not None:
+        prefix = "outer_momentum."
+        outer.load_state_dict({k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)})
+    torch.set_rng_state(tensors["torch_rng"])
 
 
 def inner_optimizer(model, cfg):
@@ -260,6 +402,17 @@ def _param_digest(params) -> str:
         h.update(n.encode())
         h.update(t.detach().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def _keep_snapshots(run_dir: Path, n: int) -> None:
+    """Keep the first `n` snapshots of the index (the checkpoint's); later ones belong to a rolled-back run."""
+    index = run_dir / "snapshots" / "index.jsonl"
+    entries = read_jsonl(index)
+    if len(entries) <= n:
+        return
+    for entry in entries[n:]:
+        (run_dir / "snapshots" / entry["file"]).unlink(missing_ok=True)
+    atomic_write(index, "".join(json.dumps(e) + "\n" for e in entries[:n]).encode())
 
 
 def _save_snapshot(run_dir: Path, k: int, params, tokens: int) -> None:

@@ -107,7 +107,9 @@ def summary_lines(s: dict) -> list[str]:
         lines.append(f"goodput: {100 * s['goodput']:.1f}% of trained steps were merged into the global model "
                      f"(tokens merged {s.get('tokens_merged', 0):,})")
     if s.get("restarts"):
-        lines.append(f"restarts: {s['restarts']}")
+        lost = (f" (lost {s['lost_steps']:,} learner steps, trained again from checkpoints)"
+                if "lost_steps" in s else "")
+        lines.append(f"restarts: {s['restarts']}{lost}")
     b = s.get("bytes") or {}
     if b:
         sent = b.get("sent_per_learner_step")

@@ -91,7 +91,8 @@ def split_incarnations(records: list[dict], starts: list[float]) -> list[list[di
     """Group a learner's metrics lines by process incarnation, using the supervisor's start times.
 
     Counters in metrics.jsonl (step, tokens, acked_tokens) restart from zero in each incarnation, so
-    totals are sums over incarnations of each one's last line.
+    totals are sums over incarnations of each one's last line; only `step` of an incarnation resumed from a
+    checkpoint starts at the checkpoint's step, given as `resumed_from_step` (see `steps_in_incarnation`).
     """
     if not starts:
         return [records] if records else []
@@ -103,6 +104,11 @@ def split_incarnations(records: list[dict], starts: list[float]) -> list[list[di
     return groups
 
 
+def steps_in_incarnation(rec: dict) -> int:
+    """Steps a metrics line's incarnation has trained: its step less the checkpoint step it resumed from."""
+    return int(rec.get("step", 0) or 0) - int(rec.get("resumed_from_step", 0) or 0)
+
+
 def learner_totals(records: list[dict], starts: list[float]) -> dict:
     """Totals over all incarnations of one learner: steps, tokens, acked tokens/steps, sent, rejected."""
     keys = ("step", "tokens", "acked_tokens", "acked_steps", "sent", "acked", "rejected", "adoptions")
@@ -111,6 +117,6 @@ def learner_totals(records: list[dict], starts: list[float]) -> dict:
         if group:
             last = group[-1]
             for k in keys:
-                total[k] += int(last.get(k, 0) or 0)
+                total[k] += steps_in_incarnation(last) if k == "step" else int(last.get(k, 0) or 0)
     total["incarnations"] = max(1, len(starts)) if records else len(starts)
     return total

@@ -62,7 +62,7 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
     params = count_parameters(build_model(cfg.model, cfg.seed))
     if params < 5_000_000:  # small matmuls gain nothing from threads, and lose a lot on a busy machine
         torch.set_num_threads(1)
-    per_learner, curves = {}, []
+    per_learner, curves, final_lines = {}, [], {}
     for d in sorted((run_dir / "learners").iterdir()) if (run_dir / "learners").exists() else []:
         records = read_jsonl(d / "metrics.jsonl")
         per_learner[d.name] = learner_totals(records, starts.get(d.name, []))
@@ -70,6 +70,7 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
         for key in ("bytes_up", "bytes_down"):
             per_learner[d.name][key] = sum(float(g[-1].get(key, 0) or 0) for g in lives)
         per_learner[d.name]["final_loss"] = records[-1].get("loss") if records else None
+        final_lines[d.name] = records[-1] if records else {}
         if records and records[-1].get("param_sha256"):
             per_learner[d.name]["param_sha256"] = records[-1]["param_sha256"]
         deaths = [float(e["time"]) for e in events if e["name"] == d.name and e["event"] == "exit" and e["code"] != 0]
@@ -107,9 +108,7 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
         summary["tokens_merged"] = sum(m["tokens_merged"] for m in merged.values())
         summary["goodput"] = goodput(merged, per_learner, cfg.outer.fragments)
     else:
-        acked = sum(v["acked_steps"] for v in per_learner.values())
-        summary["goodput"] = acked / steps if steps else None
-        summary["tokens_merged"] = sum(v["acked_tokens"] for v in per_learner.values())
+        summary.update(sync_job_figures(events, final_lines, steps, cfg.inner.batch_size * cfg.model.seq_len))
 
     measured = sum(v["bytes_up"] for v in per_learner.values())
     received = sum(v["bytes_down"] for v in per_learner.values())
@@ -130,6 +129,24 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
             params, cfg.outer.compression, cfg.outer.block_size, cfg.outer.sync_every),
     }
     return summary, curves, evals
+
+
+def sync_job_figures(events: list[dict], final_lines: dict[str, dict], steps_trained: int,
+                     tokens_per_step: int) -> dict:
+    """A synchronous baseline's restarts, lost work and goodput.
+
+    Useful work is what the final model holds: each worker's steps synced up to its last line (the checkpoint
+    step its incarnation resumed from plus what it synced since). Trained work also counts the steps a
+    restart threw away and trained again (`lost_steps`, from the job_restart events), so at the end of a
+    complete run goodput = (steps_trained − lost_steps) / steps_trained.
+    """
+    restarts = [e for e in events if e.get("event") == "job_restart"]
+    useful = sum(int(r.get("resumed_from_step", 0) or 0) + int(r.get("acked_steps", 0) or 0)
+                 for r in final_lines.values())
+    lost = sum(int(e.get("lost_steps", 0)) for e in restarts)
+    return {"restarts": len(restarts), "lost_steps": lost, "lost_tokens": lost * tokens_per_step,
+            "goodput": useful / steps_trained if steps_trained else None,
+            "tokens_merged": useful * tokens_per_step}
 
 
 def goodput(merged: dict[str, dict], per_learner: dict[str, dict], fragments: int = 1) -> float | None:

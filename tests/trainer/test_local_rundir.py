@@ -10,7 +10,7 @@ import pytest
 from diloco_trainer.runtime import report
 from diloco_trainer.runtime.rundir import last_jsonl, learner_totals, make_run_dir, read_jsonl, split_incarnations
 from diloco_trainer.runtime.session import load_config, parse_slowdown
-from diloco_trainer.runtime.summary import goodput, learner_curve
+from diloco_trainer.runtime.summary import goodput, learner_curve, sync_job_figures
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -34,6 +34,22 @@ def test_an_incarnation_killed_before_its_first_log_line_counts_nothing():
     groups = split_incarnations(records, [9.0, 20.0, 30.0])
     assert [len(g) for g in groups] == [1, 0, 1]
     assert learner_totals(records, [9.0, 20.0, 30.0])["step"] == 8
+
+
+def test_an_incarnation_resumed_from_a_checkpoint_counts_only_the_steps_past_it():
+    resumed = {"resumed_from_step": 20}
+    records = [_rec(10, 24, 2400, 2400),  # first life, killed after step 24 (checkpoint at 20)
+               {**_rec(21, 22, 200, 200), **resumed}, {**_rec(22, 30, 1000, 1000), **resumed}]
+    assert learner_totals(records, starts=[9.0, 20.0])["step"] == 24 + 10  # steps 21..24 trained twice
+
+
+def test_a_restarted_sync_job_counts_lost_steps_as_trained_but_not_useful():
+    events = [{"event": "start", "name": "learner-0"}, {"event": "job_restart", "name": "job", "lost_steps": 8}]
+    final = {n: {"step": 30, "resumed_from_step": 20, "acked_steps": 10} for n in ("learner-0", "learner-1")}
+    figures = sync_job_figures(events, final, steps_trained=68, tokens_per_step=512)
+    assert figures["restarts"] == 1 and figures["lost_steps"] == 8 and figures["lost_tokens"] == 8 * 512
+    assert figures["goodput"] == pytest.approx(60 / 68) and figures["tokens_merged"] == 60 * 512
+    assert sync_job_figures([], final, 60, 512)["goodput"] == 1.0
 
 
 def test_learner_curve_accumulates_tokens_across_restarts_and_marks_them():

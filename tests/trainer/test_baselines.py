@@ -129,6 +129,7 @@ def test_baseline_rejects_a_slowdown_list_of_the_wrong_length(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.timeout(180)  # the workers start twice (~20 s each at load 8 on 2 cores)
 def test_ddp_restarts_every_worker_from_the_last_checkpoint_when_one_is_killed(tmp_path):
     run_dir = tmp_path / "run"
     code, out = _kill_worker_after("ddp", run_dir, "learner-1", 12, 10, "--steps", "30", "--slowdown", "2",
@@ -138,6 +139,7 @@ def test_ddp_restarts_every_worker_from_the_last_checkpoint_when_one_is_killed(t
     _assert_resumed_from_the_checkpoint(run_dir, json.loads((run_dir / "summary.json").read_text()), 30, 10)
 
 
+@pytest.mark.timeout(180)  # the workers start twice (~20 s each at load 8 on 2 cores)
 def test_sync_diloco_resumes_after_an_outer_step_when_a_worker_is_killed(tmp_path):
     run_dir = tmp_path / "run"
     code, out = _kill_worker_after("sync-diloco", run_dir, "learner-1", 10, 8, "--steps", "24", "--slowdown", "2",

@@ -166,3 +166,39 @@ def test_a_crash_between_checkpoint_renames_falls_back_to_the_previous_checkpoin
     resumed = SyncerState(tiny_config(), tmp_path)
     assert resumed.versions == [0, 0]
     assert all(torch.equal(resumed.theta[n], syncer.state.theta[n]) for n in resumed.theta)
+
+
+async def test_merged_ids_past_the_idempotency_window_are_forgotten_and_a_late_retry_is_never_merged_twice(
+        aiohttp_client, tmp_path):
+    cfg = tiny_config(quorum=1, versions_kept=2)
+    syncer = make_syncer(tmp_path, cfg)
+    client = await start(aiohttp_client, syncer)
+    st = syncer.state
+    payloads = {}
+    for i in range(4):  # s0..s3 on fragment 0, each based on the current version: versions 1..4
+        payloads[f"s{i}"] = body(st, 0, deltas_for(st, 0, seed=i), sid=f"s{i}", base=st.versions[0], c_tokens=100)
+        assert (await client.post("/v1/fragments/0/outer-gradient", data=payloads[f"s{i}"], headers=AUTH)).status == 202
+        await wait_for(lambda: st.versions[0] == i + 1)
+        if i == 0:
+            (s0_file,) = _spooled(tmp_path)
+            shutil.copy(tmp_path / "spool" / s0_file, tmp_path / "s0-copy")
+    assert set(st.merged_ids) == {"s0", "s1", "s2", "s3"}
+    await syncer.checkpoint()
+    # Bases 0 and 1 are below 4 - versions_kept: s0 and s1 are forgotten once a checkpoint covers them.
+    assert set(st.merged_ids) == {"s2", "s3"}
+    await syncer.checkpoint()
+    state = json.loads((tmp_path / "checkpoint" / "state.json").read_text())
+    assert state["merged_ids"] == {"s2": [0, 2], "s3": [0, 3]}
+    before = snapshot(st)
+    late = await client.post("/v1/fragments/0/outer-gradient", data=payloads["s0"], headers=AUTH)
+    assert late.status == 409, "refused as stale, not merged again"
+    assert_unchanged(before, snapshot(st))
+    recent = await client.post("/v1/fragments/0/outer-gradient", data=payloads["s3"], headers=AUTH)
+    assert recent.status == 202 and (await recent.json())["duplicate"] is True
+    await client.close()
+
+    # A spool file of a forgotten id left behind (its deletion lost in a crash) is recognised and never replayed.
+    shutil.copy(tmp_path / "s0-copy", tmp_path / "spool" / s0_file)
+    resumed = SyncerState(cfg, tmp_path)
+    assert resumed.pending == [{}, {}] and _spooled(tmp_path) == []
+    assert resumed.tokens_merged == 400 and resumed.versions[0] == 4

@@ -109,7 +109,7 @@ def test_a_killed_syncer_process_restarts_with_the_acknowledged_submission_merge
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         state = json.loads((state_dir / "checkpoint" / "state.json").read_text())
-        assert state["tokens_merged"] == 4096 and state["merged_ids"] == ["learner-0:f0:1"]
+        assert state["tokens_merged"] == 4096 and list(state["merged_ids"]) == ["learner-0:f0:1"]
         assert list((state_dir / "spool").glob("*.safetensors")) == []
         assert not (state_dir / "endpoint.json").exists()
     finally:

@@ -128,7 +128,10 @@ class SyncerState:
         self.outer = [NesterovOuter(out.lr, out.momentum) for _ in range(P)]
         self.history: list[OrderedDict[int, _Version]] = [OrderedDict() for _ in range(P)]
         self.pending: list[dict[str, Contribution]] = [{} for _ in range(P)]
-        self.merged_ids: set[str] = set()
+        # Merged submission ids -> (fragment, base version), for idempotent retries. Bounded: an id is forgotten
+        # once a written checkpoint covers it and its base is more than versions_kept versions behind its fragment
+        # (see forget_old_ids); a retry that late is refused as stale (409) instead, never merged twice.
+        self.merged_ids: dict[str, tuple[int, int]] = {}
         self.merged_spool: list[str] = []  # spool files merged but not yet in a checkpoint
         self.learners: dict[str, LearnerInfo] = {}
         self.tokens_merged = 0
@@ -261,7 +264,7 @@ class SyncerState:
         self._remember(p, version, r.theta)
         for c in r.contribs:
             del self.pending[p][c.submission_id]
-            self.merged_ids.add(c.submission_id)
+            self.merged_ids[c.submission_id] = (p, c.base_version)
             self.merged_spool.append(c.spool_name)
             info = self.learners.setdefault(c.learner_id, LearnerInfo())
             info.tokens_merged += c.c_tokens
@@ -300,7 +303,7 @@ class SyncerState:
             "contributions_merged": self.contributions_merged,
             "learners": {lid: {"tokens_merged": i.tokens_merged, "steps_merged": i.steps_merged,
                                "submissions_merged": i.submissions_merged} for lid, i in self.learners.items()},
-            "merged_ids": sorted(self.merged_ids),
+            "merged_ids": {sid: list(pb) for sid, pb in sorted(self.merged_ids.items())},
             "policy": self.policy.state_dict(),
             "written_at": time.time(),
         }
@@ -316,6 +319,22 @@ class SyncerState:
         covered = set(job.spool_names)
         self.merged_spool = [n for n in self.merged_spool if n not in covered]
         self.last_checkpoint = job.checkpoint.state["written_at"]
+        self.forget_old_ids(job.checkpoint.state)
+
+    def idempotency_floor(self, p: int, version: int | None = None) -> int:
+        """Base versions of fragment p below this are outside the idempotency window: no submission based on one
+        can be pending (it would have been refused as stale), so one that is spooled was merged already."""
+        return (self.versions[p] if version is None else version) - self.config.outer.versions_kept
+
+    def forget_old_ids(self, written: dict) -> None:
+        """Drop merged ids that the written checkpoint `written` covers (their spool files are gone with it) and
+        whose base is below the idempotency floor at that checkpoint: the id list stays bounded however long the
+        run."""
+        versions = {int(p): int(v) for p, v in written["versions"].items()}
+        old = [sid for sid, (p, base) in (written.get("merged_ids") or {}).items()
+               if p in versions and base < self.idempotency_floor(p, versions[p])]
+        for sid in old:
+            self.merged_ids.pop(sid, None)
 
     def _load(self) -> None:
         ckpt = read_checkpoint(self.dir)
@@ -327,10 +346,11 @@ class SyncerState:
         replayed = 0
         for e in self.spool.load_all():
             m = e.meta
-            if m["submission_id"] in self.merged_ids:
+            p = int(m["fragment"])
+            if m["submission_id"] in self.merged_ids or (
+                    0 <= p < self.num_fragments and int(m["base_version"]) < self.idempotency_floor(p)):
                 self.spool.remove([e.name])  # in the checkpoint already; only the deletion was lost
                 continue
-            p = int(m["fragment"])
             if not 0 <= p < self.num_fragments or set(e.tensors) != set(self.plan[p]):
                 log.error("spool file %s does not match this run's fragment plan; left in place", e.name)
                 continue
@@ -366,5 +386,7 @@ class SyncerState:
         for lid, d in s["learners"].items():
             self.learners[lid] = LearnerInfo(tokens_merged=d["tokens_merged"], steps_merged=d["steps_merged"],
                                              submissions_merged=d["submissions_merged"])
-        self.merged_ids = set(s["merged_ids"])
+        ids = s["merged_ids"]  # a list of ids in checkpoints written before ids carried their base
+        self.merged_ids = {sid: (int(v[0]), int(v[1])) for sid, v in ids.items()} if isinstance(ids, dict) else \
+            {sid: (-1, 1 << 62) for sid in ids}  # fragment unknown: never forgotten
         self.policy.load_state_dict(s.get("policy") or {})

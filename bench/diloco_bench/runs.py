@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from diloco_trainer.runtime import procs
-from diloco_trainer.runtime.rundir import read_jsonl
+from diloco_trainer.runtime.rundir import read_jsonl, steps_in_incarnation
 
 from . import report
 
@@ -116,16 +116,16 @@ def bytes_down(summary: dict) -> float:
 
 
 def steps_done(run_dir: Path) -> int:
-    """Inner steps trained so far by all learners (a restarted learner's counter starts again at 0)."""
+    """Inner steps trained so far by all learners (a restarted learner's counter starts again at 0; a synchronous
+    worker resumed from a checkpoint counts from its `resumed_from_step`)."""
     total = 0
     for metrics in (run_dir / "learners").glob("*/metrics.jsonl"):
-        last = 0
+        last: dict = {}
         for rec in read_jsonl(metrics):
-            step = int(rec.get("step", 0))
-            if step < last:  # a new incarnation
-                total += last
-            last = step
-        total += last
+            if last and int(rec.get("step", 0)) < int(last.get("step", 0)):  # a new incarnation
+                total += steps_in_incarnation(last)
+            last = rec
+        total += steps_in_incarnation(last) if last else 0
     return total
 
 

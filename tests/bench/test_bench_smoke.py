@@ -76,3 +76,16 @@ def test_a_verdict_is_undecided_when_the_seed_spread_is_wider_than_the_margin():
     assert report.decide(report.spread([0.09, 0.10]), 0.02) is False
     assert report.decide(report.spread([0.001, 0.002]), 0.005) is True
     assert report.decide(report.spread([0.001]), 0.005) is True
+
+
+def test_steps_done_counts_each_incarnation_once_whether_it_restarts_at_zero_or_at_a_checkpoint(tmp_path):
+    def write(name, recs):
+        d = tmp_path / "learners" / name
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+    write("learner-0", [{"step": 5}, {"step": 10}, {"step": 3}, {"step": 6}])  # killed at 10, restarted at 0
+    # A synchronous worker killed at step 14, resumed from the checkpoint at step 10, then trained to 20.
+    write("learner-1", [{"step": 7}, {"step": 14}, {"step": 12, "resumed_from_step": 10},
+                        {"step": 20, "resumed_from_step": 10}])
+    assert runs.steps_done(tmp_path) == (10 + 6) + (14 + 10)

@@ -168,3 +168,29 @@ def test_a_stopping_learner_waits_only_drain_s_for_an_unresponsive_syncer(tmp_pa
     final = metrics(state)[-1]
     assert final["final"] and final["pending"] >= 1
     assert "submission(s) unanswered after 2 s of drain" in log.read_text()
+
+
+def test_a_bf16_downlink_halves_the_bytes_of_every_adopted_version_and_training_still_converges(tmp_path):
+    from diloco_trainer.config import MODEL_PRESETS
+    from diloco_trainer.fragments import plan_fragments
+    from diloco_trainer.model import build_model
+
+    syncer = SyncerProcess(write_config(tmp_path / "run.yaml", downlink="bf16"), tmp_path / "syncer",
+                           tmp_path / "syncer.log")
+    try:
+        syncer.start()
+        state = tmp_path / "l0"
+        finish(start_learner(syncer.url, "l0", state, 32, log_path=tmp_path / "l0.log"), tmp_path / "l0.log")
+    finally:
+        syncer.stop()
+    recs = metrics(state)
+    final = recs[-1]
+    assert final["adoptions"] > 0 and final["rejected"] == 0 and final["acked"] == final["sent"] > 0
+    assert recs[-2]["loss"] < recs[0]["loss"] - 0.5, "training must reduce the loss"
+    sizes = [(n, p.numel()) for n, p in build_model(MODEL_PRESETS["tiny"]).named_parameters()]
+    n_params = sum(s for _, s in sizes)
+    by_fragment = [sum(dict(sizes)[n] for n in names) for names in plan_fragments(sizes, 4)]
+    fragments_down = final["bytes_down"] - (4 * n_params + 65_536)  # less the initial fp32 pull of all of Θ
+    # Every adopted version came as bf16: 2 bytes a value (an fp32 down-link would need 4 × the smallest).
+    assert 4 * min(by_fragment) > 2 * max(by_fragment) + 4096
+    assert fragments_down <= final["adoptions"] * (2 * max(by_fragment) + 4096), (fragments_down, final)

@@ -168,8 +168,16 @@ async def test_quorum_one_merges_at_once_and_publishes_a_new_version(aiohttp_cli
         torch.testing.assert_close(st.theta[n], want, rtol=1e-5, atol=1e-6)
     r = await client.get("/v1/fragments/0", headers=AUTH)
     tensors, meta = decode_tensors(await r.read())
-    assert meta == {"fragment": "0", "version": "1"} and set(tensors) == set(st.plan[0])
+    assert meta == {"fragment": "0", "version": "1", "dtype": "fp32"} and set(tensors) == set(st.plan[0])
     assert all(torch.equal(tensors[n], st.theta[n]) for n in tensors)
+    # The bf16 down-link (outer.downlink): the same version rounded, in half the bytes; anything else is a 400.
+    r16 = await client.get("/v1/fragments/0?dtype=bf16", headers=AUTH)
+    halves, meta16 = decode_tensors(body16 := await r16.read())
+    assert meta16["dtype"] == "bf16" and meta16["version"] == "1"
+    assert all(halves[n].dtype == torch.bfloat16 and torch.equal(halves[n], st.theta[n].bfloat16()) for n in halves)
+    assert len(body16) < 0.6 * int(r.headers["Content-Length"])
+    bad = await client.get("/v1/fragments/0?dtype=int4", headers=AUTH)
+    assert bad.status == 400 and "dtype" in (await bad.json())["error"]
     assert (await client.get("/v1/fragments/0?after=1", headers=AUTH)).status == 304
     assert (await client.get("/v1/fragments/0?after=0", headers=AUTH)).status == 200
     assert (await client.get("/v1/fragments/0?after=zero", headers=AUTH)).status == 400

@@ -102,6 +102,7 @@ class SyncerClient:
         self._headers = {"Authorization": f"Bearer {token}"}
         self._register_body = {"learner_id": learner_id, "unit": unit, "world_size": world_size, "device": device}
         self.poll_s, self.timeout_s = poll_s, timeout_s
+        self.downlink = "fp32"  # dtype of fetched fragment versions (the run's outer.downlink, set after bootstrap)
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self.heartbeat_s = 5.0
         self.stats = ClientStats()
@@ -364,6 +365,8 @@ class SyncerClient:
     async def _fetch_fragment(self, p: int) -> None:
         after = self._have.get(p)
         params = {} if after is None else {"after": str(after)}
+        if self.downlink != "fp32":
+            params["dtype"] = self.downlink
         async with self._get_session().get(f"{self.url}/v1/fragments/{p}", params=params) as resp:
             if resp.status == 304:
                 return

@@ -87,6 +87,10 @@ class OuterConfig(_Strict):
     merge: Literal["rda", "mean"] = "rda"
     token_weights: bool = True
     versions_kept: int = Field(8, ge=1)  # older bases are rejected; the learner re-adopts
+    # How learners fetch new fragment versions: fp32 (exact) or bf16 (half the bytes of the down-link, which
+    # carries every new version of every fragment and outweighs the int4 up-link ~13x; learners then train
+    # from bf16-rounded values, the syncer keeps Θ in fp32).
+    downlink: Literal["fp32", "bf16"] = "fp32"
 
 
 class TrainConfig(_Strict):

@@ -134,6 +134,8 @@ class Learner:
         if info is None:  # rank 0 was stopped before the syncer answered
             raise InterruptedError("stopped while waiting for the syncer")
         self.cfg = TrainConfig.model_validate(info["config"])
+        if self.client is not None:
+            self.client.downlink = self.cfg.outer.downlink
         self.plan: list[list[str]] = info["plan"]
         versions = {int(k): int(v) for k, v in info["versions"].items()}
 

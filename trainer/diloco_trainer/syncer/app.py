@@ -12,12 +12,16 @@ import re
 import time
 from dataclasses import dataclass
 
+import torch
 from aiohttp import web
 
 from diloco_trainer.wire import WireError, decode_submission, encode_tensors
 
 from .metrics import SyncerMetrics
 from .state import Rejected, SyncerState
+
+# GET /v1/fragments/{p}?dtype=...: how a fragment version travels to the learners (config outer.downlink).
+DOWNLINK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +112,8 @@ class Syncer:
             self.merging.discard(p)
         staleness = [st.staleness(c) for c in contribs]
         version = st.commit_merge(result)
-        self._cache.pop(("fragment", p), None)
+        for dtype in DOWNLINK_DTYPES:
+            self._cache.pop(("fragment", p, dtype), None)
         self._cache.pop("state", None)
         seconds = time.perf_counter() - t0
         st.policy.observe_sync_time(seconds)
@@ -251,12 +256,17 @@ class Syncer:
                 raise Rejected(400, f"after must be an integer version, got {after[:40]!r}", "malformed")
             if st.versions[p] <= int(after):
                 return web.Response(status=304)
+        dtype = request.query.get("dtype", "fp32")
+        if dtype not in DOWNLINK_DTYPES:
+            raise Rejected(400, f"dtype must be one of {sorted(DOWNLINK_DTYPES)}, got {dtype[:40]!r}", "malformed")
         version = st.versions[p]
-        cached = self._cache.get(("fragment", p))
+        cached = self._cache.get(("fragment", p, dtype))
         if cached is None or cached[0] != version:
-            tensors = st.fragment(p)
-            body = await asyncio.to_thread(encode_tensors, tensors, {"fragment": str(p), "version": str(version)})
-            cached = self._cache[("fragment", p)] = (version, body)
+            cast = DOWNLINK_DTYPES[dtype]
+            tensors = {n: t.to(cast) for n, t in st.fragment(p).items()}
+            body = await asyncio.to_thread(encode_tensors, tensors, {"fragment": str(p), "version": str(version),
+                                                                     "dtype": dtype})
+            cached = self._cache[("fragment", p, dtype)] = (version, body)
         return self._bytes("fragment", cached[1])
 
     async def get_state(self, request: web.Request) -> web.Response:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from croniter import croniter
@@ -59,7 +59,7 @@ class ScheduleSpec(_Spec):
     mtbf: Duration | None = None  # mean time between failures of each unit: exponential gaps, per unit
     start_after: Duration = 0  # no fault before this much time has passed
     downtime: Duration = 0  # a killed victim may not come back before this much time has passed
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1)
 
     @field_validator("every", "mtbf", "start_after", "downtime", mode="before")
     @classmethod
@@ -110,9 +110,9 @@ class TargetSpec(_Spec):
     labels, and how many (a count or a percentage of the matching units) per fault."""
 
     kind: Literal["learner", "unit", "syncer"] = "learner"
-    units: list[int] | None = None  # unit indices; None = every unit
+    units: list[Annotated[int, Field(le=100_000)]] | None = None  # unit indices; None = every unit
     labels: dict[str, str] = Field(default_factory=dict)  # all must match (a matchLabels selector)
-    count: int | None = Field(None, ge=1)  # victims per fault (default 1)
+    count: int | None = Field(None, ge=1, le=10000)  # victims per fault (default 1)
     percent: float | None = Field(None, gt=0, le=100)  # or: this share of the matching units per fault
 
     @field_validator("units")
@@ -167,10 +167,10 @@ class ActionSpec(_Spec):
 class SafetySpec(_Spec):
     """Limits that hold whatever the schedule says."""
 
-    min_alive_units: int = Field(1, ge=0)  # never take the number of healthy learner units below this
-    max_concurrent: int = Field(1, ge=1)  # at most this many victims down (not yet recovered) at once
+    min_alive_units: int = Field(1, ge=0, le=10000)  # never take the number of healthy learner units below this
+    max_concurrent: int = Field(1, ge=1, le=10000)  # at most this many victims down (not yet recovered) at once
     max_duration: Duration = "30m"  # no fault after this long; the experiment then ends
-    max_faults: int | None = Field(None, ge=1)
+    max_faults: int | None = Field(None, ge=1, le=1_000_000)
     recovery_timeout: Duration = "5m"  # a victim not trained again within this is recorded as not recovered
     namespace: str | None = None  # Kubernetes: only this namespace (default: the kubeconfig's)
 

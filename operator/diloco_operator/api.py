@@ -4,9 +4,10 @@ from these (see schema.py), and the training config part is the trainer's own Tr
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from diloco_chaos.experiment import JobChaos
 from diloco_trainer.config import TrainConfig
@@ -31,12 +32,21 @@ ACCELERATORS: dict[str, tuple[str | None, str | None, str]] = {
     "tpu-v6e-slice": ("google.com/tpu", "cloud.google.com/gke-tpu-accelerator", "xla"),
 }
 TPU_TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
+# Labels only accelerator nodes carry (GKE's, and the NVIDIA GPU feature discovery's): CPU work must avoid them.
+ACCELERATOR_NODE_LABELS = ("nvidia.com/gpu.present", "cloud.google.com/gke-accelerator",
+                           "cloud.google.com/gke-tpu-accelerator")
 AcceleratorType = Literal[
     "cpu", "nvidia-tesla-t4", "nvidia-l4", "nvidia-a100-80gb", "nvidia-h100-80gb", "nvidia-h200-141gb",
     "tpu-v5-lite-podslice", "tpu-v5p-slice", "tpu-v6e-slice",
 ]
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-Quantity = int | str  # rendered as x-kubernetes-int-or-string
+MAX_STEPS = 10**9
+# Kubernetes's quantity grammar (resource.Quantity, as upstream CRDs write it) without the minus sign: requests,
+# limits and volume sizes are never negative. Go's regexp (the apiserver's) and pydantic's agree on it.
+QUANTITY_PATTERN = (r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+                    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+# Rendered as x-kubernetes-int-or-string: an integer >= 0 or a quantity string.
+Quantity = Annotated[int, Field(ge=0)] | Annotated[str, Field(pattern=QUANTITY_PATTERN)]
 
 
 class _Api(BaseModel):
@@ -57,7 +67,7 @@ class Toleration(_Api):
     operator: Literal["Exists", "Equal"] | None = None
     value: str | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    tolerationSeconds: int | None = None
+    tolerationSeconds: int | None = Field(None, le=31_536_000, description="At most a year (31,536,000 s).")
 
 
 class Accelerator(_Api):
@@ -90,7 +100,8 @@ class UnitTemplate(_Api):
     nodeSelector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
     resources: Resources = Field(default_factory=Resources)
-    steps: int | None = Field(None, ge=1)  # learner --steps; None trains until stopped
+    # learner --steps; None trains until stopped
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Inner steps per learner (1 to 10^9).")
     stateVolume: Checkpoint | None = None  # per-pod PVC for --state-dir, kept across restarts (else emptyDir)
 
     @model_validator(mode="after")
@@ -105,8 +116,17 @@ class UnitTemplate(_Api):
 class Checkpoint(_Api):
     """A PersistentVolumeClaim: the syncer's checkpoint volume, or a learner's state volume."""
 
-    size: str = Field("10Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+    size: str = Field("10Gi", max_length=64, pattern=QUANTITY_PATTERN,
+                      description="A quantity greater than zero, e.g. 10Gi.")
     storageClassName: str | None = None
+
+    @field_validator("size")
+    @classmethod
+    def _positive(cls, v: str) -> str:
+        mantissa = re.match(r"^\+?([0-9.]*)", v).group(1)
+        if not float(mantissa) > 0:
+            raise ValueError(f"size must be greater than zero, got {v!r}")
+        return v
 
 
 class SyncerSpec(_Api):
@@ -122,7 +142,7 @@ class SyncerSpec(_Api):
 class RestartPolicy(_Api):
     """Per-unit healing: exponential backoff between whole-unit restarts, and when to give up on a unit."""
 
-    maxRestarts: int = Field(10, ge=0)
+    maxRestarts: int = Field(10, ge=0, le=10000, description="Restarts before a unit fails for good (0 to 10000).")
     backoffSeconds: float = Field(10.0, ge=0, le=3600)
     maxBackoffSeconds: float = Field(300.0, ge=0, le=86400)
 
@@ -167,8 +187,8 @@ class LearnerUnitSpec(_Api):
 
     jobName: str = Field(..., min_length=1)
     template: str = Field(..., min_length=1)
-    index: int = Field(..., ge=0)  # within the template: the unit is <job>-<template>-<index>
-    unitIndex: int = Field(..., ge=0)  # within the job: the learner's --unit (its data shard)
+    index: int = Field(..., ge=0, le=100_000)  # within the template: the unit is <job>-<template>-<index>
+    unitIndex: int = Field(..., ge=0, le=100_000)  # within the job: the learner's --unit (its data shard)
     image: str = Field(..., min_length=1)
     imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     podsPerUnit: int = Field(1, ge=1, le=64)
@@ -176,7 +196,7 @@ class LearnerUnitSpec(_Api):
     nodeSelector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
     resources: Resources = Field(default_factory=Resources)
-    steps: int | None = Field(None, ge=1)
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS)
     stateVolume: Checkpoint | None = None
     restartPolicy: RestartPolicy = Field(default_factory=RestartPolicy)
 

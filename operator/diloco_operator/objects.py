@@ -93,6 +93,13 @@ def _tolerations(tols: list[api.Toleration]) -> list[dict]:
     return [t.model_dump(exclude_none=True) for t in tols]
 
 
+def off_accelerators() -> dict:
+    """A required node affinity that keeps a pod off accelerator nodes, tainted or not. DoesNotExist rather
+    than a positive selector: every node without accelerator labels qualifies, whatever its pool."""
+    terms = [{"matchExpressions": [{"key": key, "operator": "DoesNotExist"} for key in api.ACCELERATOR_NODE_LABELS]}]
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}}
+
+
 def token_secret(job: dict, token: str) -> dict:
     """The bearer token learners and the syncer share; created once, never rewritten."""
     name = job["metadata"]["name"]
@@ -146,6 +153,8 @@ def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1) -> 
     }
     if spec.syncer.nodeSelector:
         pod_spec["nodeSelector"] = dict(spec.syncer.nodeSelector)
+    else:  # an explicit nodeSelector is the user's placement; by default the syncer stays off accelerators
+        pod_spec["affinity"] = off_accelerators()
     if spec.syncer.tolerations:
         pod_spec["tolerations"] = _tolerations(spec.syncer.tolerations)
     config_hash = spec_hash(spec.config.model_dump(mode="json"))
@@ -236,7 +245,8 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
     tolerations += [{"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": NODE_LOSS_GRACE_S}
                     for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")]
     command = ["diloco", "learner", "--syncer", syncer_url(spec.jobName), "--learner-id", name,
-               "--unit", str(spec.unitIndex), "--device", device, "--state-dir", LEARNER_STATE_DIR]
+               "--unit", str(spec.unitIndex), "--device", device, "--state-dir", LEARNER_STATE_DIR,
+               "--metrics-port", str(api.METRICS_PORT)]
     if spec.steps:
         command += ["--steps", str(spec.steps)]
     token_env = _token_env()
@@ -275,6 +285,8 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
         pod_spec["securityContext"] = {"fsGroup": IMAGE_GID}
     if node_selector:
         pod_spec["nodeSelector"] = node_selector
+    if resource is None:  # a CPU unit never uses an accelerator: never let it take an accelerator node's room
+        pod_spec["affinity"] = off_accelerators()
     pod_spec["tolerations"] = tolerations
     annotations = {ANNOTATION_SPEC_HASH: spec_hash(unit["spec"]), "prometheus.io/scrape": "true",
                    "prometheus.io/port": str(api.METRICS_PORT)}

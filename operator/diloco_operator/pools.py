@@ -33,6 +33,7 @@ DEFAULT_POOLS: tuple[NodePool, ...] = (
         "gpu-l4", 2,
         {"cpu": "96", "memory": "384Gi", "nvidia.com/gpu": "8", "pods": "110"},
         {"cloud.google.com/gke-accelerator": "nvidia-l4", "nvidia.com/gpu.present": "true"},
+        ({"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},),
     ),
     NodePool(
         "tpu-v5p", 4,

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel
 
 from diloco_operator import api
+from diloco_trainer.config import TENSORS_FIXED, TENSORS_PER_LAYER, ModelConfig, OuterConfig, TrainConfig
 
 CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
 _KEEP = ("type", "enum", "pattern", "minLength", "maxLength", "minimum", "maximum", "minItems", "maxItems", "format")
@@ -33,7 +34,10 @@ def _convert(node: dict, defs: dict) -> dict:
         variants = [v for v in node["anyOf"] if v.get("type") != "null"]
         types = {v.get("type") for v in variants}
         if types == {"integer", "string"}:
+            # The integer's bounds and the string's pattern apply each to its own form (as in upstream CRDs).
             out: dict[str, Any] = {"x-kubernetes-int-or-string": True}
+            for v in variants:
+                out.update({k: v[k] for k in ("minimum", "maximum", "pattern") if k in v})
         else:
             assert len(variants) == 1, f"unsupported union in schema: {node}"
             out = _convert(variants[0], defs)
@@ -82,6 +86,38 @@ SPEC_RULES = [
     _rule("!has(self.replicas) || !self.units.all(u, has(u.maxCount)) || "
           "self.replicas <= self.units.map(u, u.maxCount).sum()",
           "replicas must be <= the sum of units[].maxCount", ".replicas"),
+]
+
+
+def _or_default(obj: str, path: str, default: object) -> str:
+    """CEL for `obj.path` (dotted), or the pydantic default when it (or a parent) is absent: the schema
+    carries no defaults, the models fill them in."""
+    parts = path.split(".")
+    has = " && ".join(f"has({obj}.{'.'.join(parts[:i + 1])})" for i in range(len(parts)))
+    return f"({has} ? {obj}.{path} : {default})"
+
+
+def _default(model: type[BaseModel], field: str) -> object:
+    return model.model_fields[field].default
+
+
+_N_LAYERS = (f"(has(self.model) ? {_or_default('self.model', 'n_layers', _default(ModelConfig, 'n_layers'))} "
+             f": {TrainConfig().model.n_layers})")
+CONFIG_RULES = [
+    _rule(f"{_or_default('self', 'outer.fragments', _default(OuterConfig, 'fragments'))} <= "
+          f"{TENSORS_FIXED} + {TENSORS_PER_LAYER} * {_N_LAYERS}",
+          f"config.outer.fragments (P) must not exceed the model's parameter tensors "
+          f"({TENSORS_FIXED} + {TENSORS_PER_LAYER} x config.model.n_layers)", ".outer.fragments"),
+]
+OUTER_RULES = [
+    _rule(f"{_or_default('self', 'overlap', _default(OuterConfig, 'overlap'))} < "
+          f"{_or_default('self', 'sync_every', _default(OuterConfig, 'sync_every'))}",
+          "config.outer.overlap (tau) must be less than config.outer.sync_every (H)", ".overlap"),
+]
+# Volumes of zero bytes are refused by the apiserver when the operator creates the PVC: refuse them here.
+VOLUME_RULES = [
+    _rule("!has(self.size) || !isQuantity(self.size) || quantity(self.size).isGreaterThan(quantity('0'))",
+          "size must be greater than zero", ".size"),
 ]
 TEMPLATE_RULES = [
     _rule("(has(self.minCount) ? self.minCount : 0) <= (has(self.count) ? self.count : 1)",
@@ -150,6 +186,11 @@ def dilocojob_crd() -> dict:
     template = spec["properties"]["units"]["items"]
     template["x-kubernetes-validations"] = TEMPLATE_RULES
     template["properties"]["accelerator"]["x-kubernetes-validations"] = ACCELERATOR_RULES
+    template["properties"]["stateVolume"]["x-kubernetes-validations"] = VOLUME_RULES
+    spec["properties"]["syncer"]["properties"]["checkpoint"]["x-kubernetes-validations"] = VOLUME_RULES
+    config = spec["properties"]["config"]
+    config["x-kubernetes-validations"] = CONFIG_RULES
+    config["properties"]["outer"]["x-kubernetes-validations"] = OUTER_RULES
     columns = [
         _col("Phase", ".status.phase"), _col("Ready", ".status.unitsReady", "integer"),
         _col("Desired", ".status.unitsDesired", "integer"), _col("Restarts", ".status.restarts", "integer"),
@@ -166,6 +207,7 @@ def learnerunit_crd() -> dict:
     """The LearnerUnit CRD (created by the operator, one per unit)."""
     spec = openapi(api.LearnerUnitSpec)
     spec["properties"]["accelerator"]["x-kubernetes-validations"] = ACCELERATOR_RULES
+    spec["properties"]["stateVolume"]["x-kubernetes-validations"] = VOLUME_RULES
     columns = [
         _col("Job", ".spec.jobName"), _col("Phase", ".status.phase"),
         _col("Pods-Ready", ".status.podsReady", "integer"), _col("Pods", ".status.podsDesired", "integer"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import yaml
@@ -23,11 +24,12 @@ GOOD = {
 
 
 def _with(path: str, value, drop: bool = False) -> dict:
+    """GOOD with `value` at `path` (dotted; list indices as numbers; missing dicts on the way are created)."""
     doc = copy.deepcopy(GOOD)
     *parents, last = path.split(".")
     node = doc
     for p in parents:
-        node = node[int(p)] if isinstance(node, list) else node[p]
+        node = node[int(p)] if isinstance(node, list) else node.setdefault(p, {})
     if drop:
         del node[last]
     elif isinstance(node, list):
@@ -36,6 +38,14 @@ def _with(path: str, value, drop: bool = False) -> dict:
         node[last] = value
     return doc
 
+
+# Every countable field set to 10^12 must be refused (its maximum is in the schema and the models).
+ABSURD = [f"spec.config.{f}" for f in (
+    "model.d_model", "model.n_layers", "model.n_heads", "model.seq_len", "model.vocab_size", "model.mlp_ratio",
+    "inner.batch_size", "inner.warmup_steps", "outer.sync_every", "outer.overlap", "outer.fragments",
+    "outer.block_size", "outer.versions_kept", "data.max_bytes", "seed")] + [
+    "spec.units.0.steps", "spec.units.0.count", "spec.units.0.podsPerUnit", "spec.restartPolicy.maxRestarts",
+    "spec.syncer.maxBodyMb"]
 
 # (what is wrong, manifest, text the apiserver's error must contain)
 BAD = [
@@ -56,6 +66,39 @@ BAD = [
     ("chaos exit code out of range",
      _with("spec.chaos", {"schedule": {"every": "2m"}, "action": {"type": "fail", "exitCode": 300}}),
      "spec.chaos.action.exitCode"),
+    # Quantities (issue 8): empty, negative or malformed requests, limits and volume sizes.
+    ("empty cpu request", _with("spec.units.0.resources", {"requests": {"cpu": ""}}),
+     "spec.units[0].resources.requests.cpu"),
+    ("empty memory limit", _with("spec.units.1.resources", {"limits": {"memory": ""}}),
+     "spec.units[1].resources.limits.memory"),
+    ("negative cpu request", _with("spec.units.0.resources", {"requests": {"cpu": "-1"}}),
+     "spec.units[0].resources.requests.cpu"),
+    ("negative integer memory limit", _with("spec.units.0.resources", {"limits": {"memory": -2}}),
+     "spec.units[0].resources.limits.memory"),
+    ("malformed quantity", _with("spec.units.0.resources", {"requests": {"memory": "4 GB"}}),
+     "spec.units[0].resources.requests.memory"),
+    ("empty syncer cpu request", _with("spec.syncer", {"resources": {"requests": {"cpu": ""}}}),
+     "spec.syncer.resources.requests.cpu"),
+    ("empty syncer memory limit", _with("spec.syncer", {"resources": {"limits": {"memory": ""}}}),
+     "spec.syncer.resources.limits.memory"),
+    ("empty checkpoint size", _with("spec.syncer", {"checkpoint": {"size": ""}}), "spec.syncer.checkpoint.size"),
+    ("zero checkpoint size", _with("spec.syncer", {"checkpoint": {"size": "0Gi"}}), "spec.syncer.checkpoint.size"),
+    ("negative state volume size", _with("spec.units.0.stateVolume", {"size": "-1Gi"}),
+     "spec.units[0].stateVolume.size"),
+    ("empty state volume size", _with("spec.units.0.stateVolume", {"size": ""}), "spec.units[0].stateVolume.size"),
+    # The outer schedule and fragments (issue 8).
+    ("overlap equal to sync_every", _with("spec.config.outer", {"quorum": 2, "sync_every": 4, "overlap": 4}),
+     "spec.config.outer.overlap"),
+    ("default overlap not below sync_every", _with("spec.config.outer", {"quorum": 2, "sync_every": 2}),
+     "spec.config.outer.overlap"),
+    ("more fragments than the model's tensors",
+     _with("spec.config", {"model": {"n_layers": 1}, "outer": {"quorum": 2, "fragments": 13}}),
+     "spec.config.outer.fragments"),
+    ("more fragments than the default model's tensors", _with("spec.config.outer", {"quorum": 2, "fragments": 37}),
+     "spec.config.outer.fragments"),
+    # Absurd sizes (issue 8): 10^12 of anything countable.
+    *[(f"absurd {path.rsplit('.', 1)[-1]}", _with(path, 10**12), re.sub(r"\.([0-9]+)", r"[\1]", path))
+      for path in ABSURD],
 ]
 
 
@@ -76,9 +119,28 @@ def test_the_crd_schema_is_structural_and_carries_the_training_config():
 
 
 @pytest.mark.parametrize("what,doc,field", BAD, ids=[b[0] for b in BAD])
-def test_the_pydantic_model_rejects_each_bad_manifest(what, doc, field):
-    with pytest.raises(ValidationError):
+def test_the_pydantic_model_rejects_each_bad_manifest_naming_the_field(what, doc, field):
+    with pytest.raises(ValidationError) as exc:
         api.DilocoJobSpec.model_validate(doc["spec"])
+    leaf = re.split(r"[.\[\]]", field.rstrip("]"))[-1]
+    assert leaf in str(exc.value), f"{what}: the operator's error does not name {leaf}: {exc.value}"
+
+
+def test_every_integer_field_of_both_crds_has_a_maximum():
+    def walk(node: dict, path: str):
+        if node.get("type") == "integer" or node.get("x-kubernetes-int-or-string"):
+            yield path, node
+        for key, child in node.get("properties", {}).items():
+            yield from walk(child, f"{path}.{key}")
+        for key in ("items", "additionalProperties"):
+            if isinstance(node.get(key), dict):
+                yield from walk(node[key], f"{path}[]")
+    for crd in (schema.dilocojob_crd(), schema.learnerunit_crd()):
+        spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        for path, node in walk(spec, "spec"):
+            if node.get("x-kubernetes-int-or-string"):  # quantities and durations: a string form, checked apart
+                continue
+            assert "maximum" in node, f"{crd['spec']['names']['kind']} {path} has no maximum"
 
 
 def test_the_pydantic_model_accepts_the_good_manifest_and_every_sample():

@@ -22,12 +22,12 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     """A decoder-only transformer over a byte vocabulary."""
 
-    vocab_size: int = Field(256, ge=2)
-    seq_len: int = Field(128, ge=8)
-    d_model: int = Field(128, ge=8)
-    n_layers: int = Field(4, ge=1)
-    n_heads: int = Field(4, ge=1)
-    mlp_ratio: int = Field(4, ge=1)
+    vocab_size: int = Field(256, ge=2, le=1_048_576, description="Token ids 0..vocab_size-1 (at most 2^20).")
+    seq_len: int = Field(128, ge=8, le=1_048_576, description="Context length in tokens (8 to 1,048,576).")
+    d_model: int = Field(128, ge=8, le=65536, description="Model width (8 to 65536).")
+    n_layers: int = Field(4, ge=1, le=1024, description="Transformer blocks (1 to 1024).")
+    n_heads: int = Field(4, ge=1, le=1024, description="Attention heads (1 to 1024), dividing d_model.")
+    mlp_ratio: int = Field(4, ge=1, le=64, description="MLP width as a multiple of d_model (1 to 64).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
 
     @model_validator(mode="after")
@@ -45,13 +45,25 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
 }
 
 
+# Parameter tensors of model.GPT: token and position embeddings, the final norm's weight and bias (4), and per
+# block two norms' weights and biases, qkv, proj and the MLP's two matrices (8). The output head is tied.
+TENSORS_FIXED = 4
+TENSORS_PER_LAYER = 8
+
+
+def tensor_count(model: ModelConfig) -> int:
+    """How many parameter tensors the model of this config has (what fragments split), without torch."""
+    return TENSORS_FIXED + TENSORS_PER_LAYER * model.n_layers
+
+
 class DataConfig(_Strict):
     """Where tokens come from. 'stdlib' is the Python standard library's own source: on every machine."""
 
     source: Literal["stdlib", "folder", "tokens"] = "stdlib"
     path: str | None = None  # folder of text files, or a .npy/.bin uint8/uint16 token file
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
-    max_bytes: int | None = Field(None, ge=1024)  # cap on corpus size (tests use a small one)
+    # Cap on corpus size (tests use a small one); the corpus is held in memory, so at most 10^11.
+    max_bytes: int | None = Field(None, ge=1024, le=10**11, description="Cap on corpus bytes (1024 to 10^11).")
 
     @model_validator(mode="after")
     def _path_when_needed(self) -> "DataConfig":
@@ -67,30 +79,41 @@ class InnerConfig(_Strict):
     weight_decay: float = Field(0.1, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
-    warmup_steps: int = Field(20, ge=0)
+    warmup_steps: int = Field(20, ge=0, le=1_000_000, description="Linear warmup steps (0 to 1,000,000).")
     grad_clip: float = Field(1.0, gt=0)
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(16, ge=1, le=65536, description="Sequences per inner step and learner (1 to 65536).")
 
 
 class OuterConfig(_Strict):
     """Decoupled DiLoCo synchronization: fragments, schedule, compression, merge and outer Nesterov."""
 
-    fragments: int = Field(4, ge=1)  # P
-    sync_every: int = Field(16, ge=1)  # H inner steps between two sends of the same fragment
-    overlap: int = Field(2, ge=0)  # tau: steps a merged fragment is expected to take to come back
+    fragments: int = Field(4, ge=1, le=1024, description="P: fragments (1 to 1024, and at most the model's "
+                                                         "parameter tensors, 4 + 8 x model.n_layers).")
+    sync_every: int = Field(16, ge=1, le=100_000, description="H: inner steps between two sends of the same "
+                                                              "fragment (1 to 100,000).")
+    overlap: int = Field(2, ge=0, le=100_000, description="tau: steps a merged fragment is expected to take to "
+                                                          "come back (0 to 100,000, less than sync_every).")
     compression: Compression = "int4"
-    block_size: int = Field(64, ge=8)  # quantization block (int8 / int4)
+    block_size: int = Field(64, ge=8, le=65536, description="Quantization block of int8/int4 (8 to 65536).")
     lr: float = Field(0.7, gt=0)  # eta
     momentum: float = Field(0.9, ge=0, lt=1)  # mu
-    quorum: int = Field(1, ge=1)  # K
+    quorum: int = Field(1, ge=1, le=10000, description="K: contributions a merge waits for (1 to 10000).")
     grace: float = Field(0.5, ge=0, lt=1)  # gamma; 0 disables the grace window
     merge: Literal["rda", "mean"] = "rda"
     token_weights: bool = True
-    versions_kept: int = Field(8, ge=1)  # older bases are rejected; the learner re-adopts
+    # Older bases are rejected; the learner re-adopts.
+    versions_kept: int = Field(8, ge=1, le=1024, description="Versions of each fragment kept (1 to 1024).")
     # How learners fetch new fragment versions: fp32 (exact) or bf16 (half the bytes of the down-link, which
     # carries every new version of every fragment and outweighs the int4 up-link ~13x; learners then train
     # from bf16-rounded values, the syncer keeps Θ in fp32).
     downlink: Literal["fp32", "bf16"] = "fp32"
+
+    @model_validator(mode="after")
+    def _overlap_below_sync_every(self) -> "OuterConfig":
+        # A fragment sent every H steps cannot be expected back later than its next send.
+        if self.overlap >= self.sync_every:
+            raise ValueError(f"outer.overlap ({self.overlap}) must be less than outer.sync_every ({self.sync_every})")
+        return self
 
 
 class TrainConfig(_Strict):
@@ -100,7 +123,16 @@ class TrainConfig(_Strict):
     data: DataConfig = Field(default_factory=DataConfig)
     inner: InnerConfig = Field(default_factory=InnerConfig)
     outer: OuterConfig = Field(default_factory=OuterConfig)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the initial parameters and data order (0 to 2^32-1).")
+
+    @model_validator(mode="after")
+    def _fragments_fit_the_model(self) -> "TrainConfig":
+        tensors = tensor_count(self.model)
+        if self.outer.fragments > tensors:
+            raise ValueError(f"outer.fragments ({self.outer.fragments}) must not exceed the model's {tensors} "
+                             f"parameter tensors ({TENSORS_FIXED} + {TENSORS_PER_LAYER} x model.n_layers): "
+                             "every fragment holds at least one tensor")
+        return self
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "TrainConfig":

@@ -352,6 +352,9 @@ def test_a_spec_the_models_reject_is_reported_on_the_job_with_the_field(kubectl,
                   and d, 30, 0.2, "Ready=False/InvalidSpec")
     assert "spec.config.model" in condition(dj, "Ready")["message"] and "divisible" in dj["status"]["message"]
     assert kubectl.get("lu", ns=ns) == [] and events(kubectl, ns, "InvalidSpec")
+    kubectl.apply(job("fine", cpu_units(1)), "-n", ns)  # the operator goes on reconciling other jobs
+    wait_job_ready(kubectl, ns, "fine", 1)
+    assert condition(kubectl.get("dj", "odd", ns=ns), "Ready")["reason"] == "InvalidSpec"
 
 
 def test_a_changed_image_recreates_the_pods_without_counting_restarts(kubectl, operator, ns):

@@ -1,21 +1,33 @@
-# syntax=docker/dockerfile:1
 # Two images from one file:
 #   docker build --target operator -t diloco-operator:0.1.0 .     (kopf operator; no torch)
 #   docker build --target trainer  -t diloco-trainer:0.1.0 .      (syncer + learner; CPU torch)
 #   docker build --target trainer --build-arg TORCH_VARIANT=cu128 -t diloco-trainer:0.1.0-cuda .
-# Both pin their Python dependencies with requirements.lock (as constraints) and run as UID 10001.
-ARG PYTHON_VERSION=3.11
+# Build arguments:
+#   BASE_IMAGE     any image with Python 3.11 and pip on PATH and groupadd/useradd (default python:3.11-slim;
+#                  hack/build-images.sh builds diloco.local/python:3.11 from Debian where Docker Hub is out of reach)
+#   TORCH_INDEX    wheel index for torch, default https://download.pytorch.org/whl (+ /TORCH_VARIANT).
+#                  TORCH_INDEX=pypi installs torch from PyPI instead: its CUDA build, with the nvidia-* wheels
+#                  pinned by requirements.lock (a ~6 GB image), for networks that reach PyPI but not that index.
+#   TORCH_VARIANT  cpu (default) or a CUDA build such as cu128; unused with TORCH_INDEX=pypi
+# Plain Dockerfile syntax: builds with BuildKit or the legacy builder (DOCKER_BUILDKIT=0).
+# The dependencies (requirements.lock as constraints, the extras of pyproject.toml) are installed before the
+# sources are copied, so a code change rebuilds only the last layers. Both images run as UID 10001.
+ARG BASE_IMAGE=python:3.11-slim
 
-FROM python:${PYTHON_VERSION}-slim AS base
+FROM ${BASE_IMAGE} AS base
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN groupadd --gid 10001 diloco && useradd --uid 10001 --gid 10001 --create-home diloco
 WORKDIR /opt/diloco
-COPY requirements.lock pyproject.toml README.md ./
+COPY requirements.lock ./
+
+FROM base AS operator
+COPY pyproject.toml ./
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['operator']))" > /tmp/deps.txt \
+ && pip install -c requirements.lock -r /tmp/deps.txt && rm /tmp/deps.txt
+COPY README.md ./
 COPY trainer/ trainer/
 COPY operator/ operator/
 COPY chaos/ chaos/
-
-FROM base AS operator
 RUN pip install -c requirements.lock ".[operator]" \
  && python -c "import sys, diloco_operator.handlers; assert 'torch' not in sys.modules"
 COPY crds/ crds/
@@ -28,8 +40,19 @@ FROM base AS trainer
 ARG TORCH_VARIANT=cpu
 ARG TORCH_INDEX=https://download.pytorch.org/whl
 RUN TORCH_VERSION=$(sed -n 's/^torch==//p' requirements.lock) \
- && pip install --index-url "${TORCH_INDEX}/${TORCH_VARIANT}" "torch==${TORCH_VERSION}" \
- && pip install -c requirements.lock ".[trainer]" \
+ && if [ "${TORCH_INDEX}" = pypi ]; then \
+      pip install -c requirements.lock "torch==${TORCH_VERSION}"; \
+    else \
+      pip install --index-url "${TORCH_INDEX}/${TORCH_VARIANT}" "torch==${TORCH_VERSION}"; \
+    fi
+COPY pyproject.toml ./
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['trainer']))" > /tmp/deps.txt \
+ && pip install -c requirements.lock -r /tmp/deps.txt && rm /tmp/deps.txt
+COPY README.md ./
+COPY trainer/ trainer/
+COPY operator/ operator/
+COPY chaos/ chaos/
+RUN pip install -c requirements.lock ".[trainer]" \
  && diloco --help >/dev/null
 USER 10001:10001
 EXPOSE 8470 8471

@@ -12,6 +12,7 @@
 # Environment: DILOCO_BUILD_NETWORK (docker build --network, default host), DILOCO_TORCH_INDEX (default pypi),
 # DILOCO_DEBIAN_MIRROR (default: read from apt's sources), DILOCO_BUILD_TMP (scratch space, default /var/tmp).
 set -euo pipefail
+export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 

@@ -13,6 +13,7 @@
 # Docker uses containerd's "moby" namespace, the kubelet "k8s.io"; images reach the kubelet with
 # `docker save IMG | ctr -n k8s.io images import -`.
 set -euo pipefail
+export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"  # dockerd, runc, debootstrap, iptables live in sbin
 
 HACK=$(cd "$(dirname "$0")" && pwd)
 STATE=${DILOCO_ENGINE_DIR:-/var/lib/diloco-engine}
@@ -175,7 +176,7 @@ start_containerd() {
     fi
     return
   fi
-  [ "$(id -u)" = 0 ] || die "containerd is not running and starting it needs root"
+  [ "$(id -u)" = 0 ] || die "containerd does not answer on $CONTAINERD_SOCK and starting it needs root"
   if [ -n "$(our_pid containerd)" ]; then
     log "containerd (ours, pid $(our_pid containerd)) does not answer yet; waiting"
   else
@@ -196,7 +197,7 @@ start_dockerd() {
     fi
     return
   fi
-  [ "$(id -u)" = 0 ] || die "dockerd is not running and starting it needs root"
+  [ "$(id -u)" = 0 ] || die "dockerd does not answer and starting it needs root"
   if [ -n "$(our_pid dockerd)" ]; then
     log "dockerd (ours, pid $(our_pid dockerd)) does not answer yet; waiting"
   else
@@ -284,6 +285,8 @@ status() {
     ctr_ plugins ls 2>/dev/null | awk '$2=="cri"{print "  CRI plugin: " $NF}'
     echo "  k8s.io images: $(ctr_ -n k8s.io images ls -q 2>/dev/null | grep -v '^sha256:' | tr '\n' ' ')"
     echo "  tasks: $(for ns in $(ctr_ namespaces ls -q 2>/dev/null); do printf '%s=%s ' "$ns" "$(ctr_ -n "$ns" tasks ls -q 2>/dev/null | wc -l)"; done)"
+  elif [ -S "$CONTAINERD_SOCK" ]; then
+    echo "containerd: socket $CONTAINERD_SOCK exists but does not answer$([ "$(id -u)" = 0 ] || echo ' (not root: permission?)')"
   else
     echo "containerd: not running"
   fi
@@ -291,6 +294,8 @@ status() {
     pid=$(our_pid dockerd)
     echo "dockerd: running ($([ -n "$pid" ] && echo "started by container-engine.sh, pid $pid" || echo "not started by container-engine.sh")), server $(docker version --format '{{.Server.Version}}' 2>/dev/null)"
     echo "  containers running: $(docker ps -q 2>/dev/null | wc -l), images: $(docker images -q 2>/dev/null | sort -u | wc -l)"
+  elif [ -S /var/run/docker.sock ]; then
+    echo "dockerd: /var/run/docker.sock exists but does not answer$([ "$(id -u)" = 0 ] || echo ' (not root and not in group docker?)')"
   else
     echo "dockerd: not running"
   fi

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Build a real Kubernetes control plane for tests (kube-apiserver, kube-controller-manager,
-# kube-scheduler, etcd, kwok) from Go modules, cached outside the repo by version.
+# kube-scheduler, etcd, kwok; kubelet, kube-proxy and coredns for a real node) from Go modules, cached outside the repo by version.
 # Prints the directory that holds bin/ and stages/ on its last line. See shared k8s-testbed notes.
 set -euo pipefail
 
 K8S_VERSION=${K8S_VERSION:-1.36.3}
 ETCD_VERSION=${ETCD_VERSION:-3.6.8}
 KWOK_VERSION=${KWOK_VERSION:-0.8.0}
+COREDNS_VERSION=${COREDNS_VERSION:-1.15.0}
 CACHE_ROOT=${DILOCO_TESTBED_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/diloco-testbed}
-OUT="$CACHE_ROOT/k8s-$K8S_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION"
+OUT="$CACHE_ROOT/k8s-$K8S_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION-coredns-$COREDNS_VERSION"
 BIN="$OUT/bin"
-NEEDED=(kube-apiserver kube-controller-manager kube-scheduler etcd kwok)
+NEEDED=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy etcd kwok coredns)
 
 have_all() {
   for b in "${NEEDED[@]}"; do [ -x "$BIN/$b" ] || return 1; done
@@ -42,10 +43,12 @@ build_kubernetes() {
   log "kubernetes: $(grep -c '=>' go.mod) staging replaces; resolving"
   go get -tool "k8s.io/kubernetes/cmd/kube-apiserver@v$K8S_VERSION" \
     "k8s.io/kubernetes/cmd/kube-controller-manager@v$K8S_VERSION" \
-    "k8s.io/kubernetes/cmd/kube-scheduler@v$K8S_VERSION" >&2
+    "k8s.io/kubernetes/cmd/kube-scheduler@v$K8S_VERSION" "k8s.io/kubernetes/cmd/kubelet@v$K8S_VERSION" \
+    "k8s.io/kubernetes/cmd/kube-proxy@v$K8S_VERSION" >&2
   log "kubernetes: compiling (cold: 10-25 min on 2 cores)"
   go build -trimpath -ldflags "-s -w" -o "$BIN/" k8s.io/kubernetes/cmd/kube-apiserver \
-    k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler >&2
+    k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler \
+    k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy >&2
 }
 
 build_etcd() {
@@ -66,10 +69,17 @@ build_kwok() {
   chmod -R u+w "$OUT/stages.tmp" && mv "$OUT/stages.tmp" "$OUT/stages"
 }
 
-for b in kube-apiserver kube-controller-manager kube-scheduler; do
+build_coredns() {
+  # Cluster DNS for the real node's pods (Service and pod names), as every real cluster has.
+  log "coredns v$COREDNS_VERSION"
+  GOBIN="$BIN" go install -trimpath -ldflags "-s -w" "github.com/coredns/coredns@v$COREDNS_VERSION" >&2
+}
+
+for b in kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy; do
   [ -x "$BIN/$b" ] || { build_kubernetes; break; }
 done
 [ -x "$BIN/etcd" ] || build_etcd
+[ -x "$BIN/coredns" ] || build_coredns
 { [ -x "$BIN/kwok" ] && [ -d "$OUT/stages" ]; } || build_kwok
 
 have_all || { echo "build-testbed: build finished but binaries are missing in $BIN" >&2; exit 1; }

@@ -1,6 +1,8 @@
-"""`diloco devcluster up|down|status`: the test control plane as a local dev cluster (no Docker needed).
+"""`diloco devcluster up|down|status`: the test control plane as a local dev cluster (no Docker needed), and
+with `--real-node` a real kubelet node whose pods run as containers (root, containerd).
 
-The processes keep running after `up` returns; `down` stops them by the PIDs recorded in DIR/testbed.json.
+The processes keep running after `up` returns; `down` stops them by the PIDs recorded in DIR/testbed.json
+(a real node is drained first, and a container engine that `up` started is stopped too).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="binaries built by hack/build-testbed.sh (default: $DILOCO_TESTBED_DIR or the cache)")
     parser.add_argument("--build", action="store_true", help="run hack/build-testbed.sh first if binaries are missing")
     parser.add_argument("--no-crds", action="store_true", help="do not install the diloco.dev CRDs")
+    parser.add_argument("--real-node", action="store_true",
+                        help="also run a real node (kubelet on containerd, kube-proxy, CoreDNS; needs root) in pool "
+                             "real-cpu, in place of the fake cpu pool: pods there run as real containers")
 
 
 def _running(workdir: Path) -> testbed.Testbed | None:
@@ -46,6 +51,9 @@ def install_crds(tb: testbed.Testbed, crd_dir: Path = CRD_DIR) -> list[str]:
 
 def _up(args: argparse.Namespace, workdir: Path) -> int:
     tb = _running(workdir)
+    if tb is not None and args.real_node and not tb.real_node:
+        raise testbed.TestbedUnavailable(f"the dev cluster in {workdir} runs without a real node; "
+                                         "`diloco devcluster down` it first")
     if tb is None:
         if (workdir / "testbed.json").exists():  # a half-dead previous cluster: clear it first
             testbed.stop_pids(testbed.Testbed.load(workdir).pids)
@@ -57,7 +65,9 @@ def _up(args: argparse.Namespace, workdir: Path) -> int:
                 raise
             out = subprocess.run(["bash", str(testbed.BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True, check=True)
             tb_dir = Path(out.stdout.strip().splitlines()[-1])
-        tb = testbed.start(tb_dir, workdir, log=lambda m: print(f"[devcluster] {m}", file=sys.stderr))
+        tb = testbed.start(tb_dir, workdir, real_node=args.real_node,
+                           log=lambda m: print(f"[devcluster] {m}", file=sys.stderr),
+                           timeout_s=240.0 if args.real_node else 120.0)
         if not args.no_crds:
             print(f"[devcluster] installed CRDs: {', '.join(install_crds(tb))}", file=sys.stderr)
     print(f"export KUBECONFIG={tb.kubeconfig}")

@@ -1,6 +1,8 @@
-"""A real local Kubernetes control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok) on loopback.
+"""A real local Kubernetes control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok) on loopback,
+optionally with a real node (kubelet, kube-proxy, CoreDNS on containerd; see realnode.py) beside the fake pools.
 
-Used by the operator tests (session fixture) and by `diloco devcluster`. Binaries come from hack/build-testbed.sh.
+Used by the operator and e2e tests (session fixtures) and by `diloco devcluster`. Binaries come from
+hack/build-testbed.sh.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from typing import Callable
 
 import yaml
 
+from diloco_operator import realnode
 from diloco_operator.pools import DEFAULT_POOLS, KWOK_ANNOTATION, node_objects
 
-VERSIONS = "k8s-1.36.3-etcd-3.6.8-kwok-0.8.0"  # must match hack/build-testbed.sh
+VERSIONS = "k8s-1.36.3-etcd-3.6.8-kwok-0.8.0-coredns-1.15.0"  # must match hack/build-testbed.sh
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 # Stages passed to kwok (passing any Stage replaces kwok's defaults, so all needed ones are listed).
 STAGES = (
@@ -79,12 +82,15 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 def _make_pki(pki: Path) -> None:
-    """A CA, a serving cert for 127.0.0.1/localhost, and the service-account signing key."""
+    """A CA, a serving cert for 127.0.0.1/localhost (and, for pods, the bridge gateway and the `kubernetes`
+    Service), and the service-account signing key."""
     pki.mkdir(parents=True, exist_ok=True)
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
              "-days", "3650", "-subj", "/CN=diloco-testbed-ca", cwd=pki)
     ext = pki / "san.ext"
-    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc\n"
+    ext.write_text(f"subjectAltName=IP:127.0.0.1,IP:{realnode.GATEWAY},IP:{realnode.KUBERNETES_SERVICE_IP},"
+                   "DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,"
+                   "DNS:kubernetes.default.svc.cluster.local\n"
                    "extendedKeyUsage=serverAuth\n")
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "apiserver.key", "-out", "apiserver.csr",
              "-subj", "/CN=kube-apiserver", cwd=pki)
@@ -104,6 +110,9 @@ class Testbed:
     token: str
     pids: dict[str, int] = field(default_factory=dict)
     etcd_dir: str = ""
+    bin_dir: str = ""
+    real_node: bool = False  # a kubelet runs pods for real (realnode.py)
+    engine_started: bool = False  # `start` started the container engine, so `stop` stops it
 
     # --- API access (synchronous: used only outside event loops, by fixtures and the CLI) ---
     def request(self, method: str, path: str, body: dict | None = None, timeout: float = 10.0) -> dict:
@@ -131,11 +140,31 @@ class Testbed:
         return {name: _pid_alive(pid) for name, pid in self.pids.items()}
 
     def stop(self) -> None:
-        """Stop every process by PID (newest first), then remove the working directories."""
-        stop_pids(self.pids)
+        """Stop every process by PID (newest first), then remove the working directories. A real node is
+        drained first (controllers stopped, its pods deleted, their containers gone), then torn down."""
+        self.stop_processes()
         shutil.rmtree(self.workdir, ignore_errors=True)
         if self.etcd_dir:
             shutil.rmtree(self.etcd_dir, ignore_errors=True)
+
+    def stop_processes(self) -> None:
+        """Stop every process (a real node drained and torn down first); the working directory stays."""
+        if self.real_node and self.pids:
+            self._stop_real_node()
+        stop_pids(self.pids)
+        self.pids = {}
+
+    def _stop_real_node(self) -> None:
+        controllers = ("kube-controller-manager", "kube-scheduler", "kwok")
+        stop_pids({n: p for n, p in self.pids.items() if n in controllers})
+        if self.alive().get("kube-apiserver") and self.alive().get("kubelet"):
+            realnode.drain(self.request)
+        else:
+            realnode.drain(lambda *_a, **_k: {})  # no API: kill the containers through containerd
+        stop_pids({n: p for n, p in self.pids.items() if n in realnode.BINARIES})
+        realnode.cleanup(Path(self.workdir), Path(self.bin_dir))
+        if self.engine_started:
+            realnode.engine("down")
 
     def save(self) -> Path:
         path = Path(self.workdir) / "testbed.json"
@@ -200,11 +229,18 @@ def _kubeconfig(server: str, ca: Path, token: str) -> dict:
 
 
 def start(testbed_dir: Path | None = None, workdir: Path | None = None, *, pools=DEFAULT_POOLS,
-          log: Callable[[str], None] = lambda _m: None, timeout_s: float = 120.0) -> Testbed:
-    """Start the control plane, wait for /readyz, create the fake node pools; stops everything on failure."""
+          real_node: bool = False, log: Callable[[str], None] = lambda _m: None, timeout_s: float = 120.0) -> Testbed:
+    """Start the control plane, wait for /readyz, create the fake node pools; with `real_node`, also a real
+    node (pool `real-cpu`) that takes the place of the fake `cpu` pool. Stops everything on failure."""
     testbed_dir = Path(testbed_dir or default_dir())
     check_binaries(testbed_dir)
     bin_dir = testbed_dir / "bin"
+    if real_node:
+        try:
+            realnode.check_host(bin_dir)
+        except realnode.RealNodeUnavailable as exc:
+            raise TestbedUnavailable(str(exc)) from exc
+        pools = tuple(p for p in pools if p.name != "cpu")
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="diloco-testbed-"))
     work.mkdir(parents=True, exist_ok=True)
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
@@ -213,11 +249,17 @@ def start(testbed_dir: Path | None = None, workdir: Path | None = None, *, pools
     started = time.monotonic()
     log("generating certificates")
     _make_pki(work / "pki")
-    token = base64.urlsafe_b64encode(os.urandom(24)).decode().rstrip("=")
-    (work / "tokens.csv").write_text(f"{token},admin,admin-uid,system:masters\n")
+    tokens = {who: base64.urlsafe_b64encode(os.urandom(24)).decode().rstrip("=") for who in ("admin", "node", "proxy")}
+    token = tokens["admin"]
+    users = [f"{token},admin,admin-uid,system:masters"]
+    if real_node:
+        users += [f"{tokens['node']},system:node:{realnode.NODE_NAME},node-uid,system:nodes",
+                  f"{tokens['proxy']},system:kube-proxy,kube-proxy-uid"]
+    (work / "tokens.csv").write_text("\n".join(users) + "\n")
     etcd_port, peer_port, api_port, kwok_port = (_free_port() for _ in range(4))
     server = f"https://127.0.0.1:{api_port}"
-    tb = Testbed(str(work), str(work / "kubeconfig"), server, token, etcd_dir=str(etcd_dir))
+    tb = Testbed(str(work), str(work / "kubeconfig"), server, token, etcd_dir=str(etcd_dir), bin_dir=str(bin_dir),
+                 real_node=real_node)
     Path(tb.kubeconfig).write_text(yaml.safe_dump(_kubeconfig(server, work / "pki" / "ca.crt", token)))
     pki = work / "pki"
 
@@ -231,6 +273,14 @@ def start(testbed_dir: Path | None = None, workdir: Path | None = None, *, pools
         tb.save()
 
     try:
+        if real_node:
+            tb.engine_started = not realnode.engine("status")
+            if tb.engine_started:
+                log("starting the container engine (hack/container-engine.sh up)")
+                realnode.engine("up", log)
+            tb.save()
+            realnode.setup_network()
+            realnode.pki_extras(pki, _openssl)
         log(f"starting etcd on 127.0.0.1:{etcd_port}")
         spawn("etcd", [
             "--name=testbed", f"--data-dir={etcd_dir}", "--unsafe-no-fsync",
@@ -241,14 +291,16 @@ def start(testbed_dir: Path | None = None, workdir: Path | None = None, *, pools
         ])
         log(f"starting kube-apiserver on {server}")
         spawn("kube-apiserver", [
-            f"--etcd-servers=http://127.0.0.1:{etcd_port}", "--bind-address=127.0.0.1",
-            f"--secure-port={api_port}", "--advertise-address=127.0.0.1",
+            f"--etcd-servers=http://127.0.0.1:{etcd_port}", f"--secure-port={api_port}",
             f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
-            f"--token-auth-file={work / 'tokens.csv'}", "--authorization-mode=RBAC",
+            f"--token-auth-file={work / 'tokens.csv'}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki / 'sa.pub'}", f"--service-account-signing-key-file={pki / 'sa.key'}",
-            "--service-cluster-ip-range=10.96.0.0/24", "--endpoint-reconciler-type=none",
+            f"--service-cluster-ip-range={realnode.SERVICE_CIDR}",
             "--allow-privileged=true", "--enable-priority-and-fairness=false", "--v=1",
+            *(realnode.apiserver_flags(pki) if real_node else [
+                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--endpoint-reconciler-type=none",
+                "--authorization-mode=RBAC"]),
         ])
         _wait_ready(tb, deadline=started + timeout_s, log=log)
         log(f"control plane API ready after {time.monotonic() - started:.1f}s; starting controllers and kwok")
@@ -262,22 +314,32 @@ def start(testbed_dir: Path | None = None, workdir: Path | None = None, *, pools
             "--kube-api-qps=200", "--kube-api-burst=400", "--v=1",
         ])
         stages = testbed_dir / "stages"
-        (work / "kwok.yaml").write_text("\n---\n".join((stages / s).read_text() for s in STAGES))
+        # With a real node, volumes are real (static local PVs): kwok's fake volume stages stay out.
+        kwok_stages = [s for s in STAGES if not (real_node and s.startswith("volume/"))]
+        (work / "kwok.yaml").write_text("\n---\n".join((stages / s).read_text() for s in kwok_stages))
         spawn("kwok", [
             f"--kubeconfig={tb.kubeconfig}", f"--config={work / 'kwok.yaml'}", "--manage-all-nodes=false",
             f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
             f"--server-address=127.0.0.1:{kwok_port}", "--node-ip=10.244.0.1", "--cidr=10.244.0.0/16",
             "--node-lease-duration-seconds=40",
         ])
-        sc = yaml.safe_load((stages / "volume" / "fast" / "storage-class.yaml").read_text())
-        tb.create("/apis/storage.k8s.io/v1/storageclasses", sc)
+        if real_node:
+            for path, obj in realnode.storage_objects(work):
+                tb.create(path, obj)
+        else:
+            sc = yaml.safe_load((stages / "volume" / "fast" / "storage-class.yaml").read_text())
+            tb.create("/apis/storage.k8s.io/v1/storageclasses", sc)
         for node in node_objects(pools):
             tb.create("/api/v1/nodes", node)
-        _wait_nodes_ready(tb, sum(p.nodes for p in pools), deadline=started + timeout_s, log=log)
+        if real_node:
+            log(f"starting the real node {realnode.NODE_NAME}: kubelet, kube-proxy, coredns")
+            for name, args in realnode.process_args(work, bin_dir, server, tokens, _free_port).items():
+                spawn(name, args)
+        _wait_nodes_ready(tb, sum(p.nodes for p in pools) + int(real_node), deadline=started + timeout_s, log=log)
         log(f"testbed up in {time.monotonic() - started:.1f}s: {tb.kubeconfig}")
         return tb
     except BaseException:
-        stop_pids(tb.pids)
+        tb.stop_processes()
         if not workdir:  # a temporary dir is ours to remove; a user's dir keeps its logs
             tb.stop()
         raise

@@ -1,0 +1,112 @@
+"""Fixtures for the end-to-end tier: the project's images (hack/build-images.sh), a control plane with a real
+node (kubelet on containerd, kube-proxy, CoreDNS; realnode.py), the CRDs, and the operator running from its own
+image in a real pod with the RBAC of manifests/operator.yaml. Nothing here is skipped: a machine that cannot run
+real pods fails the tier with the reason."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))  # the operator tests' cluster kit
+
+from cluster_kit import ROOT, Kubectl, wait_for  # noqa: E402
+from diloco_operator import realnode, testbed as testbed_mod  # noqa: E402
+from diloco_operator.devcluster import install_crds  # noqa: E402
+
+OPERATOR_NS = "diloco-system"
+
+
+@dataclass(frozen=True)
+class Images:
+    trainer: str
+    operator: str
+
+
+@pytest.fixture(scope="session")
+def images() -> Images:
+    """The trainer and operator images, in containerd's k8s.io namespace. hack/test.sh builds them and passes
+    their names; run alone, this builds them (cached: seconds when nothing changed)."""
+    env = {k: os.environ.get(k) for k in ("DILOCO_TRAINER_IMAGE", "DILOCO_OPERATOR_IMAGE")}
+    if not all(env.values()):
+        out = subprocess.run(["bash", str(ROOT / "hack" / "build-images.sh")], cwd=ROOT, stdout=subprocess.PIPE,
+                             text=True)
+        if out.returncode:
+            pytest.fail(f"hack/build-images.sh failed (exit {out.returncode}); its log is above")
+        for line in out.stdout.splitlines():
+            key, _, value = line.partition("=")
+            if key in env:
+                env[key] = value.strip()
+    return Images(env["DILOCO_TRAINER_IMAGE"], env["DILOCO_OPERATOR_IMAGE"])
+
+
+@pytest.fixture(scope="session")
+def cluster(images):
+    """The control plane with the real node `real-cpu-0` (the fake GPU/TPU pools stay beside it)."""
+    try:
+        tb = testbed_mod.start(real_node=True, timeout_s=240,
+                               log=lambda m: print(f"[e2e testbed] {m}", file=sys.stderr))
+    except testbed_mod.TestbedUnavailable as exc:
+        pytest.fail(f"cannot start a control plane with a real node: {exc}")
+    yield tb
+    tb.stop()
+    left = [name for name in realnode.BINARIES if subprocess.run(["pgrep", "-x", name]).returncode == 0]
+    assert not left, f"the real node's processes outlived its stop: {left}"
+    assert not realnode.running_tasks(), "containers still run after the real node stopped"
+
+
+@pytest.fixture(scope="session")
+def kubectl(cluster) -> Kubectl:
+    return Kubectl(cluster)
+
+
+def operator_manifests(image: str) -> str:
+    """manifests/operator.yaml as users apply it, with the image this run built."""
+    docs = [d for d in yaml.safe_load_all((ROOT / "manifests" / "operator.yaml").read_text()) if d]
+    for doc in docs:
+        if doc["kind"] == "Deployment":
+            doc["spec"]["template"]["spec"]["containers"][0]["image"] = image
+    return "---\n".join(yaml.safe_dump(d) for d in docs)
+
+
+@dataclass
+class OperatorPod:
+    kubectl: Kubectl
+
+    def pod(self) -> dict:
+        pods = self.kubectl.get("pod", ns=OPERATOR_NS, selector="app.kubernetes.io/name=diloco-operator")
+        running = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        assert len(running) == 1, f"expected one operator pod, found {[p['metadata']['name'] for p in running]}"
+        return running[0]
+
+    def logs(self, tail: int = 60) -> str:
+        return self.kubectl.run("logs", "-n", OPERATOR_NS, "deploy/diloco-operator", f"--tail={tail}",
+                                check=False).stdout
+
+    def metrics(self) -> str:
+        ip = self.pod()["status"]["podIP"]
+        return urllib.request.urlopen(f"http://{ip}:8080/metrics", timeout=5).read().decode()
+
+
+@pytest.fixture(scope="session")
+def operator_pod(cluster, kubectl, images) -> OperatorPod:
+    """The operator from its image, in a real pod, under manifests/operator.yaml's ServiceAccount and RBAC."""
+    for name in install_crds(cluster):
+        kubectl.run("wait", "--for=condition=Established", f"crd/{name}", "--timeout=30s")
+    kubectl.apply(operator_manifests(images.operator))
+    op = OperatorPod(kubectl)
+
+    def ready():
+        pods = kubectl.get("pod", ns=OPERATOR_NS, selector="app.kubernetes.io/name=diloco-operator")
+        return any(c["type"] == "Ready" and c["status"] == "True"
+                   for p in pods for c in p.get("status", {}).get("conditions", []))
+    wait_for(ready, 120, 1.0, what="the operator pod Ready")
+    yield op
+    print(f"--- operator log tail\n{op.logs()}", file=sys.stderr)

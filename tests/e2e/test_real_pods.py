@@ -1,0 +1,288 @@
+"""A DilocoJob trains in real containers on a real kubelet: the syncer and learner pods run the trainer image,
+a killed learner pod (deleted, or by spec.chaos) restarts its unit while the others train on, a SIGKILLed syncer
+resumes from its checkpoint on the PVC losing no acknowledged update, the job succeeds with a final checkpoint
+that beats the unigram baseline, and deleting the job removes everything it owned.
+
+The tests run in file order on one job (each step builds on the one before, as a user's job would)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from cluster_kit import wait_for
+from diloco_operator import realnode
+
+pytestmark = [pytest.mark.e2e]
+
+JOB = "e2e"
+UNITS = 3
+STEPS = 1500  # per incarnation: long enough to outlive the kills below, short enough to finish in minutes
+SYNCER_PORT, METRICS_PORT = 8470, 8471
+RECOVERY_TIMES: list[float] = []  # pod kill -> replacement container training again, seconds
+
+
+def job_manifest(image: str) -> dict:
+    return {
+        "apiVersion": "diloco.dev/v1alpha1", "kind": "DilocoJob", "metadata": {"name": JOB},
+        "spec": {
+            "image": image, "imagePullPolicy": "IfNotPresent",
+            "config": {"model": {"seq_len": 64, "d_model": 64, "n_layers": 2, "n_heads": 2},
+                       "data": {"max_bytes": 400000}, "inner": {"batch_size": 8, "lr": 0.003, "warmup_steps": 5},
+                       "outer": {"fragments": 4, "sync_every": 8, "overlap": 2, "compression": "int4", "quorum": 1,
+                                 "grace": 0.5, "lr": 1.0, "momentum": 0.0}},
+            # No nodeSelector: CPU units must land on the real CPU node, never on the fake GPU/TPU pools.
+            "units": [{"name": "cpu", "count": UNITS, "accelerator": {"type": "cpu"}, "steps": STEPS,
+                       "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "2Gi"}},
+                       "stateVolume": {"size": "1Gi"}}],
+            "syncer": {"resources": {"requests": {"cpu": "100m", "memory": "256Mi"}}, "checkpoint": {"size": "1Gi"}},
+            "restartPolicy": {"maxRestarts": 20, "backoffSeconds": 0, "maxBackoffSeconds": 5},
+        },
+    }
+
+
+class Job:
+    """Reads of the job under test: its objects through the API, its syncer and learners over the pod network."""
+
+    def __init__(self, kubectl, ns: str):
+        self.kubectl, self.ns = kubectl, ns
+        self._token: str | None = None
+
+    def obj(self) -> dict:
+        return self.kubectl.get("dj", JOB, ns=self.ns)
+
+    def status(self) -> dict:
+        return (self.obj() or {}).get("status") or {}
+
+    def pods(self, component: str) -> list[dict]:
+        pods = self.kubectl.get("pod", ns=self.ns, selector=f"diloco.dev/job={JOB},diloco.dev/component={component}")
+        return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+    def running(self, component: str) -> list[dict]:
+        """Pods of the component whose every container is running (a real container, started by the kubelet)."""
+        return [p for p in self.pods(component) if p.get("status", {}).get("phase") == "Running"
+                and all("running" in (c.get("state") or {}) for c in p["status"].get("containerStatuses", []))]
+
+    def unit_pod(self, unit: str) -> dict | None:
+        pods = [p for p in self.running("learner") if p["metadata"]["labels"]["diloco.dev/unit"] == unit]
+        return pods[0] if pods else None
+
+    def token(self) -> str:
+        if self._token is None:
+            secret = self.kubectl.get("secret", f"{JOB}-token", ns=self.ns)
+            self._token = base64.b64decode(secret["data"]["token"]).decode()
+        return self._token
+
+    def syncer_status(self) -> dict | None:
+        """The syncer's /v1/status, straight from its pod (None while it is not answering)."""
+        pods = self.running("syncer")
+        if not pods or not pods[0]["status"].get("podIP"):
+            return None
+        req = urllib.request.Request(f"http://{pods[0]['status']['podIP']}:{SYNCER_PORT}/v1/status",
+                                     headers={"Authorization": f"Bearer {self.token()}"})
+        try:
+            return json.loads(urllib.request.urlopen(req, timeout=3).read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def outer_steps(self) -> int:
+        return (self.syncer_status() or {}).get("outer_steps", -1)
+
+    def pv_dir(self, claim: str) -> Path:
+        pvc = self.kubectl.get("pvc", claim, ns=self.ns)
+        pv = self.kubectl.get("persistentvolumes", pvc["spec"]["volumeName"])
+        return Path(pv["spec"]["local"]["path"])
+
+
+def learner_step(pod: dict) -> int | None:
+    """The inner step a learner pod reports on its own /metrics (None while it does not answer)."""
+    ip = pod.get("status", {}).get("podIP")
+    if not ip:
+        return None
+    try:
+        text = urllib.request.urlopen(f"http://{ip}:{METRICS_PORT}/metrics", timeout=2).read().decode()
+    except (urllib.error.URLError, OSError):
+        return None
+    for line in text.splitlines():
+        if line.startswith("diloco_learner_step{"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return None
+
+
+def container_id(pod: dict, name: str) -> str:
+    status = next(c for c in pod["status"]["containerStatuses"] if c["name"] == name)
+    return status["containerID"].split("://", 1)[1]
+
+
+def wait_outer_steps_advance(job: Job, by: int, timeout: float, what: str) -> int:
+    start = job.outer_steps()
+    wait_for(lambda: job.outer_steps() >= start + by, timeout, 1.0, what=f"{what} ({by} outer steps after {start})")
+    return job.outer_steps()
+
+
+def kill_and_time_recovery(job: Job, unit: str, kill) -> float:
+    """Kill a unit's pod with `kill(pod)`; wait for the unit's next incarnation to train (its step >= 1) while
+    the global model keeps advancing; returns the seconds from kill to training again."""
+    victim = job.unit_pod(unit)
+    assert victim is not None, f"unit {unit} has no running pod"
+    incarnation = int(victim["metadata"]["labels"]["diloco.dev/incarnation"])
+    before = job.outer_steps()
+    killed_at = time.monotonic()
+    kill(victim)
+
+    def training_again():
+        pod = job.unit_pod(unit)
+        if pod is None or int(pod["metadata"]["labels"]["diloco.dev/incarnation"]) <= incarnation:
+            return None
+        step = learner_step(pod)
+        return step is not None and step >= 1
+    wait_for(training_again, 180, 0.25, what=f"unit {unit} training again after its pod was killed")
+    recovery = time.monotonic() - killed_at
+    RECOVERY_TIMES.append(recovery)
+    print(f"[e2e] {unit}: killed -> a new container training again in {recovery:.1f}s", file=sys.stderr)
+    # The other units never stopped: the global model advanced meanwhile or advances now.
+    wait_for(lambda: job.outer_steps() > before, 60, 1.0, what="outer steps advancing across the kill")
+    return recovery
+
+
+@pytest.fixture(scope="module")
+def job(kubectl, operator_pod, images) -> Job:
+    ns = f"e2e-{int(time.time())}"
+    kubectl.run("create", "namespace", ns)
+    wait_for(lambda: kubectl.get("serviceaccount", "default", ns=ns), 30, what="default ServiceAccount")
+    kubectl.apply(job_manifest(images.trainer), "-n", ns)
+    yield Job(kubectl, ns)
+    kubectl.run("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_the_syncer_and_every_learner_run_as_real_containers_and_outer_steps_advance(job, kubectl):
+    wait_for(lambda: len(job.running("syncer")) == 1 and len(job.running("learner")) == UNITS, 240, 1.0,
+             what=f"the syncer and {UNITS} learner containers running")
+    for pod in job.running("learner") + job.running("syncer"):
+        assert pod["spec"]["nodeName"] == realnode.NODE_NAME, f"{pod['metadata']['name']} not on the real node"
+        assert pod["status"]["containerStatuses"][0]["containerID"].startswith("containerd://")
+    # Every learner reached the syncer through its Service name (cluster DNS + kube-proxy) and trains.
+    wait_for(lambda: all((learner_step(p) or 0) >= 1 for p in job.running("learner")), 240, 1.0,
+             what="every learner training")
+    wait_outer_steps_advance(job, 8, 240, "merges from real learner pods")
+    # The operator reads the same progress from the syncer into the job's status.
+    wait_for(lambda: job.status().get("outerSteps", 0) > 0, 60, 1.0, what="status.outerSteps from the syncer")
+    assert job.status().get("phase") == "Running"
+
+
+def test_a_deleted_learner_pod_restarts_its_unit_while_the_others_keep_training(job, kubectl):
+    unit = f"{JOB}-cpu-0"
+    kill_and_time_recovery(job, unit, lambda pod: kubectl.run("delete", "pod", "-n", job.ns,
+                                                              pod["metadata"]["name"], "--wait=false"))
+    lu = kubectl.get("lu", unit, ns=job.ns)
+    assert lu["status"]["restarts"] >= 1
+    assert len(job.running("learner")) == UNITS
+
+
+def test_a_learner_killed_by_spec_chaos_restarts_its_unit(job, kubectl):
+    def via_chaos(_pod):
+        kubectl.run("patch", "dj", JOB, "-n", job.ns, "--type=merge", "-p", json.dumps({"spec": {"chaos": {
+            "schedule": {"every": "5s"}, "target": {"kind": "learner", "units": [1]},
+            "action": {"type": "kill"}, "safety": {"minAliveUnits": 2, "maxFaults": 1, "maxDuration": "10m"}}}}))
+    # spec.chaos may hit only unit index 1, once.
+    unit = f"{JOB}-cpu-1"
+    kill_and_time_recovery(job, unit, via_chaos)
+    events = kubectl.get("events", ns=job.ns)
+    assert any(e["reason"] == "ChaosPodKilled" for e in events), "no ChaosPodKilled event"
+
+
+def test_a_sigkilled_syncer_resumes_from_its_checkpoint_losing_no_acknowledged_update(job, kubectl):
+    before = wait_for(job.syncer_status, 60, 1.0, what="the syncer's status")
+    wait_for(lambda: (job.syncer_status() or {}).get("last_checkpoint"), 90, 1.0, what="a first checkpoint")
+    before = job.syncer_status()
+    pod = job.running("syncer")[0]
+    subprocess.run(["ctr", "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", container_id(pod, "syncer")], check=True)
+    # The kubelet restarts the container in place; it resumes from the checkpoint and spool on the PVC.
+    wait_for(lambda: any(c.get("restartCount", 0) >= 1 for p in job.running("syncer")
+                         for c in p["status"]["containerStatuses"]), 120, 0.5, what="the syncer container restarted")
+    after = wait_for(job.syncer_status, 120, 0.5, what="the restarted syncer answering")
+    for p, version in before["versions"].items():
+        assert after["versions"][p] >= version, f"fragment {p} went back from version {version}"
+    assert after["tokens_merged"] >= before["tokens_merged"]
+    for lid, info in before["learners"].items():
+        assert after["learners"][lid]["tokens_merged"] >= info["tokens_merged"], f"{lid} lost merged tokens"
+    wait_outer_steps_advance(job, 4, 120, "merges after the syncer restart")
+
+
+def incarnations(metrics_jsonl: Path) -> list[list[dict]]:
+    """A learner's metrics records split by incarnation (its step counts from 0 again after each restart)."""
+    runs: list[list[dict]] = []
+    for line in metrics_jsonl.read_text().splitlines():
+        rec = json.loads(line)
+        if not runs or rec["step"] < runs[-1][-1]["step"]:
+            runs.append([])
+        runs[-1].append(rec)
+    return runs
+
+
+def test_the_job_succeeds_with_a_final_checkpoint_that_beats_the_unigram_baseline(job, kubectl):
+    from diloco_trainer.config import TrainConfig
+    from diloco_trainer.data import load_corpus, unigram_loss
+    from diloco_trainer.runtime import report
+    from diloco_trainer.syncer.store import read_checkpoint
+
+    wait_for(lambda: job.status().get("phase") in ("Succeeded", "Failed"), 900, 2.0, what="the job finishing")
+    assert job.status()["phase"] == "Succeeded", job.status()
+    # A finished job's syncer is scaled to zero: it wrote its final checkpoint to the PVC on SIGTERM.
+    wait_for(lambda: not job.pods("syncer"), 120, 1.0, what="the syncer pod gone after the job finished")
+    ckpt = read_checkpoint(job.pv_dir(f"{JOB}-checkpoint") / "checkpoint")
+    assert ckpt is not None, "no checkpoint in the syncer's PVC"
+    cfg = TrainConfig.model_validate(ckpt.state["config"])
+    corpus = load_corpus(cfg.data)
+    val_loss = report.evaluate_theta(cfg, ckpt.theta, corpus.val, 8, cfg.inner.batch_size)
+    unigram = unigram_loss(corpus.train, corpus.val)
+    print(f"[e2e] final validation loss {val_loss:.3f} vs unigram {unigram:.3f}; pod kill -> training again: "
+          f"median {statistics.median(RECOVERY_TIMES):.1f}s of {[round(t, 1) for t in RECOVERY_TIMES]}",
+          file=sys.stderr)
+    assert val_loss < unigram
+    # No acknowledged update lost: every token a learner incarnation saw acknowledged is in the final model.
+    # Incarnations that stopped gracefully logged their final count; a killed one may have had more acked
+    # after its last record, so the syncer's count is at least the sum.
+    merged = ckpt.state["learners"]
+    for i in range(UNITS):
+        unit = f"{JOB}-cpu-{i}"
+        runs = incarnations(job.pv_dir(f"{unit}-state-0") / "metrics.jsonl")
+        acked = sum(run[-1]["acked_tokens"] for run in runs)
+        assert runs[-1][-1].get("final"), f"{unit}'s last incarnation did not finish cleanly"
+        assert merged[unit]["tokens_merged"] >= acked > 0, (unit, merged[unit], acked)
+
+
+def test_deleting_the_job_removes_every_owned_object_and_container(job, kubectl):
+    pod_uids = {p["metadata"]["uid"] for p in kubectl.get("pod", ns=job.ns)}
+    kubectl.run("delete", "dj", JOB, "-n", job.ns, "--wait=false")
+
+    def all_gone():
+        left = {kind: [o["metadata"]["name"] for o in kubectl.get(kind, ns=job.ns)
+                       if not o["metadata"].get("deletionTimestamp")]
+                for kind in ("lu", "pod", "deployment", "services", "configmap", "secret", "pvc")}
+        left["secret"] = [s for s in left["secret"] if not s.startswith("default-token")]
+        return not any(left.values()) or None
+    wait_for(all_gone, 120, 1.0, what="every object of the job deleted")
+    # ... and their containers: nothing of the job's pods still runs in containerd.
+    wait_for(lambda: not (pod_uids & running_pod_uids()), 60, 1.0, what="the job's containers gone from the node")
+
+
+def running_pod_uids() -> set[str]:
+    """UIDs of the pods whose containers (or sandboxes) containerd runs for the kubelet."""
+    uids = set()
+    for task in realnode.running_tasks():
+        info = subprocess.run(["ctr", "-n", "k8s.io", "containers", "info", task], capture_output=True, text=True)
+        try:
+            uids.add(json.loads(info.stdout)["Labels"].get("io.kubernetes.pod.uid", ""))
+        except (ValueError, KeyError):
+            continue
+    return uids

@@ -177,6 +177,11 @@ class DilocoJobSpec(_Api):
                              f"learner units ({self.total_units()})")
         return self
 
+    def data_shards(self) -> int:
+        """How many shards the corpus is split into: the most units the templates allow (maxCount, else count),
+        so scaling within those bounds never moves a running unit's shard."""
+        return max(1, sum(u.maxCount if u.maxCount is not None else u.count for u in self.units))
+
     def total_units(self) -> int:
         """The number of learner units wanted: spec.replicas when set, else the sum of the templates' counts."""
         return self.replicas if self.replicas is not None else sum(u.count for u in self.units)
@@ -189,6 +194,7 @@ class LearnerUnitSpec(_Api):
     template: str = Field(..., min_length=1)
     index: int = Field(..., ge=0, le=100_000)  # within the template: the unit is <job>-<template>-<index>
     unitIndex: int = Field(..., ge=0, le=100_000)  # within the job: the learner's --unit (its data shard)
+    shards: int | None = Field(None, ge=1, le=100_001)  # the learner's --units: how many shards the corpus has
     image: str = Field(..., min_length=1)
     imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     podsPerUnit: int = Field(1, ge=1, le=64)

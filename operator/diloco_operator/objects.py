@@ -182,7 +182,8 @@ def unit_spec(job_name: str, spec: api.DilocoJobSpec, template: api.UnitTemplate
               unit_index: int) -> api.LearnerUnitSpec:
     """The LearnerUnit spec for unit `index` of `template` (everything its pods need, copied from the job)."""
     return api.LearnerUnitSpec(
-        jobName=job_name, template=template.name, index=index, unitIndex=unit_index, image=spec.image,
+        jobName=job_name, template=template.name, index=index, unitIndex=unit_index,
+        shards=max(spec.data_shards(), unit_index + 1), image=spec.image,
         imagePullPolicy=spec.imagePullPolicy, podsPerUnit=template.podsPerUnit, accelerator=template.accelerator,
         nodeSelector=template.nodeSelector, tolerations=template.tolerations, resources=template.resources,
         steps=template.steps, stateVolume=template.stateVolume, restartPolicy=spec.restartPolicy,
@@ -245,7 +246,7 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
     tolerations += [{"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": NODE_LOSS_GRACE_S}
                     for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")]
     command = ["diloco", "learner", "--syncer", syncer_url(spec.jobName), "--learner-id", name,
-               "--unit", str(spec.unitIndex), "--device", device, "--state-dir", LEARNER_STATE_DIR,
+               "--unit", str(spec.unitIndex), "--units", str(spec.shards or spec.unitIndex + 1), "--device", device, "--state-dir", LEARNER_STATE_DIR,
                "--metrics-port", str(api.METRICS_PORT)]
     if spec.steps:
         command += ["--steps", str(spec.steps)]

@@ -31,9 +31,11 @@ class Images:
 
 
 @pytest.fixture(scope="session")
-def images() -> Images:
-    """The trainer and operator images, in containerd's k8s.io namespace. hack/test.sh builds them and passes
-    their names; run alone, this builds them (cached: seconds when nothing changed)."""
+def images():
+    """The trainer and operator images, in containerd's k8s.io namespace: the names given in
+    DILOCO_TRAINER_IMAGE / DILOCO_OPERATOR_IMAGE, else built by hack/build-images.sh (cached by content: seconds
+    when nothing changed). A container engine this fixture started is stopped at the end of the session."""
+    engine_was_up = realnode.engine("status")
     env = {k: os.environ.get(k) for k in ("DILOCO_TRAINER_IMAGE", "DILOCO_OPERATOR_IMAGE")}
     if not all(env.values()):
         out = subprocess.run(["bash", str(ROOT / "hack" / "build-images.sh")], cwd=ROOT, stdout=subprocess.PIPE,
@@ -44,7 +46,9 @@ def images() -> Images:
             key, _, value = line.partition("=")
             if key in env:
                 env[key] = value.strip()
-    return Images(env["DILOCO_TRAINER_IMAGE"], env["DILOCO_OPERATOR_IMAGE"])
+    yield Images(env["DILOCO_TRAINER_IMAGE"], env["DILOCO_OPERATOR_IMAGE"])
+    if not engine_was_up:
+        realnode.engine("down")
 
 
 @pytest.fixture(scope="session")

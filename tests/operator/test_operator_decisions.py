@@ -232,3 +232,30 @@ def test_a_unit_with_a_state_volume_mounts_one_claim_per_rank():
     plain["metadata"]["uid"] = "lu-2"
     assert objects.unit_state_pvc(plain, 0) is None
     assert objects.unit_pod(plain, 0, 0)["spec"]["volumes"] == [{"name": "state", "emptyDir": {}}]
+
+
+def test_every_learner_pod_command_is_accepted_by_the_learner_itself(monkeypatch):
+    """The pods' command lines go through the learner's own parser and checks: distinct, in-range data shards
+    for every unit (also after scaling past the templates' counts), metrics served on the declared port."""
+    import argparse
+
+    from diloco_trainer import learner_main
+
+    spec = job_spec(units=[{"name": "gpu", "count": 2, "maxCount": 3, "accelerator": {"type": "nvidia-l4", "count": 1}},
+                           {"name": "cpu", "count": 2}])
+    monkeypatch.setenv("DILOCO_TOKEN", "t")
+    shards = set()
+    for tmpl, index, unit_index in ((spec.units[0], 0, 0), (spec.units[0], 1, 1), (spec.units[1], 0, 2),
+                                    (spec.units[1], 1, 3), (spec.units[1], 2, 7)):  # unit 7: scaled past the counts
+        unit = objects.learner_unit(JOB, objects.unit_spec("demo", spec, tmpl, index, unit_index))
+        unit["metadata"]["uid"] = "lu"
+        container = objects.unit_pod(unit, 0, 0)["spec"]["containers"][0]
+        assert container["command"][:2] == ["diloco", "learner"]
+        parser = argparse.ArgumentParser()
+        learner_main.configure(parser)
+        opts = learner_main.options_from_args(parser.parse_args(container["command"][2:]))
+        assert opts.metrics_port == container["ports"][0]["containerPort"] == api.METRICS_PORT
+        shards.add((opts.unit, opts.units))
+    assert {u for u, _ in shards} == {0, 1, 2, 3, 7}
+    assert all(units == 5 for u, units in shards if u < 5)  # 3 (maxCount) + 2 (count): stable under scaling
+    assert (7, 8) in shards

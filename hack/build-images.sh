@@ -2,7 +2,8 @@
 # The images the end-to-end tests run, built on a machine without Docker Hub or any registry (root):
 #   diloco.local/debian:bookworm   debootstrap --variant=minbase from the Debian mirror apt already uses
 #   diloco.local/python:3.11       hack/base-python.Dockerfile: Debian's Python 3.11 in a venv, host CA bundle
-#   diloco-trainer:TAG, diloco-operator:TAG (+ :dev)   the project's Dockerfile on that base, torch from PyPI
+#   diloco-trainer:TAG, diloco-operator:TAG (+ :dev and :VERSION, the version in pyproject.toml, which the
+#   manifests/ name)   the project's Dockerfile on that base, torch from PyPI
 # TAG is a hash of what goes into the images (Dockerfile, .dockerignore, requirements.lock, pyproject.toml,
 # README.md, trainer/ operator/ chaos/ crds/ as in the working tree, the base image, the torch index), so an
 # unchanged tree builds nothing. Both images are imported into containerd's k8s.io namespace for the kubelet.
@@ -114,7 +115,8 @@ content_hash() {
   } | sha256sum | cut -c1-12
 }
 TAG=$(content_hash)
-log "content tag $TAG"
+VERSION=$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
+log "content tag $TAG (also tagged dev and $VERSION)"
 
 # ----------------------------------------------------------------------------- operator and trainer
 build_target() {  # build_target TARGET IMAGE
@@ -130,9 +132,10 @@ build_target() {  # build_target TARGET IMAGE
     log "$image:$TAG: built ($(since "$s"), $(size_of "$image:$TAG"))"
   fi
   docker tag "$image:$TAG" "$image:dev"
+  docker tag "$image:$TAG" "$image:$VERSION"
 }
 
-import_k8s_io() {  # import_k8s_io IMAGE TAG: IMAGE:TAG into containerd's k8s.io namespace, plus IMAGE:dev there
+import_k8s_io() {  # import_k8s_io IMAGE TAG: IMAGE:TAG into containerd's k8s.io namespace, plus :dev and :VERSION
   local image=$1 tag=$2 s
   if in_k8s_io "$image:$tag"; then
     log "$image:$tag: already in k8s.io"
@@ -142,7 +145,9 @@ import_k8s_io() {  # import_k8s_io IMAGE TAG: IMAGE:TAG into containerd's k8s.io
     docker save "$image:$tag" | ctr -n k8s.io images import - >/dev/null
     log "$image:$tag: imported into k8s.io ($(since "$s"), $(size_of "$image:$tag") in docker)"
   fi
-  ctr -n k8s.io images tag --force "$(ctr_name "$image:$tag")" "$(ctr_name "$image:dev")" >/dev/null
+  for alias in dev "$VERSION"; do
+    ctr -n k8s.io images tag --force "$(ctr_name "$image:$tag")" "$(ctr_name "$image:$alias")" >/dev/null
+  done
 }
 
 build_target operator diloco-operator

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.e2e]
 
 JOB = "e2e"
 UNITS = 3
-STEPS = 1500  # per incarnation: long enough to outlive the kills below, short enough to finish in minutes
+STEPS = 1000  # per incarnation: long enough to outlive the kills below, short enough to finish in minutes
 SYNCER_PORT, METRICS_PORT = 8470, 8471
 RECOVERY_TIMES: list[float] = []  # pod kill -> replacement container training again, seconds
 
@@ -239,7 +239,7 @@ def test_the_job_succeeds_with_a_final_checkpoint_that_beats_the_unigram_baselin
     assert job.status()["phase"] == "Succeeded", job.status()
     # A finished job's syncer is scaled to zero: it wrote its final checkpoint to the PVC on SIGTERM.
     wait_for(lambda: not job.pods("syncer"), 120, 1.0, what="the syncer pod gone after the job finished")
-    ckpt = read_checkpoint(job.pv_dir(f"{JOB}-checkpoint") / "checkpoint")
+    ckpt = read_checkpoint(job.pv_dir(f"{JOB}-checkpoint"))  # its --state-dir: checkpoint/ and spool/
     assert ckpt is not None, "no checkpoint in the syncer's PVC"
     cfg = TrainConfig.model_validate(ckpt.state["config"])
     corpus = load_corpus(cfg.data)
@@ -263,15 +263,20 @@ def test_the_job_succeeds_with_a_final_checkpoint_that_beats_the_unigram_baselin
 
 def test_deleting_the_job_removes_every_owned_object_and_container(job, kubectl):
     pod_uids = {p["metadata"]["uid"] for p in kubectl.get("pod", ns=job.ns)}
-    kubectl.run("delete", "dj", JOB, "-n", job.ns, "--wait=false")
+    left: dict[str, list[str]] = {}
 
     def all_gone():
-        left = {kind: [o["metadata"]["name"] for o in kubectl.get(kind, ns=job.ns)
-                       if not o["metadata"].get("deletionTimestamp")]
-                for kind in ("lu", "pod", "deployment", "services", "configmap", "secret", "pvc")}
-        left["secret"] = [s for s in left["secret"] if not s.startswith("default-token")]
-        return not any(left.values()) or None
-    wait_for(all_gone, 120, 1.0, what="every object of the job deleted")
+        for kind in ("lu", "pod", "deployment", "services", "configmap", "secret", "pvc"):
+            left[kind] = [o["metadata"]["name"] for o in kubectl.get(kind, ns=job.ns, selector=f"diloco.dev/job={JOB}")]
+        return not any(left.values())
+    all_gone()
+    assert all(left[k] for k in ("lu", "deployment", "services", "configmap", "secret", "pvc")), left
+    kubectl.run("delete", "dj", JOB, "-n", job.ns, "--wait=false")
+    try:
+        wait_for(all_gone, 120, 1.0, what="every object of the job deleted")
+    except BaseException:
+        print(f"[e2e] left after deleting the job: {left}", file=sys.stderr)
+        raise
     # ... and their containers: nothing of the job's pods still runs in containerd.
     wait_for(lambda: not (pod_uids & running_pod_uids()), 60, 1.0, what="the job's containers gone from the node")
 

@@ -207,7 +207,10 @@ def stop_pids(pids: dict[str, int], grace_s: float = 5.0) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        _reap(pid)
+        killed_by = time.monotonic() + 2.0  # return only once it is gone (ports and files free)
+        while _pid_alive(pid) and time.monotonic() < killed_by:
+            _reap(pid)
+            time.sleep(0.02)
 
 
 def _reap(pid: int) -> None:

@@ -46,7 +46,11 @@ build_kubernetes() {
     "k8s.io/kubernetes/cmd/kube-scheduler@v$K8S_VERSION" "k8s.io/kubernetes/cmd/kubelet@v$K8S_VERSION" \
     "k8s.io/kubernetes/cmd/kube-proxy@v$K8S_VERSION" >&2
   log "kubernetes: compiling (cold: 10-25 min on 2 cores)"
-  go build -trimpath -ldflags "-s -w" -o "$BIN/" k8s.io/kubernetes/cmd/kube-apiserver \
+  # Stamp the release version (as upstream's build does), so servers and kubelets report v1.36.N, not v0.0.0-master.
+  local minor=${K8S_VERSION#*.}; minor=${minor%%.*}
+  local v=k8s.io/component-base/version
+  go build -trimpath -ldflags "-s -w -X $v.gitVersion=v$K8S_VERSION -X $v.gitMajor=1 -X $v.gitMinor=$minor \
+    -X $v.gitTreeState=clean" -o "$BIN/" k8s.io/kubernetes/cmd/kube-apiserver \
     k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler \
     k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy >&2
 }

@@ -65,6 +65,8 @@ async def test_register_hands_out_the_plan_config_and_versions(aiohttp_client, t
     ("/v1/heartbeat", json.dumps({"learner_id": "a", "step": 1, "tokens": 0, "step_time_s": -1}).encode(),
      "step_time_s"),
     ("/v1/heartbeat", json.dumps({"learner_id": "a", "step": 1}).encode(), "tokens"),
+    ("/v1/register", b"[" * 5000 + b"]" * 5000, "nests"),  # found by an outside check: RecursionError, a 500
+    ("/v1/heartbeat", b'{"a":' * 5000 + b"1" + b"}" * 5000, "nests"),
 ])
 async def test_bad_register_and_heartbeat_bodies_are_400_and_change_nothing(aiohttp_client, tmp_path, path,
                                                                             payload, reason):

@@ -174,6 +174,8 @@ class Syncer:
             data = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise Rejected(400, f"body is not JSON: {exc}", "malformed") from None
+        except RecursionError:  # the stdlib parser recurses per nesting level
+            raise Rejected(400, "body nests too deeply to be a register or heartbeat document", "malformed") from None
         if not isinstance(data, dict):
             raise Rejected(400, "body must be a JSON object", "malformed")
         return data

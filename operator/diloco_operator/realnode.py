@@ -134,17 +134,6 @@ def apiserver_flags(pki: Path) -> list[str]:
             f"--kubelet-client-key={pki / 'kubelet-client.key'}"]
 
 
-def kubeconfig(server: str, ca: Path, token: str, user: str) -> dict:
-    import base64
-    return {
-        "apiVersion": "v1", "kind": "Config", "current-context": user,
-        "clusters": [{"name": "diloco-testbed", "cluster": {
-            "server": server, "certificate-authority-data": base64.b64encode(ca.read_bytes()).decode()}}],
-        "users": [{"name": user, "user": {"token": token}}],
-        "contexts": [{"name": user, "context": {"cluster": "diloco-testbed", "user": user}}],
-    }
-
-
 def kubelet_config(pki: Path) -> dict:
     return {
         "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
@@ -178,7 +167,7 @@ def kube_proxy_config(kubeconfig_path: Path, metrics_port: int) -> dict:
 
 def corefile(kubeconfig_path: Path) -> str:
     return (f".:53 {{\n    bind {GATEWAY}\n    errors\n"
-            f"    kubernetes cluster.local in-addr.arpa ip6.arpa {{\n        kubeconfig {kubeconfig_path} admin\n"
+            f"    kubernetes cluster.local in-addr.arpa ip6.arpa {{\n        kubeconfig {kubeconfig_path} diloco-testbed\n"
             "        pods insecure\n        fallthrough in-addr.arpa ip6.arpa\n    }\n    cache 5\n}\n")
 
 
@@ -208,17 +197,17 @@ def storage_objects(work: Path) -> list[tuple[str, dict]]:
     return out
 
 
-def process_args(work: Path, bin_dir: Path, server: str, tokens: dict[str, str], free_port: Callable[[], int],
-                 ) -> dict[str, list[str]]:
-    """Write the configs and return the command line of each node process (kubelet, kube-proxy, coredns)."""
+def process_args(work: Path, tokens: dict[str, str], kubeconfig: Callable[[str, str], dict],
+                 free_port: Callable[[], int]) -> dict[str, list[str]]:
+    """Write the configs and return the command line of each node process (kubelet, kube-proxy, coredns);
+    `kubeconfig(token, user)` builds a kubeconfig for the control plane."""
     pki = work / "pki"
     node = work / "node"
     node.mkdir(exist_ok=True)
-    ca = pki / "ca.crt"
     files = {
-        "kubelet.kubeconfig": kubeconfig(server, ca, tokens["node"], f"system:node:{NODE_NAME}"),
-        "kube-proxy.kubeconfig": kubeconfig(server, ca, tokens["proxy"], "system:kube-proxy"),
-        "admin.kubeconfig": kubeconfig(server, ca, tokens["admin"], "admin"),
+        "kubelet.kubeconfig": kubeconfig(tokens["node"], f"system:node:{NODE_NAME}"),
+        "kube-proxy.kubeconfig": kubeconfig(tokens["proxy"], "system:kube-proxy"),
+        "admin.kubeconfig": kubeconfig(tokens["admin"], "admin"),
         "kubelet.yaml": kubelet_config(pki),
         "kube-proxy.yaml": kube_proxy_config(node / "kube-proxy.kubeconfig", free_port()),
     }
@@ -232,14 +221,6 @@ def process_args(work: Path, bin_dir: Path, server: str, tokens: dict[str, str],
         "kube-proxy": [f"--config={node / 'kube-proxy.yaml'}", "--v=1"],
         "coredns": [f"-conf={node / 'Corefile'}", "-dns.port=53"],
     }
-
-
-def node_ready(request: Callable[..., dict]) -> bool:
-    try:
-        node = request("GET", f"/api/v1/nodes/{NODE_NAME}")
-    except (urllib.error.URLError, OSError):
-        return False
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in node.get("status", {}).get("conditions", []))
 
 
 def running_tasks() -> list[str]:

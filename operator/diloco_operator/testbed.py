@@ -220,13 +220,13 @@ def _reap(pid: int) -> None:
         pass
 
 
-def _kubeconfig(server: str, ca: Path, token: str) -> dict:
+def _kubeconfig(server: str, ca: Path, token: str, user: str = "admin") -> dict:
     return {
         "apiVersion": "v1", "kind": "Config", "current-context": "diloco-testbed",
         "clusters": [{"name": "diloco-testbed", "cluster": {
             "server": server, "certificate-authority-data": base64.b64encode(ca.read_bytes()).decode()}}],
-        "users": [{"name": "admin", "user": {"token": token}}],
-        "contexts": [{"name": "diloco-testbed", "context": {"cluster": "diloco-testbed", "user": "admin",
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": "diloco-testbed", "context": {"cluster": "diloco-testbed", "user": user,
                                                              "namespace": "default"}}],
     }
 
@@ -336,7 +336,9 @@ def start(testbed_dir: Path | None = None, workdir: Path | None = None, *, pools
             tb.create("/api/v1/nodes", node)
         if real_node:
             log(f"starting the real node {realnode.NODE_NAME}: kubelet, kube-proxy, coredns")
-            for name, args in realnode.process_args(work, bin_dir, server, tokens, _free_port).items():
+            ca = pki / "ca.crt"
+            for name, args in realnode.process_args(
+                    work, tokens, lambda token, user: _kubeconfig(server, ca, token, user), _free_port).items():
                 spawn(name, args)
         _wait_nodes_ready(tb, sum(p.nodes for p in pools) + int(real_node), deadline=started + timeout_s, log=log)
         log(f"testbed up in {time.monotonic() - started:.1f}s: {tb.kubeconfig}")

@@ -201,7 +201,6 @@ def test_a_learner_killed_by_spec_chaos_restarts_its_unit(job, kubectl):
 
 
 def test_a_sigkilled_syncer_resumes_from_its_checkpoint_losing_no_acknowledged_update(job, kubectl):
-    before = wait_for(job.syncer_status, 60, 1.0, what="the syncer's status")
     wait_for(lambda: (job.syncer_status() or {}).get("last_checkpoint"), 90, 1.0, what="a first checkpoint")
     before = job.syncer_status()
     pod = job.running("syncer")[0]

@@ -290,3 +290,13 @@ def running_pod_uids() -> set[str]:
         except (ValueError, KeyError):
             continue
     return uids
+
+
+def test_the_operator_pod_stayed_live_under_its_probe_and_counted_its_work(operator_pod):
+    pod = operator_pod.pod()
+    container = pod["spec"]["containers"][0]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert pod["spec"]["serviceAccountName"] == "diloco-operator"
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == 0, operator_pod.logs()
+    metrics = operator_pod.metrics()
+    assert 'diloco_operator_reconciles_total{kind="job",result="ok"}' in metrics, metrics[:2000]

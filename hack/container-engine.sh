@@ -6,7 +6,7 @@
 #   hack/container-engine.sh up       install Debian's packages if missing (root), write the configs, start
 #                                     what is not already running, import diloco.local/pause:3.10 into k8s.io
 #   hack/container-engine.sh down     stop what `up` started (by recorded PID; dockerd first), nothing else
-#   hack/container-engine.sh status   what runs, who started it
+#   hack/container-engine.sh status   what runs, who started it; exit 0 only when containerd and dockerd answer
 #
 # State, configs and logs live in $DILOCO_ENGINE_DIR (default /var/lib/diloco-engine). A containerd or
 # dockerd that already answers when `up` runs is used as it is and never stopped by `down`.
@@ -277,8 +277,8 @@ down() {
 }
 
 # ----------------------------------------------------------------------------------------------- status
-status() {
-  local pid
+status() {  # exit 0 only when both containerd and dockerd answer
+  local pid ok=0
   if containerd_answers; then
     pid=$(our_pid containerd)
     echo "containerd: running ($([ -n "$pid" ] && echo "started by container-engine.sh, pid $pid" || echo "not started by container-engine.sh")), socket $CONTAINERD_SOCK"
@@ -290,6 +290,7 @@ status() {
   else
     echo "containerd: not running"
   fi
+  containerd_answers || ok=1
   if docker_answers; then
     pid=$(our_pid dockerd)
     echo "dockerd: running ($([ -n "$pid" ] && echo "started by container-engine.sh, pid $pid" || echo "not started by container-engine.sh")), server $(docker version --format '{{.Server.Version}}' 2>/dev/null)"
@@ -299,7 +300,9 @@ status() {
   else
     echo "dockerd: not running"
   fi
+  docker_answers || ok=1
   echo "state dir: $STATE"
+  return "$ok"
 }
 
 case "${1:-}" in

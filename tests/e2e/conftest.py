@@ -49,6 +49,7 @@ def images():
     yield Images(env["DILOCO_TRAINER_IMAGE"], env["DILOCO_OPERATOR_IMAGE"])
     if not engine_was_up:
         realnode.engine("down")
+        assert not realnode.engine("status"), "the container engine this session started still answers"
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: sets up the virtualenv, builds (or reuses) the
-# Kubernetes test binaries, then runs pytest. Extra arguments go to pytest.
+# Kubernetes test binaries, then runs pytest. Extra arguments go to pytest. The e2e tier (tests/e2e) also
+# installs and starts the container engine and builds the images (hack/build-images.sh, cached): it needs root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash hack/setup.sh

@@ -18,6 +18,11 @@ TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
+def register_body(learner_id: str, unit: int = 0) -> dict:
+    """A complete `POST /v1/register` body, as a learner sends it."""
+    return {"learner_id": learner_id, "unit": unit, "world_size": 1, "device": "cpu"}
+
+
 def tiny_config(**outer) -> TrainConfig:
     outer = {"fragments": 2, "compression": "none", "grace": 0.0, **outer}
     return TrainConfig(model=MODEL_PRESETS["tiny"].model_copy(), outer=OuterConfig(**outer), seed=3)

@@ -8,7 +8,7 @@ import torch
 
 from diloco_trainer.wire import decode_tensors
 from syncer_kit import (AUTH, assert_unchanged, body, deltas_for, first_outer_step, make_syncer, raw_body,
-                        snapshot, start, tiny_config, wait_for)
+                        register_body, snapshot, start, tiny_config, wait_for)
 
 ENDPOINTS = [("POST", "/v1/register"), ("POST", "/v1/heartbeat"), ("POST", "/v1/fragments/0/outer-gradient"),
              ("GET", "/v1/fragments/0"), ("GET", "/v1/state"), ("GET", "/v1/versions"), ("GET", "/v1/status")]
@@ -58,9 +58,14 @@ async def test_register_hands_out_the_plan_config_and_versions(aiohttp_client, t
 @pytest.mark.parametrize("path,payload,reason", [
     ("/v1/register", b"not json", "not JSON"),
     ("/v1/register", b"[1, 2]", "JSON object"),
-    ("/v1/register", json.dumps({"learner_id": "../etc"}).encode(), "learner_id"),
-    ("/v1/register", json.dumps({"learner_id": "a", "unit": -1}).encode(), "unit"),
-    ("/v1/register", json.dumps({"learner_id": "a", "world_size": 0}).encode(), "world_size"),
+    ("/v1/register", json.dumps(register_body("../etc")).encode(), "learner_id"),
+    ("/v1/register", json.dumps(register_body("a") | {"unit": -1}).encode(), "unit"),
+    ("/v1/register", json.dumps(register_body("a") | {"world_size": 0}).encode(), "world_size"),
+    ("/v1/register", json.dumps(register_body("a") | {"unit": True}).encode(), "unit"),
+    ("/v1/register", json.dumps(register_body("a") | {"device": "x" * 65}).encode(), "device"),
+    ("/v1/register", json.dumps({"learner_id": "a"}).encode(), "unit: field required"),  # was accepted before
+    ("/v1/register", json.dumps({"learner_id": "a", "unit": 0, "device": "cpu"}).encode(), "world_size"),
+    ("/v1/register", json.dumps({"learner_id": "a", "unit": 0, "world_size": 1}).encode(), "device"),
     ("/v1/heartbeat", json.dumps({"learner_id": "a", "step": "7", "tokens": 0}).encode(), "step"),
     ("/v1/heartbeat", json.dumps({"learner_id": "a", "step": 1, "tokens": 0, "step_time_s": -1}).encode(),
      "step_time_s"),

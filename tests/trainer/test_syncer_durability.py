@@ -9,8 +9,8 @@ from safetensors import safe_open
 
 from diloco_trainer.config import MODEL_PRESETS
 from diloco_trainer.syncer.state import SyncerState
-from syncer_kit import (AUTH, assert_unchanged, body, deltas_for, first_outer_step, make_syncer, snapshot, start,
-                        tiny_config, wait_for)
+from syncer_kit import (AUTH, assert_unchanged, body, deltas_for, first_outer_step, make_syncer, register_body,
+                        snapshot, start, tiny_config, wait_for)
 
 
 def _spooled(state_dir):
@@ -99,7 +99,7 @@ async def test_spool_files_are_deleted_only_once_a_checkpoint_covers_them(aiohtt
     client = await start(aiohttp_client, syncer)
     st = syncer.state
     for lid in ("a", "b", "c"):
-        await client.post("/v1/register", json={"learner_id": lid}, headers=AUTH)
+        await client.post("/v1/register", json=register_body(lid), headers=AUTH)
     for lid in ("a", "b"):
         await client.post("/v1/fragments/0/outer-gradient",
                           data=body(st, 0, deltas_for(st, 0, seed=1), learner=lid, sid=f"{lid}0"), headers=AUTH)
@@ -128,8 +128,8 @@ async def test_checkpoints_and_spool_hold_only_safetensors_and_json(aiohttp_clie
     st = syncer.state
     await client.post("/v1/fragments/0/outer-gradient", data=body(st, 0, deltas_for(st, 0, seed=1)), headers=AUTH)
     await wait_for(lambda: st.versions[0] == 1)
-    await client.post("/v1/register", json={"learner_id": "a"}, headers=AUTH)
-    await client.post("/v1/register", json={"learner_id": "b"}, headers=AUTH)
+    await client.post("/v1/register", json=register_body("a"), headers=AUTH)
+    await client.post("/v1/register", json=register_body("b"), headers=AUTH)
     await syncer.checkpoint()
     files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
     assert "checkpoint/theta.safetensors" in files and "checkpoint/momentum.safetensors" in files

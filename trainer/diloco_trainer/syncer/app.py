@@ -8,13 +8,17 @@ import asyncio
 import hmac
 import json
 import logging
-import re
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
+from diloco_trainer.protocol import (FragmentQuery, HeartbeatAnswer, HeartbeatRequest, LearnerStatus, ProtocolError,
+                                     RegisterAnswer, RegisterRequest, SubmitAnswer, SyncerStatus, VersionsAnswer,
+                                     parse)
 from diloco_trainer.wire import WireError, decode_submission, encode_tensors
 
 from .metrics import SyncerMetrics
@@ -25,7 +29,7 @@ DOWNLINK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 log = logging.getLogger(__name__)
 
-_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")  # same alphabet as wire.SubmissionMeta ids
+MAX_JSON_BODY = 64 * 1024  # register and heartbeat documents are a few hundred bytes
 
 
 @dataclass
@@ -167,8 +171,13 @@ class Syncer:
         self.metrics.bytes_out.labels(endpoint).inc(len(body))
         return web.Response(body=body, content_type="application/octet-stream", headers=headers)
 
-    async def _json_body(self, request: web.Request) -> dict:
-        body = await request.read()
+    async def _json_body(self, request: web.Request, model):
+        """The request's JSON body validated as `model`; Rejected (400 naming the field, 413 too large) if not."""
+        if request.content_length is not None and request.content_length > MAX_JSON_BODY:
+            raise _too_large(request.content_length, MAX_JSON_BODY)
+        body = await request.content.read(MAX_JSON_BODY + 1)
+        if len(body) > MAX_JSON_BODY:
+            raise _too_large(None, MAX_JSON_BODY)
         self.metrics.bytes_in.labels(request.path.rsplit("/", 1)[-1]).inc(len(body))
         try:
             data = json.loads(body)
@@ -178,41 +187,28 @@ class Syncer:
             raise Rejected(400, "body nests too deeply to be a register or heartbeat document", "malformed") from None
         if not isinstance(data, dict):
             raise Rejected(400, "body must be a JSON object", "malformed")
-        return data
+        try:
+            return parse(model, data)
+        except ProtocolError as exc:
+            raise Rejected(400, exc.reason, "malformed") from None
 
     # --- handlers ----------------------------------------------------------------------------------
 
     async def register(self, request: web.Request) -> web.Response:
-        d = await self._json_body(request)
-        lid = _learner_id(d)
-        unit = _int(d, "unit", 0, optional=True)
-        world = _int(d, "world_size", 1, optional=True)
-        device = d.get("device")
-        if device is not None and (not isinstance(device, str) or len(device) > 64):
-            raise Rejected(400, "device must be a string of at most 64 characters", "malformed")
-        info = self.state.seen(lid)
-        info.unit, info.world_size, info.device = unit, world, device
-        log.info("learner %s registered (unit %s, world size %s, device %s)", lid, unit, world, device)
+        req: RegisterRequest = await self._json_body(request, RegisterRequest)
+        info = self.state.seen(req.learner_id)
+        info.unit, info.world_size, info.device = req.unit, req.world_size, req.device
+        log.info("learner %s registered (unit %s, world size %s, device %s)", req.learner_id, req.unit,
+                 req.world_size, req.device)
         st = self.state
-        return web.json_response({
-            "config": st.config.model_dump(mode="json"),
-            "plan": {str(p): names for p, names in enumerate(st.plan)},
-            "versions": self._versions(),
-            "heartbeat_s": self.opt.heartbeat_s,
-        })
+        return _json(RegisterAnswer(config=st.config.model_dump(mode="json"),
+                                    plan={str(p): names for p, names in enumerate(st.plan)},
+                                    versions=self._versions(), heartbeat_s=self.opt.heartbeat_s))
 
     async def heartbeat(self, request: web.Request) -> web.Response:
-        d = await self._json_body(request)
-        lid = _learner_id(d)
-        step = _int(d, "step", 0)
-        tokens = _int(d, "tokens", 0)
-        step_time = d.get("step_time_s")
-        if step_time is not None and (isinstance(step_time, bool) or not isinstance(step_time, (int, float))
-                                      or not 0 <= step_time < 1e6):
-            raise Rejected(400, f"step_time_s must be a number of seconds in [0, 1e6) or null, got {step_time!r}",
-                           "malformed")
-        self.state.heartbeat(lid, step, None if step_time is None else float(step_time), tokens)
-        return web.json_response({"versions": self._versions()})
+        req: HeartbeatRequest = await self._json_body(request, HeartbeatRequest)
+        self.state.heartbeat(req.learner_id, req.step, req.step_time_s, req.tokens)
+        return _json(HeartbeatAnswer(versions=self._versions()))
 
     async def submit(self, request: web.Request) -> web.Response:
         st, m = self.state, self.metrics
@@ -231,8 +227,7 @@ class Syncer:
         if st.is_known(sid):
             m.duplicates.inc()
             st.seen(meta.learner_id)
-            return web.json_response({"accepted": True, "duplicate": True, "pending": len(st.pending[p])},
-                                     status=202)
+            return _json(SubmitAnswer(accepted=True, duplicate=True, pending=len(st.pending[p])), status=202)
         c = st.new_contribution(p, meta, deltas)  # Rejected: nothing changed
         done = self._inflight[sid] = asyncio.Event()
         try:
@@ -247,20 +242,18 @@ class Syncer:
         st.seen(meta.learner_id)
         m.accepted.inc()
         self._kicks[p].set()
-        return web.json_response({"accepted": True, "duplicate": False, "pending": len(st.pending[p])}, status=202)
+        return _json(SubmitAnswer(accepted=True, duplicate=False, pending=len(st.pending[p])), status=202)
 
     async def get_fragment(self, request: web.Request) -> web.Response:
         st = self.state
         p = self._fragment_param(request)
-        after = request.query.get("after")
-        if after is not None:
-            if not re.fullmatch(r"-?[0-9]{1,19}", after):
-                raise Rejected(400, f"after must be an integer version, got {after[:40]!r}", "malformed")
-            if st.versions[p] <= int(after):
-                return web.Response(status=304)
-        dtype = request.query.get("dtype", "fp32")
-        if dtype not in DOWNLINK_DTYPES:
-            raise Rejected(400, f"dtype must be one of {sorted(DOWNLINK_DTYPES)}, got {dtype[:40]!r}", "malformed")
+        try:
+            query = FragmentQuery.from_query(request.query)
+        except ProtocolError as exc:
+            raise Rejected(400, exc.reason, "malformed") from None
+        if query.after is not None and st.versions[p] <= query.after:
+            return web.Response(status=304)
+        dtype = query.dtype
         version = st.versions[p]
         cached = self._cache.get(("fragment", p, dtype))
         if cached is None or cached[0] != version:
@@ -283,36 +276,37 @@ class Syncer:
 
     async def get_versions(self, request: web.Request) -> web.Response:
         st = self.state
-        return web.json_response({"versions": self._versions(), "outer_steps": sum(st.outer_steps),
-                                  "tokens_merged": st.tokens_merged})
+        return _json(VersionsAnswer(versions=self._versions(), outer_steps=sum(st.outer_steps),
+                                    tokens_merged=st.tokens_merged))
 
     async def get_status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.status())
+        return _json(self.status())
 
-    def status(self) -> dict:
+    def status(self) -> SyncerStatus:
         """The /v1/status document (see docs/protocol.md)."""
         st = self.state
         live = st.live_ids(self.opt.live_timeout_s)
-        learners = {lid: {"last_seen": i.last_seen_unix, "step": i.step, "tokens": i.tokens,
-                          "step_time_s": i.step_time_s, "tokens_merged": i.tokens_merged,
-                          "steps_merged": i.steps_merged, "submissions_merged": i.submissions_merged,
-                          "live": lid in live} for lid, i in sorted(st.learners.items())}
-        return {
-            "versions": self._versions(),
-            "outer_steps": sum(st.outer_steps),
-            "outer_steps_per_fragment": {str(p): n for p, n in enumerate(st.outer_steps)},
-            "merges": sum(st.outer_steps),
-            "contributions_merged": st.contributions_merged,
-            "tokens_merged": st.tokens_merged,
-            "learners": learners,
-            "live_learners": len(live),
-            "pending": {str(p): len(pend) for p, pend in enumerate(st.pending)},
-            "grace_s": st.policy.grace_seconds(),
-            "quorum": st.config.outer.quorum,
-            "fragments": st.num_fragments,
-            "uptime_s": time.monotonic() - self.started,
-            "last_checkpoint": st.last_checkpoint,
-        }
+        learners = {lid: LearnerStatus(last_seen=i.last_seen_unix, step=i.step, tokens=i.tokens,
+                                       step_time_s=i.step_time_s, tokens_merged=i.tokens_merged,
+                                       steps_merged=i.steps_merged, submissions_merged=i.submissions_merged,
+                                       live=lid in live, unit=i.unit, world_size=i.world_size, device=i.device)
+                    for lid, i in sorted(st.learners.items())}
+        return SyncerStatus(
+            versions=self._versions(),
+            outer_steps=sum(st.outer_steps),
+            outer_steps_per_fragment={str(p): n for p, n in enumerate(st.outer_steps)},
+            merges=sum(st.outer_steps),
+            contributions_merged=st.contributions_merged,
+            tokens_merged=st.tokens_merged,
+            learners=learners,
+            live_learners=len(live),
+            pending={str(p): len(pend) for p, pend in enumerate(st.pending)},
+            grace_s=st.policy.grace_seconds(),
+            quorum=st.config.outer.quorum,
+            fragments=st.num_fragments,
+            uptime_s=time.monotonic() - self.started,
+            last_checkpoint=st.last_checkpoint,
+        )
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -326,25 +320,31 @@ class Syncer:
         return web.Response(body=m.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-def _learner_id(d: dict) -> str:
-    lid = d.get("learner_id")
-    if not isinstance(lid, str) or not _ID_RE.fullmatch(lid):
-        raise Rejected(400, f"learner_id must be 1-128 characters of [A-Za-z0-9_.:-], got {lid!r}", "malformed")
-    return lid
-
-
-def _int(d: dict, key: str, minimum: int, optional: bool = False) -> int | None:
-    v = d.get(key)
-    if v is None and optional:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise Rejected(400, f"{key} must be an integer >= {minimum}, got {v!r}", "malformed")
-    return v
+def _json(doc, status: int = 200) -> web.Response:
+    """A protocol model as a JSON answer."""
+    return web.Response(body=doc.model_dump_json().encode(), status=status, content_type="application/json")
 
 
 def _too_large(size: int | None, limit: int) -> Rejected:
     got = "" if size is None else f" ({size} bytes)"
     return Rejected(413, f"body too large{got}: the limit is {limit} bytes (--max-body-mb)", "too_large")
+
+
+class ServerLog(logging.LoggerAdapter):
+    """aiohttp's server logger for the syncer's runner (`web.AppRunner(..., logger=ServerLog())`): a request that
+    aiohttp's HTTP parser refuses with a 4xx (a header line over its limit, a garbled request line or header) is
+    the client's mistake, so it is one WARNING line without a traceback instead of an ERROR with one."""
+
+    def __init__(self, logger: logging.Logger | None = None):
+        super().__init__(logger or logging.getLogger("aiohttp.server"), {})
+
+    def exception(self, msg, *args, exc_info=True, **kwargs) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 0) < 500:
+            reason = " ".join(str(exc.message or exc).split())[:200]
+            self.warning(msg + ": %d %s (%s)", *args, exc.code, reason, type(exc).__name__, **kwargs)
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kwargs)
 
 
 SYNCER = web.AppKey("syncer", Syncer)

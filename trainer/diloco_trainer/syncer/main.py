@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace, config: TrainConfig, token: str) -> int:
     from aiohttp import web
 
-    from .app import Syncer, SyncerOptions, make_app
+    from .app import ServerLog, Syncer, SyncerOptions, make_app
     from .state import SyncerState
 
     state_dir = Path(args.state_dir)
@@ -65,7 +65,7 @@ async def _serve(args: argparse.Namespace, config: TrainConfig, token: str) -> i
              state.versions, sum(len(p) for p in state.pending))
     syncer = Syncer(state, SyncerOptions(token=token, max_body_bytes=int(args.max_body_mb * 2**20),
                                          checkpoint_every_s=args.checkpoint_every_s, heartbeat_s=args.heartbeat_s))
-    runner = web.AppRunner(make_app(syncer), handle_signals=False, access_log=None)
+    runner = web.AppRunner(make_app(syncer), handle_signals=False, access_log=None, logger=ServerLog())
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
@@ -96,5 +96,5 @@ async def _progress(syncer, every_s: float) -> None:
         await asyncio.sleep(every_s)
         s = syncer.status()
         log.info("outer steps %d, versions %s, tokens merged %d, live learners %d, pending %s, grace %.2f s",
-                 s["outer_steps"], list(s["versions"].values()), s["tokens_merged"], s["live_learners"],
-                 list(s["pending"].values()), s["grace_s"])
+                 s.outer_steps, list(s.versions.values()), s.tokens_merged, s.live_learners,
+                 list(s.pending.values()), s.grace_s)

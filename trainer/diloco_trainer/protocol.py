@@ -1,0 +1,274 @@
+"""Typed contracts between the packages: every `/v1` request body and answer of the syncer, its `/v1/status`
+document, the learner metrics record (metrics.jsonl) and the local runtime's processes.json. Torch-free on
+purpose: the operator, chaos and bench import it without torch (a test checks that)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+LEARNER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"  # the alphabet of wire.SubmissionMeta ids
+LearnerId = Annotated[str, Field(pattern=LEARNER_ID_PATTERN)]
+Count = Annotated[int, Field(ge=0, le=2**62)]  # steps, tokens: bounded so a hostile value never overflows a counter
+Versions = dict[str, int]  # fragment index (as a JSON key) -> version id
+DOWNLINK_DTYPES = ("fp32", "bf16")
+
+
+class ProtocolError(ValueError):
+    """A document that does not fit its model; `reason` names the first offending field."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def parse(model: type[BaseModel], data: object):
+    """`model` validated from already-decoded JSON `data`; ProtocolError names the field on a bad document."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ProtocolError(describe(exc)) from None
+
+
+def describe(exc: ValidationError) -> str:
+    """One line naming the first offending field, e.g. `unit: Input should be greater than or equal to 0 (got -1)`."""
+    err = exc.errors(include_url=False)[0]
+    field = ".".join(str(p) for p in err["loc"]) or "body"
+    got = repr(err.get("input"))
+    got = got if len(got) <= 60 else got[:57] + "..."
+    return f"{field}: {err['msg']} (got {got})" if err["type"] != "missing" else f"{field}: field required"
+
+
+class _Request(BaseModel):
+    # Strict: "7" is not a step and true is not a unit. Unknown keys are ignored, so a newer learner can add
+    # fields without breaking an older syncer.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, frozen=True)
+
+
+class _Document(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ------------------------------------------------------------------------------------------ requests
+
+
+class RegisterRequest(_Request):
+    """`POST /v1/register`. Every field is required (Decision): a registration without its unit, world size or
+    device would show up as an anonymous learner in /v1/status and in the operator's job status, and every
+    learner this project ships sends all four; so a body with only `learner_id` is a 400 naming the field."""
+
+    learner_id: LearnerId
+    unit: Annotated[int, Field(ge=0, lt=2**31)]
+    world_size: Annotated[int, Field(ge=1, le=2**20)]
+    device: Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class HeartbeatRequest(_Request):
+    """`POST /v1/heartbeat`: progress of a live learner. `step_time_s` None (or 0) means not measured yet."""
+
+    learner_id: LearnerId
+    step: Count
+    tokens: Count
+    step_time_s: Annotated[float, Field(ge=0, lt=1e6)] | None = None
+
+
+class FragmentQuery(_Request):
+    """`GET /v1/fragments/{p}?after=v&dtype=fp32|bf16` (query values are strings; see `from_query`)."""
+
+    after: int | None = None
+    dtype: Literal["fp32", "bf16"] = "fp32"
+
+    @classmethod
+    def from_query(cls, query) -> "FragmentQuery":
+        """Validate a request's query mapping; ProtocolError names the parameter."""
+        after = query.get("after")
+        if after is not None:
+            text = after.strip()
+            if not (text.lstrip("-").isascii() and text.lstrip("-").isdigit() and len(text) <= 20
+                    and text.count("-") <= int(text.startswith("-"))):
+                raise ProtocolError(f"after: must be an integer version (got {after[:40]!r})")
+            after = int(text)
+            if not -(2**63) <= after < 2**63:
+                raise ProtocolError(f"after: must be a 64-bit integer version (got {after})")
+        dtype = query.get("dtype", "fp32")
+        if dtype not in DOWNLINK_DTYPES:
+            raise ProtocolError(f"dtype: must be one of {list(DOWNLINK_DTYPES)} (got {dtype[:40]!r})")
+        return cls(after=after, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------ answers
+
+
+class ErrorAnswer(_Document):
+    """Every 4xx/5xx answer of the syncer: `{"error": reason}`."""
+
+    error: str
+
+
+class RegisterAnswer(_Document):
+    """What a (re)starting learner needs: the run config (a TrainConfig dump), the fragment plan, versions."""
+
+    config: dict
+    plan: dict[str, list[str]]
+    versions: Versions
+    heartbeat_s: float
+
+    def plan_lists(self) -> list[list[str]]:
+        return [list(self.plan[str(p)]) for p in range(len(self.plan))]
+
+
+class HeartbeatAnswer(_Document):
+    versions: Versions
+
+
+class SubmitAnswer(_Document):
+    """`202` to `POST /v1/fragments/{p}/outer-gradient`; `duplicate` = the id was already held (never merged twice)."""
+
+    accepted: bool
+    duplicate: bool = False
+    pending: int = 0
+
+
+class VersionsAnswer(_Document):
+    versions: Versions
+    outer_steps: int
+    tokens_merged: int
+
+
+class LearnerStatus(_Document):
+    """One learner as the syncer sees it: liveness from its requests, merged work from merges."""
+
+    last_seen: float | None = None  # unix time of its last request (None: not seen since the syncer started)
+    step: int = 0
+    tokens: int = 0
+    step_time_s: float | None = None
+    tokens_merged: int = 0
+    steps_merged: int = 0
+    submissions_merged: int = 0
+    live: bool = False
+    unit: int | None = None
+    world_size: int | None = None
+    device: str | None = None
+
+
+class SyncerStatus(_Document):
+    """`GET /v1/status`: the syncer's progress for displays, the operator's job status and goodput."""
+
+    versions: Versions
+    outer_steps: int
+    outer_steps_per_fragment: dict[str, int]
+    merges: int
+    contributions_merged: int
+    tokens_merged: int
+    learners: dict[str, LearnerStatus]
+    live_learners: int
+    pending: dict[str, int]
+    grace_s: float
+    quorum: int
+    fragments: int
+    uptime_s: float
+    last_checkpoint: float | None = None
+
+    @property
+    def pending_total(self) -> int:
+        return sum(self.pending.values())
+
+
+class SyncerSample(_Document):
+    """One line of a run's syncer.jsonl: the supervisor's sample of /v1/status (None while the syncer was away)."""
+
+    time: float
+    elapsed_s: float
+    up: bool
+    status: SyncerStatus | None = None
+
+    def to_line(self) -> dict:
+        """The flat JSON line (status fields beside time/elapsed_s/up, as the file has always held them)."""
+        line = {"time": self.time, "elapsed_s": self.elapsed_s, "up": self.up}
+        if self.status is not None:
+            line.update(self.status.model_dump(mode="json"))
+        return line
+
+    @classmethod
+    def from_line(cls, line: dict) -> "SyncerSample":
+        status = SyncerStatus.model_validate(line) if line.get("up") else None
+        return cls(time=line["time"], elapsed_s=line.get("elapsed_s", 0.0), up=bool(line.get("up")), status=status)
+
+
+# ------------------------------------------------------------------------------------------ run directory
+
+
+class LearnerRecord(_Document):
+    """One line of a learner's metrics.jsonl: exactly the fields `Learner._record` writes, plus `final` on the line
+    written as the learner stops. Counters restart at zero in each incarnation of the learner."""
+
+    time: float
+    learner_id: str
+    unit: int = 0
+    world_size: int = 1
+    step: int = 0
+    loss: float | None = None
+    tokens: int = 0
+    tokens_per_s: float = 0.0
+    step_time_s: float | None = None
+    versions: dict[str, int] = Field(default_factory=dict)
+    queued: int = 0
+    superseded: int = 0
+    sent: int = 0
+    acked: int = 0
+    acked_tokens: int = 0
+    acked_steps: int = 0
+    rejected: int = 0
+    stale: int = 0
+    adoptions: int = 0
+    syncer_up: bool = False
+    pending: int = 0
+    bytes_up: float = 0
+    bytes_down: float = 0
+    epoch: int = 0
+    lr: float | None = None
+    final: bool = False
+
+
+class MetricsRecord(LearnerRecord):
+    """Any line of a run's learners/<id>/metrics.jsonl, as the readers take it: a learner's record, or a baseline
+    worker's (baselines.py), which adds the checkpoint step its incarnation resumed from and, on its last line,
+    a digest of its parameters. Unknown keys are ignored; missing counters read as zero."""
+
+    resumed_from_step: int = 0
+    param_sha256: str | None = None
+
+    @property
+    def steps_in_incarnation(self) -> int:
+        """Steps this line's incarnation trained: its step less the checkpoint step it resumed from."""
+        return self.step - self.resumed_from_step
+
+
+class ProcessEntry(_Document):
+    """One supervised program in processes.json; `cmdline_tag` is what its command line contains that no other
+    process's does (a warm spare that took over a learner keeps showing `--standby DIR`)."""
+
+    name: str
+    role: str  # learner | syncer
+    pid: int | None = None
+    alive: bool = False
+    restarts: int = 0
+    finished: bool = False
+    started: float | None = None
+    cmdline_tag: str | None = None
+    state_dir: str | None = None
+    slowdown: float | None = None
+    rank: int | None = None
+
+
+class ProcessesDoc(_Document):
+    """processes.json of a local run: written atomically by the supervisor, read by `diloco chaos` and bench."""
+
+    supervisor_pid: int
+    updated: float
+    stopping: bool = False
+    processes: list[ProcessEntry] = Field(default_factory=list)
+
+    def process(self, name: str) -> ProcessEntry | None:
+        return next((p for p in self.processes if p.name == name), None)

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from diloco_trainer.devices import UnitGroup
-from diloco_trainer.learner import inner_lr, step_sleep, submission_id
+from diloco_trainer.inner import inner_lr
+from diloco_trainer.learner import step_sleep
+from diloco_trainer.outer_sync import submission_id
 from diloco_trainer.learner_main import configure, options_from_args, serve_metrics
 from diloco_trainer.wire import SubmissionMeta
 

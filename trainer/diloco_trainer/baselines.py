@@ -191,6 +191,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     from .config import TrainConfig
     from .data import ShardSampler, load_corpus
+    from .inner import inner_optimizer, set_lr
     from .learner import step_sleep
     from .merge import NesterovOuter
     from .model import build_model, count_parameters
@@ -248,8 +249,7 @@ def _worker(args: argparse.Namespace) -> int:
         while step < args.steps:
             t_step = time.time()
             x, y = sampler.next_batch()
-            for g in opt.param_groups:
-                g["lr"] = schedule(step + 1)
+            set_lr(opt, schedule(step + 1))
             _, loss = model(x, y)
             loss.backward()
             step += 1
@@ -378,20 +378,6 @@ def _restore_tensors(tensors: dict, model, opt, theta, outer) -> None:
         prefix = "outer_momentum."
         outer.load_state_dict({k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)})
     torch.set_rng_state(tensors["torch_rng"])
-
-
-def inner_optimizer(model, cfg):
-    """AdamW exactly as the learner builds it (no decay on norms/biases) and the learner's warm-up schedule."""
-    import torch
-
-    from .learner import inner_lr
-
-    inner = cfg.inner
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": inner.weight_decay},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=inner.lr, betas=(inner.beta1, inner.beta2))
-    return opt, lambda step: inner_lr(step, inner.lr, inner.warmup_steps)
 
 
 def _param_digest(params) -> str:

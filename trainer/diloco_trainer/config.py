@@ -107,6 +107,10 @@ class OuterConfig(_Strict):
     # carries every new version of every fragment and outweighs the int4 up-link ~13x; learners then train
     # from bf16-rounded values, the syncer keeps Θ in fp32).
     downlink: Literal["fp32", "bf16"] = "fp32"
+    # What a learner does with its own progress on a fragment when it adopts a newer global version of it:
+    # "overwrite" drops what it trained since its last send (the paper), "keep" carries it on top of the new
+    # version into its next send (see outer_sync.py; the benchmark that chose the default: docs/benchmarks.md).
+    adopt: Literal["keep", "overwrite"] = "overwrite"
 
     @model_validator(mode="after")
     def _overlap_below_sync_every(self) -> "OuterConfig":

@@ -1,5 +1,6 @@
 """One learner unit of Decoupled DiLoCo: inner AdamW on its own shard, outer gradients of due fragments sent in
-the background, newer global fragments adopted by overwrite at step boundaries. Compute never waits on the network."""
+the background, newer global fragments adopted at step boundaries (outer_sync.py keeps that bookkeeping). Compute
+never waits on the network."""
 
 from __future__ import annotations
 
@@ -18,13 +19,13 @@ import torch
 
 from . import devices
 from .devices import UnitGroup
-from .client import FragmentUpdate, Submission, SyncerClient
+from .client import FragmentUpdate, SyncerClient
 from .config import TrainConfig
 from .data import ShardSampler, load_corpus
 from .fsutil import atomic_write_json
-from .fragments import first_due_step
+from .inner import inner_optimizer, set_lr
 from .model import build_model
-from .wire import ErrorFeedback, SubmissionMeta, encode_submission
+from .outer_sync import OuterSync
 
 log = logging.getLogger(__name__)
 
@@ -55,20 +56,6 @@ class LearnerOptions:
 
 
 @dataclass
-class FragmentState:
-    """What the learner knows about one fragment since it last adopted a global version of it."""
-
-    version: int
-    base: dict[str, torch.Tensor]  # Θ_p as adopted: the reference the outer gradient is taken against
-    next_due: int  # local step after which this fragment's Δ goes out next
-    c_steps: int = 0
-    c_tokens: int = 0
-    acked: bool = False  # a Δ from this base was acknowledged: send nothing until a newer version is adopted
-    in_flight: bool = False  # a Δ from this base is queued and unanswered (a fresh one supersedes it)
-    ef_before: dict[str, torch.Tensor | None] | None = None  # residuals before the unacknowledged compression
-
-
-@dataclass
 class Window:
     """Figures accumulated between two metrics lines."""
 
@@ -77,17 +64,6 @@ class Window:
     loss: float = 0.0
     tokens: int = 0
     busy_s: float = 0.0
-
-
-def submission_id(learner_id: str, nonce: str, fragment: int, base_version: int) -> str:
-    """One id per (learner incarnation, fragment, base version): a superseding Δ from the same base reuses it,
-    so the syncer can never merge two Δs that overlap in the steps they cover."""
-    return f"{learner_id}.{nonce}.p{fragment}.v{base_version}"
-
-
-def inner_lr(step: int, lr: float, warmup_steps: int) -> float:
-    """Linear warmup to `lr` over `warmup_steps`, then constant (an asynchronous run has no known end)."""
-    return lr * min(1.0, step / warmup_steps) if warmup_steps else lr
 
 
 def step_sleep(compute_s: float, slowdown: float, jitter: float, rng: random.Random) -> float:
@@ -105,12 +81,9 @@ class Learner:
         self.stop_flag = threading.Event()
         self.client: SyncerClient | None = None
         self.nonce = secrets.token_hex(4)
-        self.ef = ErrorFeedback()
-        self.frags: list[FragmentState] = []
+        self.outer: OuterSync | None = None  # built in _start(), once the plan and versions are known
         self.step = 0
         self.tokens = 0
-        self.queued = 0  # outer gradients built and handed to the client (a superseding one included)
-        self.adoptions = 0
         self.step_time_ema = 0.0
         self.last_loss: float | None = None
         self.rng = random.Random(opts.seed * 1_000_003 + opts.unit)
@@ -153,16 +126,11 @@ class Learner:
                 for name, p in self.params.items():
                     p.copy_(boot.theta[name].to(self.device, p.dtype))
         self.group.broadcast_tensors([p.data for p in self.params.values()])
-        H, P = self.cfg.outer.sync_every, len(self.plan)
-        self.frags = [FragmentState(versions[p], self._copy(names), next_due=self.step + first_due_step(p, H, P))
-                      for p, names in enumerate(self.plan)]
-
-        decay = [p for p in self.params.values() if p.dim() >= 2]
-        no_decay = [p for p in self.params.values() if p.dim() < 2]
-        inner = self.cfg.inner
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": inner.weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}],
-                                     lr=inner.lr, betas=(inner.beta1, inner.beta2))
+        outer = self.cfg.outer
+        self.outer = OuterSync(self.plan, versions, self.params, sync_every=outer.sync_every, adopt=outer.adopt,
+                               compression=outer.compression, block_size=outer.block_size, step=self.step,
+                               sends=self.group.is_main)
+        self.opt, self.lr_at = inner_optimizer(self.model, self.cfg)
 
         corpus = load_corpus(self.cfg.data, self.opts.data_cache)
         if corpus.vocab_needed > self.cfg.model.vocab_size:
@@ -170,14 +138,11 @@ class Learner:
                              f"model.vocab_size is {self.cfg.model.vocab_size}")
         # One unit-wide sampler (same on every rank); each rank trains its own slice of the unit's batch, so the
         # position file describes the unit and survives a restart with a different number of processes.
-        self.batch = inner.batch_size
+        self.batch = self.cfg.inner.batch_size
         self.sampler = ShardSampler(corpus.train, self.opts.unit, self.opts.units, self.batch * self.group.world_size,
                                     self.cfg.model.seq_len, seed=self.cfg.seed)
         self._load_position()
         self.tokens_per_step = self.batch * self.group.world_size * self.cfg.model.seq_len
-
-    def _copy(self, names: list[str]) -> dict[str, torch.Tensor]:
-        return {n: self.params[n].detach().clone() for n in names}
 
     def _position_path(self) -> Path | None:
         return self.opts.state_dir / "position.json" if self.opts.state_dir else None
@@ -229,17 +194,13 @@ class Learner:
 
             self.step += 1
             self.tokens += self.tokens_per_step
-            for fs in self.frags:
-                fs.c_steps += 1
-                fs.c_tokens += self.tokens_per_step
+            self.outer.trained(self.tokens_per_step)
             self._book_answers()
             # Due fragments go out before adoption: a version landing on the step p is due must not erase
             # the work this Δ carries.
-            if self.group.is_main:
-                for p, fs in enumerate(self.frags):
-                    if self.step >= fs.next_due:
-                        self._send(p)
-                        fs.next_due = self.step + self.cfg.outer.sync_every
+            if self.client is not None:
+                for sub in self.outer.send_due(self.step, self.opts.learner_id, self.nonce):
+                    self.client.submit(sub)
             stop = self._adopt_updates()
 
             step_s = time.monotonic() - started
@@ -265,8 +226,7 @@ class Learner:
         r = self.group.rank
         mine = slice(r * self.batch, (r + 1) * self.batch)
         x, y = x[mine].to(self.device), y[mine].to(self.device)
-        for group in self.opt.param_groups:
-            group["lr"] = inner_lr(self.step + 1, self.cfg.inner.lr, self.cfg.inner.warmup_steps)
+        set_lr(self.opt, self.lr_at(self.step + 1))
         _, loss = self.model(x, y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -278,88 +238,34 @@ class Learner:
 
     # ------------------------------------------------------------------ outer gradients
 
-    def _send(self, p: int) -> None:
-        """Queue Δ_p = Θ_p(base) − θ_p, compressed with error feedback (rank 0 only)."""
-        fs = self.frags[p]
-        if fs.acked or fs.c_steps == 0:
-            return
-        names = self.plan[p]
-        if fs.ef_before is not None:  # superseding an unanswered Δ: compress from the residuals it started from
-            self._restore_residuals(fs.ef_before)
-        else:
-            fs.ef_before = {n: self.ef.residual(n) for n in names}
-        with torch.no_grad():
-            deltas = {n: fs.base[n] - self.params[n].detach() for n in names}
-        outer = self.cfg.outer
-        parts = self.ef.compress(deltas, outer.compression, outer.block_size)
-        sid = submission_id(self.opts.learner_id, self.nonce, p, fs.version)
-        meta = SubmissionMeta(self.opts.learner_id, sid, p, fs.version, fs.c_steps, fs.c_tokens)
-        body = encode_submission(meta, parts, outer.compression, outer.block_size,
-                                 {n: tuple(self.params[n].shape) for n in names})
-        self.client.submit(Submission(p, fs.version, sid, body, fs.c_steps, fs.c_tokens))
-        fs.in_flight = True
-        self.queued += 1
-
-    def _restore_residuals(self, before: dict[str, torch.Tensor | None]) -> None:
-        state = self.ef.state_dict()
-        for name, residual in before.items():
-            state.pop(name, None)
-            if residual is not None:
-                state[name] = residual
-        self.ef.load_state_dict(state)
-
     def _book_answers(self) -> None:
-        """Apply the syncer's answers to the fragments they concern (an answer for an older base is history)."""
-        if self.client is None:
-            return
-        for ans in self.client.take_answers():
-            fs = self.frags[ans.fragment]
-            if ans.base_version != fs.version:
-                continue
-            fs.in_flight = False
-            if ans.accepted:
-                fs.acked, fs.ef_before = True, None
+        if self.client is not None:
+            self.outer.book(self.client.take_answers())
 
     # ------------------------------------------------------------------ adoption
 
     def _adopt_updates(self) -> bool:
-        """Overwrite fragments with newer global versions (rank 0 fetched them; every rank applies them at this
-        same step). Returns True when any rank of the unit was asked to stop.
+        """Take newer global versions (rank 0 fetched them; every rank applies them at this same step, as
+        `outer.adopt` says: see outer_sync.py). Returns True when any rank of the unit was asked to stop.
 
-        Decision, measured: every newer version is adopted at the next step boundary, even though it erases this
-        learner's unsent progress on that fragment. Holding versions until the learner had sent its own Δ wasted
-        no work but diverged (configs/tiny.yaml, 3 learners, 200 steps: validation loss 3414 vs 2.72 eager): a Δ
-        from a stale base is re-anchored as Θ_current − θ_m, which drags Θ back toward the stale θ_m."""
+        Decision, measured: every newer version is adopted at the next step boundary. Holding versions until the
+        learner had sent its own Δ diverged (configs/tiny.yaml, 3 learners, 200 steps: validation loss 3414 vs 2.72
+        eager): a Δ from a stale base is re-anchored as Θ_current − θ_m, which drags Θ back toward the stale θ_m."""
         updates: list[FragmentUpdate] = self.client.take_updates() if self.client is not None else []
-        updates = [u for u in updates if u.version > self.frags[u.fragment].version]
+        updates = [u for u in updates if u.version > self.outer.frags[u.fragment].version]
         stop, adopted = self.group.step_header(self.stop_flag.is_set(), [(u.fragment, u.version) for u in updates],
                                                slots=len(self.plan))
         by_fragment = {u.fragment: u for u in updates}
         for p, version in adopted:
-            names = self.plan[p]
-            tensors = [self.params[n].data for n in names]
-            if self.group.is_main:
-                with torch.no_grad():
-                    for n, t in zip(names, tensors):
-                        t.copy_(by_fragment[p].tensors[n].to(self.device, t.dtype))
-            self.group.broadcast_tensors(tensors)
-            # Overwrite the parameters, keep the AdamW moments (Decision); the counters restart at this version.
-            fs = self.frags[p]
-            fs.version, fs.base = version, self._copy(names)
-            fs.c_steps = fs.c_tokens = 0
-            # Decision: the H-step clock of a fragment restarts at adoption. Every learner adopts a new version
-            # within about one poll of the others, so their next sends of p line up and land in the same merge
-            # (quorum + grace window) instead of one learner's merge erasing the others' unsent progress.
-            fs.next_due = self.step + self.cfg.outer.sync_every
-            fs.acked = fs.in_flight = False
-            fs.ef_before = None
-            self.adoptions += 1
+            # The AdamW moments are kept (Decision); rank 0 computes the new θ_p, the unit gets it by broadcast.
+            self.outer.adopt(p, version, by_fragment[p].tensors if self.group.is_main else None, self.step)
+            self.group.broadcast_tensors([self.params[n].data for n in self.plan[p]])
         return stop
 
     # ------------------------------------------------------------------ reporting and shutdown
 
     def _versions(self) -> dict[str, int]:
-        return {str(p): fs.version for p, fs in enumerate(self.frags)}
+        return self.outer.versions()
 
     def _record(self, window: Window) -> dict:
         elapsed = max(1e-9, time.monotonic() - window.started)
@@ -370,10 +276,11 @@ class Learner:
             "loss": window.loss / window.steps if window.steps else self.last_loss,
             "tokens": self.tokens, "tokens_per_s": window.tokens / elapsed if window.steps else 0.0,
             "step_time_s": window.busy_s / window.steps if window.steps else self.step_time_ema,
-            "versions": self._versions(), "queued": self.queued, "superseded": net.get("superseded", 0),
+            "versions": self._versions(), "queued": self.outer.queued, "superseded": net.get("superseded", 0),
             "sent": net.get("sent", 0), "acked": net.get("acked", 0),
             "acked_tokens": net.get("acked_tokens", 0), "acked_steps": net.get("acked_steps", 0),
-            "rejected": net.get("rejected", 0), "stale": net.get("stale", 0), "adoptions": self.adoptions,
+            "rejected": net.get("rejected", 0), "stale": net.get("stale", 0), "adoptions": self.outer.adoptions,
+            "steps_kept": self.outer.steps_kept, "steps_discarded": self.outer.steps_discarded,
             "syncer_up": net.get("syncer_up", False), "pending": net.get("pending", 0),
             "bytes_up": net.get("bytes_up", 0), "bytes_down": net.get("bytes_down", 0),
             "epoch": self.sampler.epoch, "lr": self.opt.param_groups[0]["lr"],
@@ -396,6 +303,9 @@ class Learner:
     def _finish(self, window: Window, server) -> int:
         self._save_position()
         if self.client is not None:
+            # Leaving: what no acknowledged Δ covers goes out now, so a finished run's last steps are merged too.
+            for sub in self.outer.flush(self.opts.learner_id, self.nonce):
+                self.client.submit(sub)
             drained = self.client.close(self.opts.drain_s)
             if not drained:
                 log.warning("stopping with %d submission(s) unanswered after %.0f s of drain",

@@ -1,0 +1,164 @@
+"""The learner's outer-step bookkeeping (outer_sync.OuterSync): what goes out when, what an answer changes, and what
+adoption does to the local parameters and counters in each `outer.adopt` mode."""
+
+import pytest
+import torch
+
+from diloco_trainer.client import Answer
+from diloco_trainer.outer_sync import OuterSync
+from diloco_trainer.wire import decode_submission
+
+PLAN = [["a"], ["b"]]
+SHAPES = {"a": (4,), "b": (2, 2)}
+TOKENS = 100
+
+
+def make(adopt: str, sync_every: int = 4, compression: str = "none") -> tuple[OuterSync, dict[str, torch.Tensor]]:
+    params = {"a": torch.zeros(4), "b": torch.zeros(2, 2)}
+    return OuterSync(PLAN, {0: 1, 1: 1}, params, sync_every=sync_every, adopt=adopt, compression=compression,
+                     block_size=8), params
+
+
+def train(sync: OuterSync, params: dict[str, torch.Tensor], steps: int, by: float = 1.0) -> None:
+    """`steps` inner steps, each moving every parameter by -by (so Δ = base − θ grows by `by` a step)."""
+    for _ in range(steps):
+        for t in params.values():
+            t.sub_(by)
+        sync.trained(TOKENS)
+
+
+def answer(sub, status: int = 202) -> Answer:
+    return Answer(sub.fragment, sub.base_version, sub.submission_id, status, sub.c_steps, sub.c_tokens)
+
+
+def sent_of(sync: OuterSync, step: int, p: int):
+    """The submission of fragment p among those due after `step` (fragment 0 is due at H, fragment 1 at H/2)."""
+    (sub,) = [s for s in sync.send_due(step, "l0", "n0") if s.fragment == p]
+    return sub
+
+
+def decoded(sub):
+    return decode_submission(sub.body, {n: SHAPES[n] for n in PLAN[sub.fragment]})
+
+
+def test_fragments_go_out_staggered_every_h_steps_with_the_work_since_adoption():
+    sync, params = make("overwrite", sync_every=4)
+    sent = []
+    for step in range(1, 9):
+        train(sync, params, 1)
+        sent += [(step, s.fragment, s.c_steps) for s in sync.send_due(step, "l0", "n0")]
+    # Fragment 1 is due at its offset H/P = 2, fragment 0 (offset 0) at H; an unanswered Δ is superseded H steps
+    # later by one from the same base that covers every step since adoption.
+    assert sent == [(2, 1, 2), (4, 0, 4), (6, 1, 6), (8, 0, 8)]
+
+
+def test_an_acknowledged_fragment_is_not_sent_again_from_the_same_base():
+    sync, params = make("overwrite", sync_every=2)
+    train(sync, params, 1)
+    sub = sent_of(sync, 1, 1)
+    sync.book([answer(sub)])
+    train(sync, params, 4)
+    assert [s.fragment for s in sync.send_due(5, "l0", "n0")] == [0], "fragment 1 waits for a newer version"
+    meta, deltas = decoded(sub)
+    assert (meta.c_steps, meta.c_tokens) == (1, TOKENS)
+    assert torch.equal(deltas["b"], torch.ones(2, 2)), "Δ = base − θ after one step of −1"
+
+
+def test_overwrite_replaces_the_fragment_and_discards_the_steps_since_the_send():
+    sync, params = make("overwrite")
+    train(sync, params, 4)
+    sync.book([answer(sent_of(sync, 4, 0))])
+    train(sync, params, 2)  # two steps after the send, then version 2 of fragment 0 arrives
+    theta = {"a": torch.full((4,), 10.0)}
+    sync.adopt(0, 2, theta, step=6)
+    assert torch.equal(params["a"], theta["a"])
+    fs = sync.frags[0]
+    assert (fs.version, fs.c_steps, fs.c_tokens, fs.acked) == (2, 0, 0, False)
+    assert sync.steps_discarded == 2 and sync.steps_kept == 0
+    assert torch.equal(fs.base["a"], theta["a"]) and fs.base["a"] is not theta["a"]
+
+
+def test_keep_carries_the_progress_since_the_send_on_top_of_the_new_version():
+    sync, params = make("keep")
+    train(sync, params, 4)
+    sync.book([answer(sent_of(sync, 4, 0))])  # θ_a = −4 went out
+    train(sync, params, 2)  # θ_a = −6: two unsent steps
+    theta = {"a": torch.full((4,), 10.0)}
+    sync.adopt(0, 2, theta, step=6)
+    assert torch.equal(params["a"], torch.full((4,), 8.0)), "Θ_new + (θ − θ_sent) = 10 + (−6 − (−4))"
+    fs = sync.frags[0]
+    assert (fs.version, fs.c_steps, fs.c_tokens) == (2, 2, 2 * TOKENS), "the unsent steps are carried"
+    assert torch.equal(fs.base["a"], theta["a"])
+    assert sync.steps_kept == 2 and sync.steps_discarded == 0
+    # The next Δ of fragment 0 (base version 2, due H steps after adoption) carries those two steps and four more.
+    train(sync, params, 4)
+    meta, deltas = decoded(sent_of(sync, 10, 0))
+    assert (meta.base_version, meta.c_steps) == (2, 6)
+    assert torch.equal(deltas["a"], torch.full((4,), 6.0))
+
+
+def test_keep_with_nothing_sent_carries_everything_since_the_adopted_base():
+    sync, params = make("keep")
+    train(sync, params, 1)
+    sync.adopt(1, 5, {"b": torch.ones(2, 2)}, step=1)  # another learner's merge, before this one's own send of b
+    assert torch.equal(params["b"], torch.zeros(2, 2)), "1 + (−1 − 0)"
+    assert sync.frags[1].c_steps == 1 and sync.frags[1].version == 5
+
+
+def test_a_refused_submission_leaves_its_work_to_be_carried_by_keep():
+    sync, params = make("keep")
+    train(sync, params, 4)
+    sync.book([answer(sent_of(sync, 4, 0), 409)])
+    assert not sync.frags[0].in_flight and not sync.frags[0].acked
+    train(sync, params, 1)
+    sync.adopt(0, 3, {"a": torch.zeros(4)}, step=5)
+    assert torch.equal(params["a"], torch.full((4,), -5.0)), "nothing of the refused Δ was merged: all 5 steps kept"
+    assert sync.frags[0].c_steps == 5
+
+
+def test_an_answer_for_an_older_base_changes_nothing():
+    sync, params = make("keep")
+    train(sync, params, 4)
+    sub = sent_of(sync, 4, 0)
+    sync.adopt(0, 2, {"a": torch.zeros(4)}, step=4)
+    sync.book([answer(sub)])
+    assert not sync.frags[0].acked, "the acknowledgement was for version 1's Δ"
+
+
+def test_flush_sends_unsent_work_but_leaves_unanswered_and_acknowledged_fragments_alone():
+    sync, params = make("keep", sync_every=4)
+    train(sync, params, 2)
+    sub = sent_of(sync, 2, 1)
+    train(sync, params, 1)
+    flushed = sync.flush("l0", "n0")
+    assert [s.fragment for s in flushed] == [0], "fragment 1's Δ is in flight"
+    assert sync.flush("l0", "n0") == [], "fragment 0's flushed Δ is in flight now"
+    sync.book([answer(sub), answer(flushed[0])])
+    train(sync, params, 1)
+    assert sync.flush("l0", "n0") == [], "both fragments' Δs from these bases were acknowledged"
+
+
+def test_the_sending_rank_alone_keeps_bases_and_builds_submissions():
+    params = {"a": torch.zeros(4), "b": torch.zeros(2, 2)}
+    follower = OuterSync(PLAN, {0: 1, 1: 1}, params, sync_every=2, adopt="keep", compression="none", block_size=8,
+                         sends=False)
+    follower.trained(TOKENS)
+    assert follower.send_due(1, "l0", "n0") == [] and follower.frags[0].base == {}
+    follower.adopt(0, 4, None, step=1)
+    assert follower.versions() == {"0": 4, "1": 1}
+
+
+def test_an_unknown_adopt_mode_is_refused():
+    with pytest.raises(ValueError, match="adopt"):
+        make("average")
+
+
+def test_error_feedback_residuals_carry_what_int4_dropped_into_the_next_send():
+    sync, params = make("overwrite", sync_every=1, compression="int4")
+    params["a"].copy_(torch.tensor([0.0, 0.013, -0.7, 1.0]))
+    sync.frags[0].base["a"] = torch.zeros(4)
+    sync.trained(TOKENS)
+    (sub,) = [s for s in sync.send_due(1, "l0", "n0") if s.fragment == 0]
+    _, deltas = decoded(sub)
+    residual = sync.ef.residual("a")
+    assert residual is not None and torch.allclose(deltas["a"] + residual, -params["a"])

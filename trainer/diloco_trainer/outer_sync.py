@@ -1,0 +1,189 @@
+"""A learner's outer-step bookkeeping: which fragments are due, the compressed outer gradients it sends, the
+syncer's answers, adoption of newer global versions, and the counters of work not yet merged.
+
+Tensor math and state, no I/O: the learner loop hands `OuterSync` its parameters, the syncer's answers and the
+versions it fetched, and hands the submissions it returns to the client.
+
+Adoption (`outer.adopt`):
+- "overwrite" (the paper): θ_p := Θ_p(new). Whatever the learner trained on p since its last send is lost.
+- "keep": θ_p := Θ_p(new) + (θ_p − θ_p(ref)), where ref is θ_p when the learner's outstanding Δ of p was built
+  (that Δ's work is in the new version, or still on its way to the syncer), or the adopted base when nothing was
+  sent from it. The learner's unsent progress rides on top of the new global version and goes out with its next
+  Δ (its steps and tokens carried over), so no trained step is discarded at adoption. Like the "eager" outer
+  updates of overlapped DiLoCo, the local copy never waits for, nor forgets, its own in-flight work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .client import Answer, Submission
+from .fragments import first_due_step
+from .wire import ErrorFeedback, SubmissionMeta, encode_submission
+
+AdoptMode = Literal["keep", "overwrite"]
+
+
+def submission_id(learner_id: str, nonce: str, fragment: int, base_version: int) -> str:
+    """One id per (learner incarnation, fragment, base version): a superseding Δ from the same base reuses it,
+    so the syncer can never merge two Δs that overlap in the steps they cover."""
+    return f"{learner_id}.{nonce}.p{fragment}.v{base_version}"
+
+
+@dataclass
+class FragmentState:
+    """What the learner knows about one fragment since it last adopted a global version of it."""
+
+    version: int
+    base: dict[str, Tensor]  # Θ_p as adopted: the reference the outer gradient is taken against
+    next_due: int  # local step after which this fragment's Δ goes out next
+    c_steps: int = 0  # steps (and tokens) trained on p that no acknowledged Δ covers yet
+    c_tokens: int = 0
+    acked: bool = False  # a Δ from this base was acknowledged: send nothing until a newer version is adopted
+    in_flight: bool = False  # a Δ from this base is queued and unanswered (a fresh one supersedes it)
+    ef_before: dict[str, Tensor | None] | None = None  # residuals before the unacknowledged compression
+    sent: dict[str, Tensor] | None = None  # θ_p when the outstanding (or acknowledged) Δ was built
+    sent_steps: int = 0  # what that Δ covered
+    sent_tokens: int = 0
+
+
+class OuterSync:
+    """Outer-gradient and adoption state of one learner unit, for the parameters `params` (updated in place).
+
+    Only the rank that talks to the syncer (`sends=True`) keeps bases and builds submissions; the other ranks of a
+    unit only follow versions (their parameters come from the unit's broadcast)."""
+
+    def __init__(self, plan: list[list[str]], versions: dict[int, int], params: dict[str, Tensor], *,
+                 sync_every: int, adopt: AdoptMode, compression: str, block_size: int, step: int = 0,
+                 sends: bool = True):
+        if adopt not in ("keep", "overwrite"):
+            raise ValueError(f"adopt must be 'keep' or 'overwrite', got {adopt!r}")
+        self.plan, self.params, self.sends = plan, params, sends
+        self.sync_every, self.adopt_mode = sync_every, adopt
+        self.compression, self.block_size = compression, block_size
+        self.ef = ErrorFeedback()
+        P = len(plan)
+        self.frags = [FragmentState(versions[p], self._copy(names) if sends else {},
+                                    next_due=step + first_due_step(p, sync_every, P))
+                      for p, names in enumerate(plan)]
+        self.queued = 0  # outer gradients built and handed to the client (a superseding one included)
+        self.adoptions = 0
+        self.steps_kept = 0  # steps carried over an adoption instead of being discarded ("keep")
+        self.steps_discarded = 0  # steps trained on a fragment and overwritten by an adoption
+
+    def _copy(self, names: list[str]) -> dict[str, Tensor]:
+        return {n: self.params[n].detach().clone() for n in names}
+
+    def versions(self) -> dict[str, int]:
+        return {str(p): fs.version for p, fs in enumerate(self.frags)}
+
+    # ------------------------------------------------------------------ inner steps and sends
+
+    def trained(self, tokens: int) -> None:
+        """One inner step of `tokens` tokens happened on every fragment."""
+        for fs in self.frags:
+            fs.c_steps += 1
+            fs.c_tokens += tokens
+
+    def send_due(self, step: int, learner_id: str, nonce: str) -> list[Submission]:
+        """Δs of the fragments due after local step `step`; each fragment's clock moves H steps on."""
+        out = []
+        for p, fs in enumerate(self.frags):
+            if step >= fs.next_due:
+                sub = self.outer_gradient(p, learner_id, nonce)
+                if sub is not None:
+                    out.append(sub)
+                fs.next_due = step + self.sync_every
+        return out
+
+    def flush(self, learner_id: str, nonce: str) -> list[Submission]:
+        """Δs of the fragments with work no sent Δ covers (the learner is leaving). A fragment whose Δ is still
+        unanswered keeps it (its answer comes during the drain; superseding it there could race its delivery)."""
+        return [s for p, fs in enumerate(self.frags)
+                if not fs.in_flight and (s := self.outer_gradient(p, learner_id, nonce)) is not None]
+
+    def outer_gradient(self, p: int, learner_id: str, nonce: str) -> Submission | None:
+        """Δ_p = Θ_p(base) − θ_p, compressed with error feedback; None when there is nothing to send."""
+        fs = self.frags[p]
+        if not self.sends or fs.acked or fs.c_steps == 0:
+            return None
+        names = self.plan[p]
+        if fs.ef_before is not None:  # superseding an unanswered Δ: compress from the residuals it started from
+            self._restore_residuals(fs.ef_before)
+        else:
+            fs.ef_before = {n: self.ef.residual(n) for n in names}
+        with torch.no_grad():
+            deltas = {n: fs.base[n] - self.params[n].detach() for n in names}
+        parts = self.ef.compress(deltas, self.compression, self.block_size)
+        sid = submission_id(learner_id, nonce, p, fs.version)
+        meta = SubmissionMeta(learner_id, sid, p, fs.version, fs.c_steps, fs.c_tokens)
+        body = encode_submission(meta, parts, self.compression, self.block_size,
+                                 {n: tuple(self.params[n].shape) for n in names})
+        fs.in_flight = True
+        if self.adopt_mode == "keep":
+            fs.sent = self._copy(names)
+        fs.sent_steps, fs.sent_tokens = fs.c_steps, fs.c_tokens
+        self.queued += 1
+        return Submission(p, fs.version, sid, body, fs.c_steps, fs.c_tokens)
+
+    def _restore_residuals(self, before: dict[str, Tensor | None]) -> None:
+        state = self.ef.state_dict()
+        for name, residual in before.items():
+            state.pop(name, None)
+            if residual is not None:
+                state[name] = residual
+        self.ef.load_state_dict(state)
+
+    def book(self, answers: list[Answer]) -> None:
+        """Apply the syncer's answers to the fragments they concern (an answer for an older base is history)."""
+        for ans in answers:
+            fs = self.frags[ans.fragment]
+            if ans.base_version != fs.version:
+                continue
+            fs.in_flight = False
+            if ans.accepted:
+                fs.acked, fs.ef_before = True, None
+            else:  # refused: its work was never merged, so the next Δ (or an adoption) must carry it
+                fs.sent, fs.sent_steps, fs.sent_tokens = None, 0, 0
+
+    # ------------------------------------------------------------------ adoption
+
+    def adopt(self, p: int, version: int, theta: dict[str, Tensor] | None, step: int) -> None:
+        """Take global version `version` of fragment p (its tensors `theta` on the sending rank, None elsewhere)."""
+        fs = self.frags[p]
+        names = self.plan[p]
+        keep = self.adopt_mode == "keep"
+        if theta is not None:
+            with torch.no_grad():
+                for n in names:
+                    param = self.params[n].data
+                    new = theta[n].to(param.device, param.dtype)
+                    if keep:  # θ + (Θ_new − ref) = Θ_new + (θ − ref): the unsent progress rides on top
+                        ref = fs.sent[n] if fs.sent is not None else fs.base[n]
+                        param.add_(new - ref)
+                    else:
+                        param.copy_(new)
+                    if self.sends:
+                        fs.base[n] = new.clone()
+        # The work no outstanding or acknowledged Δ covers (all of it when nothing went out from this base).
+        unsent_steps, unsent_tokens = fs.c_steps - fs.sent_steps, fs.c_tokens - fs.sent_tokens
+        if keep:
+            carried_steps, carried_tokens = unsent_steps, unsent_tokens
+            self.steps_kept += unsent_steps
+        else:
+            carried_steps = carried_tokens = 0
+            self.steps_discarded += unsent_steps
+        fs.version = version
+        fs.c_steps, fs.c_tokens = carried_steps, carried_tokens
+        # Decision: the H-step clock of a fragment restarts at adoption. Every learner adopts a new version within
+        # about one poll of the others, so their next sends of p line up and land in the same merge (quorum +
+        # grace window) instead of one learner's merge erasing the others' unsent progress.
+        fs.next_due = step + self.sync_every
+        fs.acked = fs.in_flight = False
+        fs.ef_before = None
+        fs.sent, fs.sent_steps, fs.sent_tokens = None, 0, 0
+        self.adoptions += 1

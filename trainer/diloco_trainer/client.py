@@ -120,6 +120,7 @@ class SyncerClient:
         self._wake_sender = asyncio.Event()
         self._wake_poller = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._draining = False
         self._thread.start()
 
     # ------------------------------------------------------------------ compute-thread API
@@ -172,6 +173,7 @@ class SyncerClient:
     def close(self, drain_s: float = 0.0) -> bool:
         """Wait up to `drain_s` for queued submissions to be answered, then stop; True if nothing was left."""
         deadline = time.monotonic() + drain_s
+        self._draining = True  # the learner adopts nothing more: fetching new versions would be wasted bytes
         while self.pending() and time.monotonic() < deadline:
             time.sleep(0.05)
         drained = not self.pending()
@@ -354,7 +356,7 @@ class SyncerClient:
                     resp.raise_for_status()
                     versions = {int(p): int(v) for p, v in (await resp.json())["versions"].items()}
                 for p, v in sorted(versions.items()):
-                    if v > self._have.get(p, -1):
+                    if v > self._have.get(p, -1) and not self._draining:
                         await self._fetch_fragment(p)
                 self._set_up(True)
                 attempt = 0

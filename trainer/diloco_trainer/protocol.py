@@ -222,6 +222,8 @@ class LearnerRecord(_Document):
     rejected: int = 0
     stale: int = 0
     adoptions: int = 0
+    steps_kept: int = 0  # steps carried over adoptions on top of the new version (outer.adopt=keep)
+    steps_discarded: int = 0  # steps trained on a fragment and overwritten by an adoption (outer.adopt=overwrite)
     syncer_up: bool = False
     pending: int = 0
     bytes_up: float = 0

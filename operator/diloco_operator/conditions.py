@@ -13,6 +13,7 @@ QUORUM_AVAILABLE = "QuorumAvailable"
 SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 PODS_SCHEDULED = "PodsScheduled"  # LearnerUnit only
+SCALING_LIMITED = "ScalingLimited"  # DilocoJob with spec.autoscaling
 
 
 class Reason:
@@ -34,6 +35,19 @@ class Reason:
     ALL_UNITS_SUCCEEDED = "AllUnitsSucceeded"
     TOO_FEW_UNITS = "TooFewUnits"
     INVALID_SPEC = "InvalidSpec"
+    # Autoscaling (condition ScalingLimited and the Events of its decisions)
+    TARGET_MET = "TargetMet"
+    CAPACITY_UNAVAILABLE = "CapacityUnavailable"
+    COOLDOWN = "Cooldown"
+    SCALED_UP = "ScaledUp"
+    SCALED_DOWN = "ScaledDown"
+    UNITS_PARKED = "UnitsParked"
+    RETRYING_TEMPLATE = "RetryingTemplate"
+    CAPACITY_APPEARED = "CapacityAppeared"
+    # Events of the job's own actions
+    UNIT_CREATED = "UnitCreated"
+    UNIT_REMOVED = "UnitRemoved"
+    UNIT_UPDATED = "UnitUpdated"
     # LearnerUnit
     PODS_READY = "PodsReady"
     PODS_NOT_READY = "PodsNotReady"

@@ -1,5 +1,6 @@
 """The operator's I/O shell: a keyed work queue (one reconcile per object at a time, coalesced, delayed
-requeues) and the reconcile functions that read the cluster, ask jobplan/unitplan, and apply the answer."""
+requeues) and the reconcile functions that read the watch caches (cache.py), ask jobplan/unitplan, and write
+the answer through the API (each write also goes into the cache)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from diloco_operator import conditions as C
 from diloco_operator import jobplan
 from diloco_operator import objects as O
 from diloco_operator import syncer_status, unitplan
-from diloco_operator.kube import (CONFIGMAPS, DEPLOYMENTS, DILOCOJOBS, LEARNERUNITS, NODES, PODS, PVCS,
-                                  SECRETS, SERVICES, ApiError, Kube, Resource, status_patch)
+from diloco_operator.cache import Cache
+from diloco_operator.kube import (CONFIGMAPS, DEPLOYMENTS, DILOCOJOBS, LEARNERUNITS, PODS, PVCS, SECRETS,
+                                  SERVICES, ApiError, Kube, Resource, status_patch)
 from diloco_operator.pools import POOL_LABEL
 
 Key = tuple[str, str, str]  # (kind: "job" | "unit", namespace, name)
@@ -28,8 +30,15 @@ log = logging.getLogger("diloco_operator")
 class Controller:
     """Reconciles DilocoJobs and LearnerUnits from a queue fed by watch events and a periodic resync."""
 
-    def __init__(self, kube: Kube, workers: int = 4, resync_s: float = 30.0):
+    def __init__(self, kube: Kube, cache: Cache, workers: int = 4, resync_s: float = 30.0,
+                 ensure_ttl_s: float = 300.0):
         self.kube = kube
+        self.cache = cache
+        # Objects that are not watched (Secret, ConfigMap, PVCs, Services) are read back at most every
+        # ensure_ttl_s: (plural, namespace, name) -> (hash ensured, when).
+        self.ensured: dict[tuple[str, str, str], tuple[str, float]] = {}
+        self.ensure_ttl_s = ensure_ttl_s
+        self.tokens: dict[tuple[str, str, str], str] = {}  # (ns, job, job uid) -> the syncer's bearer token
         self.workers = workers
         self.resync_s = resync_s
         self.queue: asyncio.Queue[Key] = asyncio.Queue()
@@ -38,7 +47,6 @@ class Controller:
         self.dirty: set[Key] = set()
         self.known: set[Key] = set()
         self.failures: dict[Key, int] = {}
-        self.node_pools: dict[str, str] = {}
         self.syncer_info: dict[tuple[str, str], dict] = {}  # (ns, job) -> last summarized syncer status
         self.syncer_polled: dict[tuple[str, str, str], float] = {}
         self.syncer_poll_s = 10.0
@@ -75,6 +83,7 @@ class Controller:
         # A safety net: even if a watch went quiet, every known object is looked at every resync_s.
         while True:
             await asyncio.sleep(self.resync_s)
+            metrics.RESYNCS.inc()
             for key in list(self.known):
                 self.enqueue(key)
 
@@ -94,7 +103,7 @@ class Controller:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a failed pass is retried with backoff, never fatal
-                if isinstance(exc, ApiError) and exc.status == 403 and "being terminated" in exc.message:
+                if isinstance(exc, ApiError) and exc.namespace_terminating:
                     log.debug("namespace of %s is being deleted; nothing to reconcile", key)
                     self.forget(key)
                     continue
@@ -118,22 +127,37 @@ class Controller:
             except ApiError as exc:  # an Event is best effort; the status holds the truth
                 log.warning("could not post event %s on %s: %s", reason, obj["metadata"]["name"], exc)
 
-    async def _ensure(self, res: Resource, desired: dict, *, update: bool = True) -> dict:
-        """Create `desired` if missing; if it exists and its hash annotation differs, merge-patch it."""
+    async def _ensure(self, res: Resource, desired: dict, *, update: bool = True,
+                      cached: dict | None | bool = False) -> dict:
+        """Create `desired` if missing; if it exists and its hash annotation differs, merge-patch it. `cached` is
+        the watched copy (None: not there); unwatched kinds are read back only every ensure_ttl_s."""
         want = O.spec_hash({k: v for k, v in desired.items() if k != "metadata"})
         desired["metadata"].setdefault("annotations", {})["diloco.dev/hash"] = want
         meta = desired["metadata"]
-        current = await self.kube.get(res, meta["namespace"], meta["name"])
+        key = (res.plural, meta["namespace"], meta["name"])
+        if cached is False:
+            done = self.ensured.get(key)
+            if done and done[0] == want and time.monotonic() - done[1] < self.ensure_ttl_s:
+                return desired
+            current = await self.kube.get(res, meta["namespace"], meta["name"])
+        else:
+            current = cached
+        written = None
         if current is None:
-            return await self.kube.create(res, desired) or desired
-        if update and current["metadata"].get("annotations", {}).get("diloco.dev/hash") != want:
+            written = await self.kube.create(res, desired)
+            current = written or desired
+        elif update and current["metadata"].get("annotations", {}).get("diloco.dev/hash") != want:
             patch = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind")}
-            return await self.kube.merge_patch(res, meta["namespace"], meta["name"], patch)
+            current = written = await self.kube.merge_patch(res, meta["namespace"], meta["name"], patch)
+        if cached is False:
+            self.ensured[key] = (want, time.monotonic())
+        elif written is not None:
+            self.cache.wrote(res.plural, written)
         return current
 
     # --- DilocoJob -----------------------------------------------------------------------------------------
     async def reconcile_job(self, ns: str, name: str) -> None:
-        job = await self.kube.get(DILOCOJOBS, ns, name)
+        job = self.cache.job(ns, name)
         if job is None or job["metadata"].get("deletionTimestamp"):
             self.forget(("job", ns, name))
             self.syncer_info.pop((ns, name), None)
@@ -150,7 +174,8 @@ class Controller:
                                     msg, now, job["metadata"].get("generation"))
             new = {**old_status, "conditions": conds, "message": f"invalid spec: {msg}"}
             if (patch := status_patch(old_status, new)) is not None:
-                await self.kube.merge_patch(DILOCOJOBS, ns, name, {"status": patch}, "status")
+                self.cache.wrote(DILOCOJOBS.plural,
+                                 await self.kube.merge_patch(DILOCOJOBS, ns, name, {"status": patch}, "status"))
                 await self._events(job, [("Warning", C.Reason.INVALID_SPEC, msg)])
             return
         finished = old_status.get("phase") in jobplan.TERMINAL_JOB
@@ -158,35 +183,39 @@ class Controller:
                            update=False)
         await self._ensure(CONFIGMAPS, O.config_map(job, spec))
         await self._ensure(PVCS, O.checkpoint_pvc(job, spec), update=False)
-        deployment = await self._ensure(DEPLOYMENTS, O.syncer_deployment(job, spec, replicas=0 if finished else 1))
+        deployment = await self._ensure(DEPLOYMENTS, O.syncer_deployment(job, spec, replicas=0 if finished else 1),
+                                        cached=self.cache.syncer_deployment(ns, name, O.syncer_name(name)))
         await self._ensure(SERVICES, O.syncer_service(job), update=False)
         syncer_ready = (deployment.get("status") or {}).get("readyReplicas", 0) >= 1
         if syncer_ready and not finished:
             self._poll_syncer(job)
         info = self.syncer_info.get((ns, name))
 
-        lus = await self.kube.list(LEARNERUNITS, ns, f"{O.LABEL_JOB}={name}")
+        lus = self.cache.units_of_job(ns, name)
         units = [jobplan.unit_view(lu) for lu in lus]
         events: list[tuple[str, str, str]] = []
         if not finished:
             plan = jobplan.plan_units(name, spec, units)
             for unit in plan.delete:
-                await self.kube.delete(LEARNERUNITS, ns, unit)
+                last = self.cache.unit(ns, unit)
+                self.cache.deleted(LEARNERUNITS.plural, ns, unit, await self.kube.delete(LEARNERUNITS, ns, unit), last)
                 events.append(("Normal", "UnitRemoved", f"removed learner unit {unit} (scaled down)"))
             for unit, uspec in plan.create.items():
-                await self.kube.create(LEARNERUNITS, O.learner_unit(job, uspec))
+                self.cache.wrote(LEARNERUNITS.plural, await self.kube.create(LEARNERUNITS, O.learner_unit(job, uspec)))
                 events.append(("Normal", "UnitCreated", f"created learner unit {unit} ({uspec.template}, "
                                                         f"{uspec.podsPerUnit} pod(s), unit index {uspec.unitIndex})"))
             for unit, uspec in plan.update.items():
-                await self.kube.merge_patch(LEARNERUNITS, ns, unit, {"spec": uspec.model_dump(mode="json")})
+                self.cache.wrote(LEARNERUNITS.plural, await self.kube.merge_patch(
+                    LEARNERUNITS, ns, unit, {"spec": uspec.model_dump(mode="json")}))
                 events.append(("Normal", "UnitUpdated", f"updated the spec of learner unit {unit}"))
             if plan.delete or plan.create:
-                lus = await self.kube.list(LEARNERUNITS, ns, f"{O.LABEL_JOB}={name}")
+                lus = self.cache.units_of_job(ns, name)
                 units = [jobplan.unit_view(lu) for lu in lus if lu["metadata"]["name"] not in plan.delete]
         status, status_events = jobplan.job_status(name, spec, job["metadata"].get("generation"), units,
                                                    syncer_ready, old_status, now, info)
         if (patch := status_patch(old_status, status)) is not None:
-            await self.kube.merge_patch(DILOCOJOBS, ns, name, {"status": patch}, "status")
+            self.cache.wrote(DILOCOJOBS.plural,
+                             await self.kube.merge_patch(DILOCOJOBS, ns, name, {"status": patch}, "status"))
         await self._events(job, events + status_events)
         if status.get("phase") in jobplan.TERMINAL_JOB and not finished:
             for lu in lus:  # stop the units of a finished job
@@ -207,14 +236,17 @@ class Controller:
         if last is not None and time.monotonic() - last < self.syncer_poll_s:
             return
         self.syncer_polled[key] = time.monotonic()
-        task = asyncio.create_task(self._fetch_syncer(ns, name, url))
+        task = asyncio.create_task(self._fetch_syncer(ns, name, job["metadata"].get("uid", ""), url))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    async def _fetch_syncer(self, ns: str, name: str, url: str) -> None:
+    async def _fetch_syncer(self, ns: str, name: str, uid: str, url: str) -> None:
         try:
-            secret = await self.kube.get(SECRETS, ns, O.secret_name(name))
-            token = base64.b64decode((secret or {}).get("data", {}).get(O.TOKEN_KEY, "")).decode()
+            if (token := self.tokens.get((ns, name, uid))) is None:  # created once, never changed
+                secret = await self.kube.get(SECRETS, ns, O.secret_name(name))
+                token = base64.b64decode((secret or {}).get("data", {}).get(O.TOKEN_KEY, "")).decode()
+                if token:
+                    self.tokens[(ns, name, uid)] = token
             info = await syncer_status.fetch(url, token)
         except ApiError as exc:
             log.warning("cannot read the token of job %s/%s: %s", ns, name, exc)
@@ -228,40 +260,40 @@ class Controller:
         self.enqueue(("job", ns, name), self.syncer_poll_s)  # keep the numbers fresh while it answers
 
     # --- LearnerUnit ---------------------------------------------------------------------------------------
-    async def _pools(self, pods: list[unitplan.PodView]) -> dict[str, str]:
-        for node in {p.node for p in pods if p.node} - set(self.node_pools):
-            obj = await self.kube.get(NODES, None, node)
-            self.node_pools[node] = (obj or {}).get("metadata", {}).get("labels", {}).get(POOL_LABEL, "")
-        return self.node_pools
+    def _pools(self, pods: list[unitplan.PodView]) -> dict[str, str]:
+        return {p.node: ((self.cache.node(p.node) or {}).get("metadata", {}).get("labels") or {}).get(POOL_LABEL, "")
+                for p in pods if p.node}
 
     async def reconcile_unit(self, ns: str, name: str) -> None:
-        unit = await self.kube.get(LEARNERUNITS, ns, name)
+        unit = self.cache.unit(ns, name)
         if unit is None or unit["metadata"].get("deletionTimestamp"):
             self.forget(("unit", ns, name))
             return
         spec = api.LearnerUnitSpec.model_validate(unit["spec"])
-        job = await self.kube.get(DILOCOJOBS, ns, spec.jobName)
+        job = self.cache.job(ns, spec.jobName)
         if job is None:
             return  # being garbage-collected with its job
         job_finished = (job.get("status") or {}).get("phase") in jobplan.TERMINAL_JOB
-        pods = [unitplan.pod_view(p) for p in await self.kube.list(PODS, ns, f"{O.LABEL_UNIT}={name}")]
+        pod_objs = {p["metadata"]["name"]: p for p in self.cache.pods_of_unit(ns, name, O.LABEL_UNIT)}
+        pods = [unitplan.pod_view(p) for p in pod_objs.values()]
         old_status = unit.get("status") or {}
         plan = unitplan.plan_unit(spec, unit["spec"], old_status, pods, datetime.now(timezone.utc),
-                                  generation=unit["metadata"].get("generation"), node_pools=await self._pools(pods),
+                                  generation=unit["metadata"].get("generation"), node_pools=self._pools(pods),
                                   job_finished=job_finished)
         last_seen = self.syncer_info.get((ns, spec.jobName), {}).get("learners", {}).get(name)
         if last_seen:
             plan.status["lastContribution"] = last_seen
         for pod in plan.delete:
-            await self.kube.delete(PODS, ns, pod)
+            self.cache.deleted(PODS.plural, ns, pod, await self.kube.delete(PODS, ns, pod), pod_objs.get(pod))
         if plan.create:
             await self._ensure(SERVICES, O.unit_service(unit), update=False)
         for rank in plan.create:
             if (pvc := O.unit_state_pvc(unit, rank)) is not None:
                 await self._ensure(PVCS, pvc, update=False)
-            await self.kube.create(PODS, O.unit_pod(unit, plan.status["incarnation"], rank))
+            self.cache.wrote(PODS.plural, await self.kube.create(PODS, O.unit_pod(unit, plan.status["incarnation"], rank)))
         if (patch := status_patch(old_status, plan.status)) is not None:
-            await self.kube.merge_patch(LEARNERUNITS, ns, name, {"status": patch}, "status")
+            self.cache.wrote(LEARNERUNITS.plural,
+                             await self.kube.merge_patch(LEARNERUNITS, ns, name, {"status": patch}, "status"))
         if plan.status.get("restarts", 0) > old_status.get("restarts", 0):
             metrics.UNIT_RESTARTS.labels(ns, spec.jobName).inc()
         await self._events(unit, plan.events)

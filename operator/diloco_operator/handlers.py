@@ -1,5 +1,6 @@
-"""The kopf side of the operator: watch DilocoJobs, LearnerUnits, learner pods and syncer Deployments, and feed
-the controller's queue. Run as `kopf run -m diloco_operator.handlers` (what `diloco operator` does)."""
+"""The kopf side of the operator: watch DilocoJobs, LearnerUnits, learner pods, syncer Deployments and Nodes,
+keep them in kopf indexes (the controller's cache) and feed the controller's queue. Run as
+`kopf run -m diloco_operator.handlers` (what `diloco operator` does)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from prometheus_client import start_http_server
 
 from diloco_operator import api
 from diloco_operator import objects as O
+from diloco_operator.cache import Cache
 from diloco_operator.chaosrun import run_job_chaos
 from diloco_operator.controller import Controller
 from diloco_operator.kube import Kube
@@ -23,7 +25,9 @@ def _env_float(name: str, default: float) -> float:
 
 
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_) -> None:
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger,
+                  diloco_jobs: kopf.Index, diloco_units: kopf.Index, diloco_pods: kopf.Index,
+                  diloco_deployments: kopf.Index, diloco_nodes: kopf.Index, **_) -> None:
     # Watches end and restart on their own: a silently stalled stream can never hide changes for long.
     settings.watching.server_timeout = int(_env_float("DILOCO_WATCH_SERVER_TIMEOUT", 120))  # sent as ?timeoutSeconds=
     settings.watching.client_timeout = _env_float("DILOCO_WATCH_CLIENT_TIMEOUT", 150)
@@ -37,10 +41,13 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     settings.posting.level = logging.WARNING  # our own Events carry the decisions; kopf posts only its errors
     settings.peering.standalone = True  # one replica (Deployment with Recreate); no peering objects needed
     # Every API call and every watch event would otherwise be an INFO line; decisions are logged by the controller.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    logging.getLogger("urllib3").setLevel(logging.WARNING)
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     kube = await Kube.connect()
-    controller = Controller(kube, workers=int(_env_float("DILOCO_OPERATOR_WORKERS", 4)),
+    cache = Cache({"jobs": diloco_jobs, "units": diloco_units, "pods": diloco_pods,
+                   "deployments": diloco_deployments, "nodes": diloco_nodes})
+    controller = Controller(kube, cache, workers=int(_env_float("DILOCO_OPERATOR_WORKERS", 4)),
                             resync_s=_env_float("DILOCO_OPERATOR_RESYNC_SECONDS", 30))
     memo["controller"] = controller
     memo["task"] = asyncio.create_task(controller.run(), name="diloco-controller")
@@ -57,6 +64,43 @@ async def cleanup(memo: kopf.Memo, **_) -> None:
     if task:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+    if "controller" in memo:
+        memo["controller"].kube.close()
+
+
+# --- the cache: kopf indexes (kopf lists and indexes every kind before it runs any event handler) ---------------
+def _snapshot(body: kopf.Body) -> dict:
+    return copy.deepcopy(dict(body))
+
+
+@kopf.index(api.GROUP, api.VERSION, "dilocojobs")
+def diloco_jobs(body: kopf.Body, namespace: str, name: str, **_) -> dict:
+    return {(namespace, name): _snapshot(body)}
+
+
+@kopf.index(api.GROUP, api.VERSION, "learnerunits")
+def diloco_units(body: kopf.Body, namespace: str, name: str, **_) -> dict:
+    obj = _snapshot(body)
+    return {("name", namespace, name): obj, ("job", namespace, obj.get("spec", {}).get("jobName")): obj}
+
+
+@kopf.index("", "v1", "pods", labels={O.LABEL_COMPONENT: "learner"})
+def diloco_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, **_) -> dict:
+    return {(namespace, labels.get(O.LABEL_UNIT)): _snapshot(body)}
+
+
+@kopf.index("apps", "v1", "deployments", labels={O.LABEL_COMPONENT: "syncer"})
+def diloco_deployments(body: kopf.Body, namespace: str, labels: kopf.Labels, **_) -> dict:
+    return {(namespace, labels.get(O.LABEL_JOB)): _snapshot(body)}
+
+
+@kopf.index("", "v1", "nodes")
+def diloco_nodes(body: kopf.Body, name: str, **_) -> dict:
+    return {name: {"metadata": {"name": name, "labels": dict(body.get("metadata", {}).get("labels") or {}),
+                                "resourceVersion": body.get("metadata", {}).get("resourceVersion")},
+                   "spec": copy.deepcopy(dict(body.get("spec") or {})),
+                   "status": {k: copy.deepcopy(body.get("status", {}).get(k))
+                              for k in ("allocatable", "capacity", "conditions")}}}
 
 
 def _key(kind: str, body: kopf.Body) -> tuple[str, str, str]:

@@ -1,6 +1,8 @@
-"""A thin async Kubernetes client over kr8s's authenticated session: plain JSON in and out, by resource path.
+"""The operator's and chaos' own API access: the official `kubernetes` client, plain JSON in and out by resource
+path, its blocking calls run on a small thread pool so the event loop never waits on the network.
 
-kr8s finds the credentials (KUBECONFIG, ~/.kube/config, or the in-cluster service account).
+Credentials: an explicit kubeconfig (remote clusters), else KUBECONFIG / ~/.kube/config, else the in-cluster
+service account (whose token the client re-reads when it rotates).
 """
 
 from __future__ import annotations
@@ -9,11 +11,16 @@ import asyncio
 import json
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from urllib.parse import quote
 
-import kr8s.asyncio
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
 
 from diloco_operator import conditions as C
+from diloco_operator import metrics
 
 
 @dataclass(frozen=True)
@@ -38,57 +45,97 @@ LEARNERUNITS = Resource("diloco.dev/v1alpha1", "learnerunits")
 KINDS = {"Pod": PODS, "Service": SERVICES, "Secret": SECRETS, "ConfigMap": CONFIGMAPS,
          "PersistentVolumeClaim": PVCS, "Deployment": DEPLOYMENTS, "DilocoJob": DILOCOJOBS, "LearnerUnit": LEARNERUNITS}
 
+# StatusCause types and Status reasons the operator acts on (never the human-readable message).
+CAUSE_NAMESPACE_TERMINATING = "NamespaceTerminating"
+REASON_NOT_FOUND = "NotFound"
+REASON_ALREADY_EXISTS = "AlreadyExists"
+REASON_CONFLICT = "Conflict"
+
 
 class ApiError(Exception):
-    """A non-2xx answer from the API server."""
+    """A non-2xx answer from the API server, with its Status body (`reason`, `code`, `details`) kept."""
 
-    def __init__(self, status: int, message: str):
-        super().__init__(f"{status}: {message}")
+    def __init__(self, status: int, body: dict | None = None, text: str = ""):
+        body = body if isinstance(body, dict) else {}
         self.status = status
-        self.message = message
+        self.body = body
+        self.reason: str = body.get("reason") or ""
+        self.code: int = int(body.get("code") or status)
+        self.message: str = body.get("message") or text
+        super().__init__(f"{status} {self.reason}: {self.message}")
+
+    @property
+    def causes(self) -> list[str]:
+        """The StatusCause types of the error (e.g. NamespaceTerminating)."""
+        return [c.get("reason") or c.get("type") or "" for c in (self.body.get("details") or {}).get("causes") or []]
+
+    @property
+    def namespace_terminating(self) -> bool:
+        return self.status == 403 and CAUSE_NAMESPACE_TERMINATING in self.causes
+
+
+def _api_client(kubeconfig: str | None, context: str | None, pool: int) -> k8s.ApiClient:
+    cfg = k8s.Configuration()
+    if kubeconfig or os.environ.get("KUBECONFIG") or os.path.exists(os.path.expanduser("~/.kube/config")):
+        k8s_config.load_kube_config(config_file=kubeconfig, context=context, client_configuration=cfg)
+    else:
+        k8s_config.load_incluster_config(client_configuration=cfg)
+    cfg.connection_pool_maxsize = pool
+    cfg.retries = False  # a failed call is retried by the controller's backoff, not hidden in urllib3
+    return k8s.ApiClient(cfg)
 
 
 class Kube:
-    """Async JSON calls against the API server (one shared HTTP session)."""
+    """JSON calls against one API server (official client, blocking I/O on `pool` threads)."""
 
-    def __init__(self, api, timeout_s: float = 30.0):
-        self.api = api
-        self.api.timeout = timeout_s
+    def __init__(self, api_client: k8s.ApiClient, timeout_s: float = 30.0, pool: int = 16):
+        self.api_client = api_client
+        self.timeout_s = timeout_s
+        self.executor = ThreadPoolExecutor(max_workers=pool, thread_name_prefix="kube")
         self.instance = os.environ.get("POD_NAME") or socket.gethostname()
-        self._reauth = asyncio.Lock()
 
     @classmethod
-    async def connect(cls, timeout_s: float = 30.0) -> "Kube":
-        return cls(await kr8s.asyncio.api(), timeout_s)
+    async def connect(cls, kubeconfig: str | None = None, context: str | None = None, timeout_s: float = 30.0,
+                      pool: int = 16) -> "Kube":
+        """A client for `kubeconfig` (a remote cluster), else the default credentials."""
+        api_client = await asyncio.to_thread(_api_client, kubeconfig, context, pool)
+        return cls(api_client, timeout_s, pool)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.api_client.close()
+
+    def _call(self, method: str, path: str, params: list[tuple[str, str]], body: dict | None,
+              content_type: str) -> dict:
+        try:
+            resp = self.api_client.call_api(
+                path, method, query_params=params, header_params={"Content-Type": content_type,
+                                                                  "Accept": "application/json"},
+                body=body, auth_settings=["BearerToken"], _preload_content=False, _request_timeout=self.timeout_s)
+        except ApiException as exc:
+            text = exc.body.decode() if isinstance(exc.body, bytes) else (exc.body or exc.reason or "")
+            try:
+                status_body = json.loads(text)
+            except ValueError:
+                status_body = None
+            raise ApiError(exc.status or 0, status_body, text) from None
+        try:
+            data = resp.data
+        finally:
+            resp.release_conn()
+        return json.loads(data) if data else {}
 
     async def request(self, method: str, res: Resource, namespace: str | None = None, name: str | None = None,
                       subresource: str | None = None, body: dict | None = None, params: dict | None = None,
                       content_type: str = "application/json") -> dict:
-        """One API call; raises ApiError with the server's status and message."""
-        parts = [res.plural] + ([name] if name else []) + ([subresource] if subresource else [])
-        kwargs: dict = {"params": params or {}}
-        if body is not None:
-            kwargs["content"] = json.dumps(body)
-            kwargs["headers"] = {"Content-Type": content_type}
-        base = "/api" if res.group_version == "v1" else "/apis"
-        for attempt in (1, 2):
-            # raise_for_status=False: kr8s would re-authenticate on every 403 (e.g. "namespace is being
-            # terminated") and rebuild the session shared by concurrent reconciles; only 401 warrants that.
-            async with self.api.call_api(method, version=res.group_version, base=base,
-                                         namespace=namespace if res.namespaced else None,
-                                         url="/".join(parts), raise_for_status=False, **kwargs) as resp:
-                if resp.status_code == 401 and attempt == 1:
-                    async with self._reauth:
-                        await self.api.reauthenticate()  # e.g. a rotated service-account token
-                    continue
-                if resp.is_error:
-                    try:
-                        message = resp.json().get("message", resp.text)
-                    except ValueError:
-                        message = resp.text
-                    raise ApiError(resp.status_code, message)
-                return resp.json() if resp.content else {}
-        raise AssertionError("unreachable")
+        """One API call; raises ApiError carrying the server's Status."""
+        base = "/api/v1" if res.group_version == "v1" else f"/apis/{res.group_version}"
+        path = base + (f"/namespaces/{quote(namespace)}" if namespace and res.namespaced else "") + f"/{res.plural}"
+        path += "".join(f"/{quote(p)}" for p in (name, subresource) if p)
+        metrics.API_REQUESTS.labels(method, res.plural).inc()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self._call, method, path, list((params or {}).items()),
+                                          body, content_type)
 
     async def get(self, res: Resource, namespace: str | None, name: str) -> dict | None:
         """The object, or None if it does not exist."""
@@ -108,7 +155,7 @@ class Kube:
         try:
             return await self.request("POST", res, obj["metadata"].get("namespace"), body=obj)
         except ApiError as exc:
-            if exc.status == 409:
+            if exc.reason == REASON_ALREADY_EXISTS:
                 return None
             raise
 
@@ -117,31 +164,37 @@ class Kube:
         return await self.request("PATCH", res, namespace, name, subresource, body=patch,
                                   content_type="application/merge-patch+json")
 
-    async def delete(self, res: Resource, namespace: str | None, name: str, propagation: str = "Background") -> bool:
-        """Delete; False if it was already gone."""
+    async def delete(self, res: Resource, namespace: str | None, name: str, propagation: str = "Background",
+                     grace_seconds: int | None = None) -> dict | None:
+        """Delete; the API's answer (the object being deleted, or a Status), None if it was already gone."""
+        body = {"propagationPolicy": propagation}
+        if grace_seconds is not None:
+            body["gracePeriodSeconds"] = grace_seconds
         try:
-            await self.request("DELETE", res, namespace, name, params={"propagationPolicy": propagation})
-            return True
+            return await self.request("DELETE", res, namespace, name, body=body)
         except ApiError as exc:
             if exc.status == 404:
-                return False
+                return None
             raise
 
-    async def event(self, obj: dict, type_: str, reason: str, message: str) -> None:
+    async def event(self, obj: dict, type_: str, reason: str, message: str, source: str = "diloco-operator",
+                    labels: dict | None = None) -> None:
         """Record an Event on `obj` (what `kubectl describe` shows)."""
         meta = obj["metadata"]
         now = C.now_iso()
+        ns = meta.get("namespace") or "default"
         ev = {
             "apiVersion": "v1", "kind": "Event",
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta.get("namespace") or "default"},
-            "involvedObject": {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "name": meta["name"],
-                               "namespace": meta.get("namespace"), "uid": meta.get("uid")},
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": ns, **({"labels": labels} if labels else {})},
+            "involvedObject": {"apiVersion": obj.get("apiVersion", "v1"), "kind": obj.get("kind", "Pod"),
+                               "name": meta["name"], "namespace": meta.get("namespace"), "uid": meta.get("uid")},
             "type": type_, "reason": reason, "message": message[:1024], "count": 1,
             "firstTimestamp": now, "lastTimestamp": now,
-            "source": {"component": "diloco-operator"},
-            "reportingComponent": "diloco.dev/operator", "reportingInstance": self.instance,
+            "source": {"component": source},
+            "reportingComponent": f"diloco.dev/{source.removeprefix('diloco-')}",
+            "reportingInstance": self.instance,
         }
-        await self.request("POST", EVENTS, ev["metadata"]["namespace"], body=ev)
+        await self.request("POST", EVENTS, ns, body=ev)
 
 
 def status_patch(old: dict | None, new: dict) -> dict | None:

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -62,13 +63,13 @@ class OperatorProcess:
         self.liveness_port = _free_port()
         self.starts = 0
 
-    def start(self) -> None:
+    def start(self, resync_seconds: float = 10) -> None:
         assert self.proc is None
         self.starts += 1
         log = open(self.logdir / f"operator-{self.starts}.log", "wb")
         env = {**os.environ, "KUBECONFIG": self.kubeconfig, "PYTHONPATH": PYTHONPATH}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "diloco_trainer.cli", "operator", "--resync-seconds", "10",
+            [sys.executable, "-m", "diloco_trainer.cli", "operator", "--resync-seconds", str(resync_seconds),
              "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port), "--verbose"],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         log.close()
@@ -83,6 +84,16 @@ class OperatorProcess:
             self.proc.kill()
             self.proc.wait()
         self.proc = None
+
+    def metrics(self) -> dict[str, float]:
+        """The operator's /metrics as {'name{labels}': value}."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
 
     def log_tail(self, lines: int = 40) -> str:
         text = (self.logdir / f"operator-{self.starts}.log").read_text(errors="replace")

@@ -1,4 +1,4 @@
-"""Faults on the pods of one DilocoJob (kr8s, async): kill = delete the pod at once (grace 0); fail = kwok's
+"""Faults on the pods of one DilocoJob (the official kubernetes client, off the event loop): kill = delete the pod at once (grace 0); fail = kwok's
 pod-failure stage with an exit code (fake nodes only); an Event on every victim. Only the job's namespace.
 
 Exec-less on purpose: the target needs get/list on the job, its units and pods, delete/patch on pods and create
@@ -10,9 +10,7 @@ from __future__ import annotations
 import time
 from datetime import datetime, timezone
 
-import kr8s.asyncio
-
-from diloco_operator.kube import DILOCOJOBS, EVENTS, LEARNERUNITS, NODES, PODS, ApiError, Kube
+from diloco_operator.kube import DILOCOJOBS, LEARNERUNITS, NODES, PODS, ApiError, Kube
 from diloco_operator.objects import LABEL_COMPONENT, LABEL_INCARNATION, LABEL_JOB, LABEL_UNIT
 from diloco_operator.pools import KWOK_ANNOTATION
 from diloco_operator.testbed import FAIL_POD_EXIT_CODE_ANNOTATION, FAIL_POD_LABEL
@@ -50,6 +48,7 @@ class KubernetesTarget:
     def __init__(self, job: str, namespace: str, kubeconfig: str | None = None, kube: Kube | None = None):
         self.job, self.namespace, self.kubeconfig = job, namespace, kubeconfig
         self.kube = kube
+        self.owns_kube = False
         self.units: dict[str, dict] = {}  # unit name -> LearnerUnit, from the last listing
         self.pods: dict[str, list[dict]] = {}  # unit name -> its live pods, from the last listing
         # API timestamps have 1 s resolution; a pod's start is also bounded by when we first saw it, so a
@@ -61,7 +60,8 @@ class KubernetesTarget:
 
     async def _api(self) -> Kube:
         if self.kube is None:
-            self.kube = Kube(await kr8s.asyncio.api(kubeconfig=self.kubeconfig, namespace=self.namespace))
+            self.kube = await Kube.connect(kubeconfig=self.kubeconfig)
+            self.owns_kube = True
         return self.kube
 
     async def preflight(self, exp: Experiment) -> None:
@@ -149,7 +149,8 @@ class KubernetesTarget:
             await self._event(pod, REASONS[fault.action], message)
             try:
                 if fault.action == "kill":
-                    await kube.request("DELETE", PODS, self.namespace, name, body={"gracePeriodSeconds": 0})
+                    if await kube.delete(PODS, self.namespace, name, grace_seconds=0) is None:
+                        continue  # gone in the meantime
                 else:
                     await kube.merge_patch(PODS, self.namespace, name, {"metadata": {
                         "labels": {FAIL_POD_LABEL: "true"},
@@ -166,19 +167,8 @@ class KubernetesTarget:
         return {"pods": done, "uids": {n: victims[n]["metadata"]["uid"] for n in done}}
 
     async def _event(self, obj: dict, reason: str, message: str) -> None:
-        meta = obj["metadata"]
-        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        event = {
-            "apiVersion": "v1", "kind": "Event",
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": self.namespace,
-                         "labels": {LABEL_JOB: self.job}},
-            "involvedObject": {"apiVersion": obj.get("apiVersion", "v1"), "kind": obj.get("kind", "Pod"),
-                               "name": meta["name"], "namespace": self.namespace, "uid": meta.get("uid")},
-            "type": "Warning", "reason": reason, "message": message[:1024], "count": 1,
-            "firstTimestamp": now, "lastTimestamp": now, "source": {"component": SOURCE},
-            "reportingComponent": f"diloco.dev/{SOURCE}", "reportingInstance": SOURCE,
-        }
-        await (await self._api()).request("POST", EVENTS, self.namespace, body=event)
+        obj = {**obj, "metadata": {**obj["metadata"], "namespace": self.namespace}}
+        await (await self._api()).event(obj, "Warning", reason, message, source=SOURCE, labels={LABEL_JOB: self.job})
 
     async def hold(self, fault: Fault) -> dict | None:
         return None  # downtime is refused in preflight: the operator's backoff decides when a unit comes back
@@ -187,7 +177,9 @@ class KubernetesTarget:
         return None
 
     async def close(self) -> None:
-        return None
+        if self.owns_kube and self.kube is not None:
+            self.kube.close()
+            self.kube = None
 
     async def observe(self) -> dict[str, UnitObservation]:
         await self._refresh()

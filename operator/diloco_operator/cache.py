@@ -1,0 +1,118 @@
+"""What reconciles read instead of the API server: kopf's indexes (filled by its own list + watch of jobs, units,
+learner pods, syncer Deployments and Nodes), overlaid with the operator's own writes until the watch has caught
+up with them (client-go's "mutation cache"), so a reconcile right after a write never acts on the state before it.
+
+kopf runs no event handler before every index has its initial listing, and every reconcile is queued by an event
+handler, so no reconcile ever reads a half-filled cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+GONE = "gone"  # an overlay entry for an object the operator deleted and the watch still shows
+OVERLAY_TTL_S = 30.0  # an unconfirmed write stops shadowing the watch after this (the watch always wins then)
+
+
+def _rv(obj: Mapping | None) -> int:
+    try:
+        return int(((obj or {}).get("metadata") or {}).get("resourceVersion") or 0)
+    except ValueError:  # resourceVersions are opaque by contract; etcd's are integers
+        return 0
+
+
+def _name(obj: Mapping) -> str:
+    return obj["metadata"]["name"]
+
+
+class Cache:
+    """Lookups by the keys the index functions in handlers.py emit, merged with recent writes."""
+
+    def __init__(self, indexes: Mapping[str, Mapping[Any, Iterable[dict]]]):
+        self.indexes = indexes  # "jobs" | "units" | "pods" | "deployments" | "nodes" -> kopf.Index
+        # (plural, namespace, name) -> (object or GONE, resourceVersion the write produced/saw, when)
+        self.overlay: dict[tuple[str, str, str], tuple[dict | str, int, float]] = {}
+        self.deleting: set[tuple[str, str, str]] = set()  # overlay entries that are the answer to a delete
+
+    # --- writes ----------------------------------------------------------------------------------------------
+    def wrote(self, plural: str, obj: dict | None) -> None:
+        """Remember the object the API answered a create/patch with (not a Status)."""
+        if obj and obj.get("kind") not in (None, "Status") and obj.get("metadata", {}).get("name"):
+            meta = obj["metadata"]
+            key = (plural, meta.get("namespace") or "", meta["name"])
+            self.overlay[key] = (obj, _rv(obj), time.monotonic())
+            self.deleting.discard(key)
+
+    def deleted(self, plural: str, namespace: str, name: str, answer: dict | None, last_seen: dict | None) -> None:
+        """Remember a delete: the object with its deletionTimestamp (graceful, finalizers), else gone (the API
+        answered with a Status, a 404, or the object's last state)."""
+        if answer and answer.get("kind") not in (None, "Status") and answer["metadata"].get("deletionTimestamp"):
+            self.wrote(plural, answer)
+            self.deleting.add((plural, namespace or "", name))
+        else:
+            self.overlay[(plural, namespace or "", name)] = (GONE, _rv(last_seen), time.monotonic())
+            self.deleting.discard((plural, namespace or "", name))
+
+    # --- reads -----------------------------------------------------------------------------------------------
+    def _merge(self, plural: str, namespace: str, seen: list[dict], match) -> list[dict]:
+        """The watched objects of one lookup, with newer own writes replacing them and deletions removing them."""
+        now = time.monotonic()
+        out = {_name(o): o for o in seen}
+        for (p, ns, name), (obj, rv, at) in list(self.overlay.items()):
+            if p != plural or ns != (namespace or ""):
+                continue
+            key = (p, ns, name)
+            watched = out.get(name)
+            if now - at > OVERLAY_TTL_S:
+                self._drop(key)
+            elif obj == GONE:
+                if watched is None or (rv and _rv(watched) > rv):
+                    self._drop(key)  # the watch saw the deletion, or a newer object of that name
+                else:
+                    out.pop(name, None)
+            elif watched is not None and _rv(watched) >= rv:
+                self._drop(key)  # the watch caught up
+            elif watched is None and key in self.deleting:
+                self._drop(key)  # it was being deleted, and now the watch has it gone
+            elif match(obj):
+                out[name] = obj
+        return sorted(out.values(), key=_name)
+
+    def _drop(self, key: tuple[str, str, str]) -> None:
+        self.overlay.pop(key, None)
+        self.deleting.discard(key)
+
+    def _lookup(self, index: str, key) -> list[dict]:
+        store = self.indexes[index].get(key)
+        return list(store) if store is not None else []
+
+    def job(self, namespace: str, name: str) -> dict | None:
+        found = self._merge("dilocojobs", namespace, self._lookup("jobs", (namespace, name)),
+                            lambda o: _name(o) == name)
+        return next((o for o in found if _name(o) == name), None)
+
+    def unit(self, namespace: str, name: str) -> dict | None:
+        found = self._merge("learnerunits", namespace, self._lookup("units", ("name", namespace, name)),
+                            lambda o: _name(o) == name)
+        return next((o for o in found if _name(o) == name), None)
+
+    def units_of_job(self, namespace: str, job: str) -> list[dict]:
+        return self._merge("learnerunits", namespace, self._lookup("units", ("job", namespace, job)),
+                           lambda o: (o.get("spec") or {}).get("jobName") == job)
+
+    def pods_of_unit(self, namespace: str, unit: str, label: str) -> list[dict]:
+        return self._merge("pods", namespace, self._lookup("pods", (namespace, unit)),
+                           lambda o: (o["metadata"].get("labels") or {}).get(label) == unit)
+
+    def syncer_deployment(self, namespace: str, job: str, name: str) -> dict | None:
+        found = self._merge("deployments", namespace, self._lookup("deployments", (namespace, job)),
+                            lambda o: _name(o) == name)
+        return next((o for o in found if _name(o) == name), None)
+
+    def node(self, name: str) -> dict | None:
+        return next(iter(self._lookup("nodes", name)), None)
+
+    def nodes(self) -> list[dict]:
+        return [n for store in self.indexes["nodes"].values() for n in store]

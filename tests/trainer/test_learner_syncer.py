@@ -194,3 +194,23 @@ def test_a_bf16_downlink_halves_the_bytes_of_every_adopted_version_and_training_
     # Every adopted version came as bf16: 2 bytes a value (an fp32 down-link would need 4 × the smallest).
     assert 4 * min(by_fragment) > 2 * max(by_fragment) + 4096
     assert fragments_down <= final["adoptions"] * (2 * max(by_fragment) + 4096), (fragments_down, final)
+
+
+def test_a_restarted_learner_resumes_its_adamw_state_and_learning_rate_instead_of_warming_up_again(tmp_path, syncer):
+    syncer.start()
+    state, log = tmp_path / "l0", tmp_path / "l0.log"
+    finish(start_learner(syncer.url, "l0", state, 20, log_path=log), log)
+    assert (state / "inner-state.safetensors").exists(), "a snapshot every 10 steps"
+    lr = metrics(state)[-1]["lr"]
+
+    first = len(metrics(state))
+    finish(start_learner(syncer.url, "l0", state, 5, "--log-every", "1", "--restore-inner-state", log_path=log), log)
+    resumed = metrics(state)[first:]
+    assert "resumed AdamW and error feedback after 20 steps" in log.read_text()
+    assert resumed[0]["lr"] == pytest.approx(lr), "no second warm-up: the schedule continues at step 21"
+
+    first = len(metrics(state))
+    finish(start_learner(syncer.url, "l0", state, 5, "--log-every", "1", "--no-restore-inner-state", log_path=log),
+           log)
+    afresh = metrics(state)[first:]
+    assert afresh[0]["lr"] == pytest.approx(lr / 5), "without the snapshot: step 1 of a 5-step warm-up"

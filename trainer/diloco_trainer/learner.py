@@ -23,13 +23,16 @@ from .client import FragmentUpdate, SyncerClient
 from .config import TrainConfig
 from .data import ShardSampler, load_corpus
 from .fsutil import atomic_write_json
+from . import inner_state
 from .inner import inner_optimizer, set_lr
 from .model import build_model
 from .outer_sync import OuterSync
 
 log = logging.getLogger(__name__)
 
-POSITION_EVERY = 10  # steps between two saves of the data position (a SIGKILL replays at most this many batches)
+# Steps between two saves of the data position and the inner state (a SIGKILL replays at most this many batches and
+# restarts from moments at most this many steps old).
+POSITION_EVERY = 10
 
 
 @dataclass
@@ -53,6 +56,7 @@ class LearnerOptions:
     data_cache: Path | None = None
     poll_s: float = 0.25
     save_params: Path | None = None  # write the final local θ here (params-rank{r}.safetensors), for inspection
+    restore_inner: bool = False  # resume AdamW and error feedback from the state directory's snapshot (inner_state.py)
 
 
 @dataclass
@@ -82,7 +86,8 @@ class Learner:
         self.client: SyncerClient | None = None
         self.nonce = secrets.token_hex(4)
         self.outer: OuterSync | None = None  # built in _start(), once the plan and versions are known
-        self.step = 0
+        self.step = 0  # this incarnation's steps (its counters restart with the process)
+        self.steps_before = 0  # steps trained by earlier incarnations whose AdamW state this one resumed
         self.tokens = 0
         self.step_time_ema = 0.0
         self.last_loss: float | None = None
@@ -131,6 +136,8 @@ class Learner:
                                compression=outer.compression, block_size=outer.block_size, step=self.step,
                                sends=self.group.is_main)
         self.opt, self.lr_at = inner_optimizer(self.model, self.cfg)
+        if self.opts.restore_inner:
+            self._restore_inner_state()
 
         corpus = load_corpus(self.cfg.data, self.opts.data_cache)
         if corpus.vocab_needed > self.cfg.model.vocab_size:
@@ -162,6 +169,23 @@ class Learner:
         path = self._position_path()
         if path is not None and self.group.is_main:
             atomic_write_json(path, self.sampler.state_dict())
+            if self.step:  # an optimizer that has not stepped has no state worth a snapshot
+                inner_state.save(self.opts.state_dir / inner_state.FILE, self.opt, self.outer.ef,
+                                 self.steps_before + self.step)
+
+    def _restore_inner_state(self) -> None:
+        """AdamW moments and step, and the residuals, from the last snapshot (rank 0 reads, the unit gets them)."""
+        found = None
+        if self.group.is_main and self.opts.state_dir is not None:
+            found = inner_state.read(self.opts.state_dir / inner_state.FILE, self.opt, self.params)
+        steps = self.group.broadcast_json(found[1] if found else None)
+        if steps is None:
+            return
+        tensors = found[0] if found else inner_state.optimizer_template(self.opt)
+        self.group.broadcast_tensors([tensors[k] for k in sorted(inner_state.optimizer_template(self.opt))])
+        inner_state.restore(self.opt, self.outer.ef if self.group.is_main else None, tensors)
+        self.steps_before = steps
+        log.info("resumed AdamW and error feedback after %d steps trained before this start", steps)
 
     # ------------------------------------------------------------------ the loop
 
@@ -226,7 +250,7 @@ class Learner:
         r = self.group.rank
         mine = slice(r * self.batch, (r + 1) * self.batch)
         x, y = x[mine].to(self.device), y[mine].to(self.device)
-        set_lr(self.opt, self.lr_at(self.step + 1))
+        set_lr(self.opt, self.lr_at(self.steps_before + self.step + 1))
         _, loss = self.model(x, y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()

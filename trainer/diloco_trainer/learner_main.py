@@ -37,6 +37,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--poll-s", type=float, default=0.25, help="how often to look for newer fragment versions")
     parser.add_argument("--save-params", default=None, metavar="DIR",
                         help="at exit, write this process's final parameters to DIR/params-rank{R}.safetensors")
+    parser.add_argument("--restore-inner-state", action=argparse.BooleanOptionalAction, default=None,
+                        help="on start, resume AdamW moments and step and the error-feedback residuals from "
+                             "--state-dir's last snapshot (written every 10 steps); the parameters always come "
+                             "from the syncer")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--standby", default=None, metavar="DIR",
                         help="warm spare: import everything, then wait for DIR/assignment.json (the learner "
@@ -78,7 +82,8 @@ def options_from_args(args: argparse.Namespace):
         device=args.device, state_dir=Path(args.state_dir) if args.state_dir else None, steps=args.steps,
         slowdown=args.slowdown, jitter=args.jitter, log_every=args.log_every, metrics_port=args.metrics_port,
         drain_s=args.drain_s, seed=args.seed, data_cache=Path(args.data_cache) if args.data_cache else None,
-        poll_s=args.poll_s, save_params=Path(args.save_params) if args.save_params else None)
+        poll_s=args.poll_s, save_params=Path(args.save_params) if args.save_params else None,
+        **({} if args.restore_inner_state is None else {"restore_inner": args.restore_inner_state}))
 
 
 def _warm_up() -> None:

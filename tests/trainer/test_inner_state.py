@@ -1,0 +1,73 @@
+"""A learner's own state across a restart (inner_state.py): AdamW moments and step and the error-feedback residuals
+are saved as safetensors and come back exactly; a snapshot of another model, or a damaged one, is ignored with a
+warning instead of failing the start. The end-to-end check (a restarted learner process resumes its learning rate
+instead of warming up again) is in test_learner_syncer.py."""
+
+import logging
+
+import torch
+
+from diloco_trainer import inner_state
+from diloco_trainer.config import MODEL_PRESETS, TrainConfig
+from diloco_trainer.inner import inner_optimizer
+from diloco_trainer.model import build_model
+from diloco_trainer.wire import ErrorFeedback
+
+
+def trained(preset: str = "tiny"):
+    cfg = TrainConfig(model=MODEL_PRESETS[preset])
+    model = build_model(cfg.model, seed=0)
+    opt, _ = inner_optimizer(model, cfg)
+    x = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    for _ in range(3):
+        _, loss = model(x, x)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    ef = ErrorFeedback()
+    ef.compress({"tok_emb.weight": torch.randn_like(model.tok_emb.weight)}, "int4", 64)
+    assert ef.residual("tok_emb.weight") is not None
+    return model, opt, ef, cfg
+
+
+def test_moments_step_and_residuals_come_back_exactly(tmp_path):
+    model, opt, ef, cfg = trained()
+    path = tmp_path / inner_state.FILE
+    inner_state.save(path, opt, ef, steps=42)
+
+    fresh = build_model(cfg.model, seed=1)
+    fresh_opt, _ = inner_optimizer(fresh, cfg)
+    found = inner_state.read(path, fresh_opt, dict(fresh.named_parameters()))
+    assert found is not None and found[1] == 42
+    fresh_ef = ErrorFeedback()
+    inner_state.restore(fresh_opt, fresh_ef, found[0])
+    before, after = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    assert sorted(before) == sorted(after)
+    for idx in before:
+        saved, loaded = before[idx], after[idx]
+        assert torch.equal(saved["exp_avg"], loaded["exp_avg"]) and torch.equal(saved["exp_avg_sq"], loaded["exp_avg_sq"])
+        assert float(saved["step"]) == float(loaded["step"]) == 3.0
+    assert ef.state_dict().keys() == fresh_ef.state_dict().keys()
+    assert all(torch.equal(ef.state_dict()[k], fresh_ef.state_dict()[k]) for k in ef.state_dict())
+
+
+def test_a_snapshot_of_another_model_is_ignored_with_a_warning(tmp_path, caplog):
+    _, opt, ef, _ = trained("tiny")
+    path = tmp_path / inner_state.FILE
+    inner_state.save(path, opt, ef, steps=7)
+    other = build_model(MODEL_PRESETS["small"], seed=0)
+    other_opt, _ = inner_optimizer(other, TrainConfig(model=MODEL_PRESETS["small"]))
+    with caplog.at_level(logging.WARNING):
+        assert inner_state.read(path, other_opt, dict(other.named_parameters())) is None
+    assert "starting AdamW and error feedback afresh" in caplog.text
+
+
+def test_a_damaged_or_missing_snapshot_starts_afresh(tmp_path, caplog):
+    model, opt, ef, _ = trained()
+    path = tmp_path / inner_state.FILE
+    assert inner_state.read(path, opt, dict(model.named_parameters())) is None, "no snapshot yet"
+    inner_state.save(path, opt, ef, steps=3)
+    path.write_bytes(path.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING):
+        assert inner_state.read(path, opt, dict(model.named_parameters())) is None
+    assert "unusable" in caplog.text

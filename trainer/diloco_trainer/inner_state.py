@@ -1,0 +1,80 @@
+"""A learner's own state that the syncer does not hold: AdamW moments and step, and error-feedback residuals.
+
+Written to the learner's state directory next to its data position every few steps (safetensors, never pickle), and
+read back when the learner restarts, so a killed learner resumes with warm moments, the learning rate it had reached
+(no second warm-up) and the quantization error it still owed, on top of the current global Θ it pulls from the
+syncer. Best effort by design: a missing, damaged or foreign snapshot only means starting these afresh."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from .checkpoint import load_optimizer_tensors, optimizer_tensors
+from .wire import ErrorFeedback, WireError, decode_tensors, encode_tensors
+
+log = logging.getLogger(__name__)
+
+FILE = "inner-state.safetensors"
+KIND = "diloco-learner-inner-state/1"
+
+
+def save(path: Path, opt: torch.optim.Optimizer, ef: ErrorFeedback | None, steps: int) -> None:
+    """Atomically replace `path` with the optimizer's state, the residuals and the steps trained so far."""
+    tensors = optimizer_tensors(opt)
+    if ef is not None:
+        tensors.update({f"ef.{n}": t for n, t in ef.state_dict().items()})
+    body = encode_tensors(tensors, {"kind": KIND, "steps": str(steps)})
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(body)
+    os.replace(tmp, path)
+
+
+def read(path: Path, opt: torch.optim.Optimizer,
+         params: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int] | None:
+    """(tensors, steps trained) of the snapshot at `path`, checked against this optimizer and the model's named
+    parameters; None when there is none or it does not fit (logged)."""
+    if not path.exists():
+        return None
+    try:
+        tensors, meta = decode_tensors(path.read_bytes())
+        if meta.get("kind") != KIND:
+            raise ValueError(f"not a learner inner-state snapshot (kind {meta.get('kind')!r})")
+        expected = optimizer_template(opt)
+        saved = {k: t for k, t in tensors.items() if k.startswith("opt.")}
+        if set(saved) != set(expected):
+            raise ValueError(f"its optimizer state has {len(saved)} tensors, this model's {len(expected)}")
+        for key, value in saved.items():
+            if value.shape != expected[key].shape:
+                raise ValueError(f"{key} has shape {tuple(value.shape)}, not this model's {tuple(expected[key].shape)}")
+        for name, residual in ((k[3:], t) for k, t in tensors.items() if k.startswith("ef.")):
+            if name not in params or residual.shape != params[name].shape:
+                raise ValueError(f"the residual of {name!r} fits no parameter of this model")
+        steps = int(meta["steps"])
+    except (OSError, ValueError, KeyError, WireError) as exc:
+        log.warning("starting AdamW and error feedback afresh: the snapshot %s is unusable: %s", path, exc)
+        return None
+    return tensors, steps
+
+
+def optimizer_template(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Zero tensors named and shaped as `optimizer_tensors` of an AdamW that has stepped (a broadcast target)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    out = {}
+    for idx, p in enumerate(params):
+        out[f"opt.{idx}.step"] = torch.zeros(())
+        out[f"opt.{idx}.exp_avg"] = torch.zeros_like(p.data)
+        out[f"opt.{idx}.exp_avg_sq"] = torch.zeros_like(p.data)
+    return out
+
+
+def restore(opt: torch.optim.Optimizer, ef: ErrorFeedback | None, tensors: dict[str, torch.Tensor]) -> None:
+    """Load what `read` returned (or a unit's broadcast of it) into the optimizer and the residuals."""
+    device = next(p for group in opt.param_groups for p in group["params"]).device
+    load_optimizer_tensors(opt, {k: v if k.endswith(".step") else v.to(device)
+                                 for k, v in tensors.items() if k.startswith("opt.")})
+    if ef is not None:
+        ef.load_state_dict({k[3:]: t for k, t in tensors.items() if k.startswith("ef.")})

@@ -57,8 +57,9 @@ def wait_for(predicate, timeout: float, what: str, every: float = 0.1):
 class SyncerProcess:
     """`diloco syncer` on loopback; restartable on the same port and state directory."""
 
-    def __init__(self, config: Path, state_dir: Path, log_path: Path, port: int = 0):
+    def __init__(self, config: Path, state_dir: Path, log_path: Path, port: int = 0, args: tuple[str, ...] = ()):
         self.config, self.state_dir, self.log_path, self.port = config, state_dir, log_path, port
+        self.args = tuple(args)  # more `diloco syncer` flags
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -70,7 +71,7 @@ class SyncerProcess:
         endpoint.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "diloco_trainer.cli", "syncer", "--config", str(self.config),
                "--host", "127.0.0.1", "--port", str(self.port), "--state-dir", str(self.state_dir),
-               "--heartbeat-s", "0.5", "--checkpoint-every-s", "1", "--log-every-s", "0"]
+               "--heartbeat-s", "0.5", "--checkpoint-every-s", "1", "--log-every-s", "0", *self.args]
         self.proc = subprocess.Popen(cmd, env=child_env(), stdout=open(self.log_path, "ab"),
                                      stderr=subprocess.STDOUT, cwd=ROOT)
         if wait:

@@ -72,6 +72,8 @@ async def test_register_hands_out_the_plan_config_and_versions(aiohttp_client, t
     ("/v1/heartbeat", json.dumps({"learner_id": "a", "step": 1}).encode(), "tokens"),
     ("/v1/register", b"[" * 5000 + b"]" * 5000, "nests"),  # found by an outside check: RecursionError, a 500
     ("/v1/heartbeat", b'{"a":' * 5000 + b"1" + b"}" * 5000, "nests"),
+    # An integer literal over Python's 4300-digit limit: json.loads raises ValueError, was a 500 (fuzz test).
+    ("/v1/register", b'{"learner_id": "a", "unit": ' + b"9" * 5000 + b"}", "usable JSON"),
 ])
 async def test_bad_register_and_heartbeat_bodies_are_400_and_change_nothing(aiohttp_client, tmp_path, path,
                                                                             payload, reason):
@@ -102,6 +104,8 @@ def _bad_submissions(state):
     return [
         ("unknown fragment", "7", good, 404, "unknown fragment"),
         ("fragment not a number", "x", good, 404, "unknown fragment"),
+        ("fragment a superscript digit", "%C2%B2", good, 404, "unknown fragment"),  # was a 500 (fuzz test)
+        ("fragment an Arabic-Indic digit", "%D9%A1", good, 404, "unknown fragment"),
         ("fragment of the url differs", "1", body(state, 1, deltas_for(state, 1, 2), fragment=0), 400,
          "does not match the URL"),
         ("not safetensors", "0", b"hello world, not a tensor file", 400, "safetensors"),
@@ -136,7 +140,7 @@ async def test_every_bad_submission_gets_its_4xx_and_changes_no_state(aiohttp_cl
     assert_unchanged(before, snapshot(syncer.state))
     metrics = (await (await client.get("/metrics")).read()).decode()
     assert 'diloco_syncer_submissions_rejected_total{reason="malformed"}' in metrics
-    assert 'diloco_syncer_submissions_rejected_total{reason="unknown_fragment"} 2.0' in metrics
+    assert 'diloco_syncer_submissions_rejected_total{reason="unknown_fragment"} 4.0' in metrics
 
 
 async def test_a_body_over_the_size_limit_is_413_and_changes_nothing(aiohttp_client, tmp_path):

@@ -229,6 +229,13 @@ def test_decode_rejects_bodies_that_are_not_safetensors():
     _reject(json.dumps({"learner_id": "x"}).encode(), "not safetensors")
     _reject(pickle.dumps({"x": 1}), "not safetensors")
     _reject(struct.pack("<Q", 4) + b"nope", "not JSON")
+    for header in (b"[" * 5000 + b"]" * 5000, b'{"a": ' + b"9" * 5000 + b"}"):  # were a 500 at the syncer
+        _reject(struct.pack("<Q", len(header)) + header, "not JSON")
+
+
+@pytest.mark.parametrize("shapes", ["[" * 5000 + "]" * 5000, '{"w": [' + "9" * 5000 + "]}"])
+def test_decode_rejects_shapes_metadata_that_json_cannot_turn_into_python(shapes):
+    _reject(_with_metadata(shapes=shapes), "shapes")
 
 
 def test_decode_rejects_a_truncated_body():

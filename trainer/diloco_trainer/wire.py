@@ -190,8 +190,8 @@ def _read_header(body: bytes) -> dict:
         raise WireError(f"body is not safetensors or is truncated: header of {n} bytes, body of {len(body)}")
     try:
         header = json.loads(body[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError(f"body is not safetensors: header is not JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, an int over 4300 digits, nested too deep
+        raise WireError(f"body is not safetensors: header is not JSON ({str(exc)[:120]})") from None
     if not isinstance(header, dict):
         raise WireError("body is not safetensors: header is not a JSON object")
     return header
@@ -287,7 +287,7 @@ def decode_submission(body: bytes, expected_shapes: dict[str, tuple[int, ...]]) 
         raise WireError(f"block_size must be >= 1, got {block_size}")
     try:
         declared = json.loads(md["shapes"])
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, an int over 4300 digits, nested too deep (fuzz test)
         raise WireError("metadata field 'shapes' is not JSON") from None
     if not isinstance(declared, dict):
         raise WireError("metadata field 'shapes' must be a JSON object of name -> shape")

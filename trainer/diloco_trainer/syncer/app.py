@@ -159,8 +159,9 @@ class Syncer:
 
     def _fragment_param(self, request: web.Request) -> int:
         raw = request.match_info["p"]
-        if not raw.isdigit() or int(raw) >= self.state.num_fragments:
-            raise Rejected(404, f"unknown fragment {raw!r}; fragments are 0..{self.state.num_fragments - 1}",
+        # isascii: str.isdigit() is true for "²" and "١", which int() refuses or reads (found by the fuzz test).
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or int(raw) >= self.state.num_fragments:
+            raise Rejected(404, f"unknown fragment {raw[:40]!r}; fragments are 0..{self.state.num_fragments - 1}",
                            "unknown_fragment")
         return int(raw)
 
@@ -185,6 +186,8 @@ class Syncer:
             raise Rejected(400, f"body is not JSON: {exc}", "malformed") from None
         except RecursionError:  # the stdlib parser recurses per nesting level
             raise Rejected(400, "body nests too deeply to be a register or heartbeat document", "malformed") from None
+        except ValueError as exc:  # found by the fuzz test: an integer literal over Python's 4300-digit limit
+            raise Rejected(400, f"body is not a usable JSON document: {str(exc)[:120]}", "malformed") from None
         if not isinstance(data, dict):
             raise Rejected(400, "body must be a JSON object", "malformed")
         try:
@@ -332,8 +335,9 @@ def _too_large(size: int | None, limit: int) -> Rejected:
 
 class ServerLog(logging.LoggerAdapter):
     """aiohttp's server logger for the syncer's runner (`web.AppRunner(..., logger=ServerLog())`): a request that
-    aiohttp's HTTP parser refuses with a 4xx (a header line over its limit, a garbled request line or header) is
-    the client's mistake, so it is one WARNING line without a traceback instead of an ERROR with one."""
+    aiohttp's HTTP parser refuses with a 4xx (a header line over its limit, a garbled request line or header), or
+    a client that hangs up before its body arrived, is the client's doing, so it is one WARNING line without a
+    traceback instead of an ERROR with one. Anything else keeps aiohttp's ERROR and traceback."""
 
     def __init__(self, logger: logging.Logger | None = None):
         super().__init__(logger or logging.getLogger("aiohttp.server"), {})
@@ -343,6 +347,10 @@ class ServerLog(logging.LoggerAdapter):
         if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 0) < 500:
             reason = " ".join(str(exc.message or exc).split())[:200]
             self.warning(msg + ": %d %s (%s)", *args, exc.code, reason, type(exc).__name__, **kwargs)
+            return
+        if isinstance(exc, ConnectionResetError):  # the client went away mid-request (aiohttp: "Connection lost")
+            self.warning(msg + ": the client closed the connection before the request was read (%s)", *args,
+                         str(exc) or type(exc).__name__, **kwargs)
             return
         super().exception(msg, *args, exc_info=exc_info, **kwargs)
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import aiohttp
 from torch import Tensor
 
+from .protocol import (ErrorAnswer, HeartbeatAnswer, HeartbeatRequest, RegisterAnswer, RegisterRequest,
+                       SubmitAnswer, VersionsAnswer)
 from .wire import decode_tensors
 
 log = logging.getLogger(__name__)
@@ -100,7 +102,8 @@ class SyncerClient:
         self.url = url.rstrip("/")
         self.learner_id = learner_id
         self._headers = {"Authorization": f"Bearer {token}"}
-        self._register_body = {"learner_id": learner_id, "unit": unit, "world_size": world_size, "device": device}
+        self._register_body = RegisterRequest(learner_id=learner_id, unit=unit, world_size=world_size,
+                                              device=device).model_dump()
         self.poll_s, self.timeout_s = poll_s, timeout_s
         self.downlink = "fp32"  # dtype of fetched fragment versions (the run's outer.downlink, set after bootstrap)
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
@@ -113,7 +116,7 @@ class SyncerClient:
         self._updates: dict[int, FragmentUpdate] = {}  # fragment -> newest fetched, not yet adopted
         self._answers: list[Answer] = []
         self._have: dict[int, int] = {}  # fragment -> newest version fetched (handed to the learner)
-        self._report = {"learner_id": learner_id, "step": 0, "step_time_s": 0.0, "tokens": 0}
+        self._report = HeartbeatRequest(learner_id=learner_id, step=0, tokens=0, step_time_s=0.0)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="syncer-client", daemon=True)
         self._session: aiohttp.ClientSession | None = None
@@ -155,7 +158,8 @@ class SyncerClient:
     def report(self, step: int, step_time_s: float, tokens: int) -> None:
         """Progress the next heartbeat carries (the latest values win)."""
         with self._lock:
-            self._report.update(step=step, step_time_s=step_time_s, tokens=tokens)
+            self._report = self._report.model_copy(update={"step": step, "step_time_s": step_time_s,
+                                                           "tokens": tokens})
 
     def pending(self) -> int:
         """Submissions not yet answered by the syncer."""
@@ -240,23 +244,23 @@ class SyncerClient:
                     log.info("waiting for the syncer at %s (%s)", self.url, str(exc) or type(exc).__name__)
                 await asyncio.sleep(self._delay(attempt))
                 attempt += 1
-        plan = [list(reg["plan"][str(p)]) for p in range(len(reg["plan"]))]
+        plan = reg.plan_lists()
         with self._lock:
             self._have = dict(versions)
         if not self._tasks:  # a second bootstrap (re-pull of Θ) must not start a second set of tasks
             self._tasks = [asyncio.create_task(c) for c in (self._sender(), self._poller(), self._heartbeat())]
-        return Bootstrap(reg["config"], plan, versions, self.heartbeat_s, theta)
+        return Bootstrap(reg.config, plan, versions, self.heartbeat_s, theta)
 
-    async def _register(self) -> dict:
+    async def _register(self) -> RegisterAnswer:
         async with self._get_session().post(f"{self.url}/v1/register", json=self._register_body) as resp:
             if 400 <= resp.status < 500:  # a wrong token (401) or a refused id will not fix itself
                 raise SyncerRefused(f"syncer refused registration ({resp.status}): {await resp.text()}")
             if resp.status != 200:
                 raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
                                                   message=await resp.text())
-            reg = await resp.json()
+            reg = RegisterAnswer.model_validate(await resp.json())
         self._set_up(True)
-        self.heartbeat_s = float(reg.get("heartbeat_s") or self.heartbeat_s)
+        self.heartbeat_s = reg.heartbeat_s or self.heartbeat_s
         return reg
 
     async def _fetch_state(self) -> tuple[dict[str, Tensor], dict[int, int]]:
@@ -295,7 +299,7 @@ class SyncerClient:
                 attempt += 1
                 continue
             if status >= 500:
-                self._set_up(False, f"HTTP {status}: {answer.get('error', '')}")
+                self._set_up(False, f"HTTP {status}: {answer.error}")
                 await asyncio.sleep(self._delay(attempt))
                 attempt += 1
                 continue
@@ -303,29 +307,30 @@ class SyncerClient:
             self._set_up(True)
             self._settle(sub, status, answer)
 
-    async def _post_submission(self, sub: Submission) -> tuple[int, dict]:
+    async def _post_submission(self, sub: Submission) -> tuple[int, SubmitAnswer | ErrorAnswer]:
         url = f"{self.url}/v1/fragments/{sub.fragment}/outer-gradient"
         headers = {"Content-Type": "application/octet-stream"}
         async with self._get_session().post(url, data=sub.body, headers=headers) as resp:
             text = await resp.text()
             with self._lock:
                 self.stats.bytes_up += len(sub.body)
+        model = SubmitAnswer if 200 <= resp.status < 300 else ErrorAnswer
         try:
-            answer = json.loads(text) if text else {}
-        except json.JSONDecodeError:
-            answer = {"error": text[:200]}
-        return resp.status, answer if isinstance(answer, dict) else {}
+            return resp.status, model.model_validate_json(text)
+        except ValueError:  # not the syncer's JSON (a proxy's error page, an empty body): keep the status
+            return resp.status, SubmitAnswer(accepted=True) if model is SubmitAnswer else ErrorAnswer(error=text[:200])
 
-    def _settle(self, sub: Submission, status: int, answer: dict) -> None:
+    def _settle(self, sub: Submission, status: int, answer: SubmitAnswer | ErrorAnswer) -> None:
         """Book the syncer's answer to `sub` and drop its id from the outbox: a fresher Δ queued meanwhile
         with the same id comes from the same base, so it is either already counted or equally refused."""
-        reason = str(answer.get("error", ""))
+        reason = answer.error if isinstance(answer, ErrorAnswer) else ""
+        duplicate = isinstance(answer, SubmitAnswer) and answer.duplicate
         with self._lock:
             self.stats.sent += 1
             self._outbox.pop(sub.submission_id, None)
             held = sub
             if 200 <= status < 300:
-                if answer.get("duplicate"):  # the syncer kept an earlier attempt whose answer we never saw
+                if duplicate:  # the syncer kept an earlier attempt whose answer we never saw
                     held = self._maybe_delivered.get(sub.submission_id, sub)
                 self._acked_ids.add(sub.submission_id)
                 self.stats.acked += 1
@@ -336,7 +341,7 @@ class SyncerClient:
                 self.stats.stale += status == 409
             self._maybe_delivered.pop(sub.submission_id, None)
             self._answers.append(Answer(sub.fragment, sub.base_version, sub.submission_id, status, held.c_steps,
-                                        held.c_tokens, bool(answer.get("duplicate")), reason))
+                                        held.c_tokens, duplicate, reason))
         if 200 <= status < 300 or status == 409:
             # After an ack a merge is likely soon; after 409 the learner must re-adopt: look for versions now.
             self._wake_poller.set()
@@ -354,7 +359,8 @@ class SyncerClient:
             try:
                 async with self._get_session().get(f"{self.url}/v1/versions") as resp:
                     resp.raise_for_status()
-                    versions = {int(p): int(v) for p, v in (await resp.json())["versions"].items()}
+                    answer = VersionsAnswer.model_validate(await resp.json())
+                versions = {int(p): v for p, v in answer.versions.items()}
                 for p, v in sorted(versions.items()):
                     if v > self._have.get(p, -1) and not self._draining:
                         await self._fetch_fragment(p)
@@ -396,16 +402,16 @@ class SyncerClient:
         while True:
             await asyncio.sleep(self.heartbeat_s)
             with self._lock:
-                body = dict(self._report)
+                body = self._report.model_dump()
             try:
                 async with self._get_session().post(f"{self.url}/v1/heartbeat", json=body) as resp:
                     if resp.status == 404:  # a syncer restarted without this learner in its state
                         await self._register()
                         continue
                     resp.raise_for_status()
-                    versions = (await resp.json()).get("versions", {})
+                    versions = HeartbeatAnswer.model_validate(await resp.json()).versions
                 self._set_up(True)
-                if any(int(v) > self._have.get(int(p), -1) for p, v in versions.items()):
+                if any(v > self._have.get(int(p), -1) for p, v in versions.items()):
                     self._wake_poller.set()
             except Exception as exc:  # noqa: BLE001 - a failed heartbeat only means "try again later"
                 self._set_up(False, str(exc) or type(exc).__name__)

@@ -89,6 +89,13 @@ def test_a_child_that_ran_a_while_before_crashing_is_restarted_after_the_base_de
     assert child.next_restart_delay(time.time()) == 0.5 and child.quick_crashes == 0
 
 
+def test_a_child_killed_by_a_signal_soon_after_its_start_is_restarted_after_the_base_delay(tmp_path):
+    child = Child("learner-0", "learner", ["true"], {}, tmp_path / "log", restart_delay=2.0, quick_crashes=1)
+    child.starts.append(time.time() - 5)
+    assert child.next_restart_delay(time.time(), code=-signal.SIGKILL) == 2.0 and child.quick_crashes == 1
+    assert child.next_restart_delay(time.time(), code=1) == 8.0 and child.quick_crashes == 2
+
+
 def test_supervisor_does_not_restart_a_child_that_finished_cleanly(tmp_path):
     with Supervisor() as sup:
         sup.add(_child(tmp_path, "learner-0", "print('done')", restart_delay=0.0))

@@ -79,7 +79,7 @@ class LocalRun:
 
     def all_pids(self) -> list[int]:
         """Every process the run started: its children's incarnations and the warm spares (ready or not)."""
-        spares = [int(f.read_text()) for f in (self.dir / "spares").glob("spare-*/ready")]
+        spares = [int(f.read_text()) for f in (self.dir / "spares").glob("*/ready")]  # the zygote's included
         return [e["pid"] for e in read_jsonl(self.dir / "events.jsonl") if e["event"] == "start"] + spares
 
     def log_tail(self) -> str:
@@ -164,13 +164,14 @@ def test_a_sigkilled_learner_is_restarted_resumes_its_shard_and_adopts_current_v
     run.wait(lambda: run.processes()[victim]["pid"] not in (None, killed_pid), "the supervisor to restart it")
     assert run.processes()[victim]["restarts"] == 1
     restart_time = run.processes()[victim]["started"]
-    # The warm spare (started when the learners were) took over: its PID is now the learner's, and a new spare
-    # was started in its place.
+    # The first warm spare (forked from the zygote when the learners started) took over: its PID is now the
+    # learner's, and a new spare was asked for in its place (two are kept).
     start = [e for e in read_jsonl(run.dir / "events.jsonl") if e["name"] == victim and e["event"] == "start"][-1]
     assert start.get("spare") is True, start
     spare_pid = (run.dir / "spares" / "spare-1" / "ready").read_text()
     assert spare_pid == str(start["pid"]) == str(run.processes()[victim]["pid"])
-    assert (run.dir / "spares" / "spare-2").is_dir()
+    assert (run.dir / "spares" / "spare-3").is_dir()
+    assert f"--zygote {run.dir / 'spares' / 'zygote'}" == run.processes()[victim]["cmdline_tag"]
 
     def first_line_of_new_life() -> dict | None:
         recs = [r for r in read_jsonl(run.dir / "learners" / victim / "metrics.jsonl") if r["time"] > restart_time]

@@ -45,6 +45,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--standby", default=None, metavar="DIR",
                         help="warm spare: import everything, then wait for DIR/assignment.json (the learner "
                              "arguments a supervisor hands over) and become that learner")
+    parser.add_argument("--zygote", default=None, metavar="DIR",
+                        help="warm up once, then fork a warm spare for every DIR/fork-*.json request (the local "
+                             "runtime's spare pool, runtime/zygote.py)")
+    parser.add_argument("--warm-config", default=None, metavar="YAML",
+                        help="--zygote: warm up on a model of this run config's size (the local runtime's "
+                             "config.yaml) instead of a tiny one")
 
 
 def options_from_args(args: argparse.Namespace):
@@ -86,30 +92,41 @@ def options_from_args(args: argparse.Namespace):
         **({} if args.restore_inner_state is None else {"restore_inner": args.restore_inner_state}))
 
 
-def _warm_up() -> None:
+def _warm_up(config: str | None = None) -> None:
     """What a learner start spends most of its time on, done ahead: importing torch and our modules, and the lazy
     initialisation of a first forward, backward and AdamW step (measured on a busy 2-core machine: 13 s of imports,
-    5 s for the first AdamW, 1.3 s for the first step). A throw-away tiny model; the real one comes later."""
+    5 s for the first AdamW, 1.3 s for the first step). With the run's `config` (a YAML file), that step is taken
+    by a throw-away model of the run's own size and batch, so the learner's first real step finds every buffer
+    size it needs already allocated once; without it, by a tiny model."""
     import torch
 
     from . import client, data, learner  # noqa: F401
-    from .config import MODEL_PRESETS
+    from .config import MODEL_PRESETS, TrainConfig
     from .model import build_model
 
-    tiny = build_model(MODEL_PRESETS["tiny"], seed=0)
-    opt = torch.optim.AdamW(tiny.parameters(), lr=1e-3)
-    x = torch.zeros(1, 8, dtype=torch.long)
-    _, loss = tiny(x, x)
+    if config:
+        import yaml
+
+        cfg = TrainConfig.model_validate(yaml.safe_load(Path(config).read_text()))
+        model_cfg, shape, lr = cfg.model, (cfg.inner.batch_size, cfg.model.seq_len), cfg.inner.lr
+    else:
+        model_cfg, shape, lr = MODEL_PRESETS["tiny"], (1, 8), 1e-3
+    model = build_model(model_cfg, seed=0)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=lr)
+    x = torch.zeros(*shape, dtype=torch.long)
+    _, loss = model(x, x)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(tiny.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
 
 
-def _assigned_args(directory: str) -> argparse.Namespace:
+def _assigned_args(directory: str, warm_up=_warm_up) -> argparse.Namespace:
     """Wait as a warm spare (runtime/spares.py) and return the arguments of the learner this process becomes."""
     from .runtime.spares import redirect_output, wait_for_assignment
 
-    argv, log_path = wait_for_assignment(Path(directory), _warm_up)
+    argv, log_path = wait_for_assignment(Path(directory), warm_up)
     redirect_output(log_path)
     parser = argparse.ArgumentParser(prog="diloco learner")
     configure(parser)
@@ -117,14 +134,23 @@ def _assigned_args(directory: str) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.standby:
-        args = _assigned_args(args.standby)
+    spare = args.standby
+    if args.zygote:
+        from .runtime.zygote import serve
+
+        # Returns only in a forked spare, already warm.
+        spare = str(serve(Path(args.zygote), lambda: _warm_up(args.warm_config)))
+        args = _assigned_args(spare, warm_up=lambda: None)
+    elif spare:
+        args = _assigned_args(spare)
     if not args.syncer or not args.learner_id:
         print("diloco learner: --syncer and --learner-id are required", flush=True)
         return 2
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s {args.learner_id}[{rank}] %(name)s: %(message)s")
+    if spare:  # the bench's kill breakdown reads this line's time (bench/diloco_bench/kill_cost.py)
+        log.info("warm spare took over (pid %d, %s)", os.getpid(), spare)
     try:
         opts = options_from_args(args)
     except ValueError as exc:

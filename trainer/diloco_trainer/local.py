@@ -40,9 +40,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--restart-delay", type=float, default=0.5,
                         help="seconds before a learner (or the syncer) that died is started again; doubled for "
                              "each further crash soon after a start (crash-loop back-off, at most 60 s)")
-    parser.add_argument("--spares", type=int, default=1,
-                        help="warm spare learner processes (torch imported, waiting): a restarted learner takes "
-                             "one over instead of starting from scratch (default 1; 0 = cold restarts)")
+    parser.add_argument("--spares", type=int, default=2,
+                        help="warm spare learner processes (torch imported, waiting; forked from one warm process, "
+                             "so a refill costs no import): a restarted learner takes one over instead of starting "
+                             "from scratch (default 2; 0 = cold restarts)")
+    parser.add_argument("--no-fork-spares", dest="fork_spares", action="store_false",
+                        help="start every spare as a process of its own (each imports torch) instead of forking "
+                             "them from one warm process")
     parser.add_argument("--no-restart", action="store_true", help="do not restart processes that die")
     parser.add_argument("--checkpoint-every-s", type=float, default=5.0,
                         help="the syncer checkpoints at most this often (what a syncer crash can cost)")
@@ -114,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
             sup.start(name)
         sup.write_processes_json()
         if args.spares and not args.no_restart:
-            sup.spares = SparePool(run_dir / "spares", args.spares, procs.diloco_argv("learner"), env, sup.spawn)
+            sup.spares = SparePool(run_dir / "spares", args.spares, procs.diloco_argv("learner"), env, sup.spawn,
+                                   fork=args.fork_spares, zygote_args=("--warm-config", str(config_path)))
             sup.spares.refill()
 
         reason = session.supervise(sup, stop, started, budget_s=minutes * 60, steps=steps)

@@ -6,6 +6,9 @@ victim (on a warm spare). Synchronous baselines: the same seeded schedule (`dilo
 same-named worker; the job restarts all its workers from its last checkpoint (`diloco baseline --max-restarts`,
 checkpoints every H steps, as torchrun would), so it loses the steps since that checkpoint plus a restart.
 
+Beside it, the harsh schedule of issue 11 (`harsh.py`): 3 learners, a kill every ~20 s pooled, ≥ 3 seeds, with
+where the seconds of each kill go (`kill_cost.py`).
+
 Both figures count from the first training step to the last (the one-time launch, the same for every method, left
 out): tokens/s trained, and goodput-weighted tokens/s — tokens that reached the final model (Decoupled: merged by
 the syncer; synchronous: not thrown away by a restart) per second.
@@ -29,7 +32,7 @@ from diloco_chaos.schedule import Schedule
 from diloco_trainer.runtime import procs
 from diloco_trainer.runtime.rundir import read_jsonl
 
-from . import quality, report, runs
+from . import harsh, quality, report, runs
 
 NAME = "resilience"
 MTBF_S = 60.0  # the issue's schedule
@@ -175,6 +178,9 @@ def run(ctx: report.Context) -> dict:
     ddp_ff = runs.ensure(ctx, quality.spec(ctx, "ddp", 0))["val_loss"]
     _summarize(result, ddp_ff)
     plot(result, ctx.out_dir / f"{NAME}.png")
+    result["figures"]["harsh"] = h = harsh.measure(ctx)  # issue 11: a kill every ~20 s pooled
+    harsh.summarize(result, h)
+    harsh.plot(h, ctx.out_dir / f"{NAME}_harsh.png", report.footnote(result))
     return result
 
 

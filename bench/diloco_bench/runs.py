@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,6 +22,7 @@ from diloco_trainer.runtime.rundir import read_jsonl, steps_in_incarnation
 from . import report
 
 METHODS = ("decoupled", "ddp", "sync-diloco")
+USAGE = "bench-usage.json"  # in a run directory: the CPU seconds the run cost and the load around it
 
 # The benchmark model: configs/local.yaml's ~0.8M-parameter transformer on the stdlib byte corpus. Sized so a run
 # of 4 learners x a few hundred steps fits in ~2 minutes of a shared 2-core CPU, yet learns far below unigram.
@@ -54,6 +56,7 @@ class RunSpec:
     eval_batches: int = 16
     snapshots: int = 3
     extra: tuple[str, ...] = ()  # further command-line flags (e.g. a baseline's --max-restarts)
+    chaos_seed: int | None = None  # the failure schedule's seed (a run of its own per seed; not a command flag)
     label: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -64,6 +67,8 @@ class RunSpec:
     def key(self) -> str:
         d = asdict(self)
         d.pop("label")
+        if d["chaos_seed"] is None:  # keys of runs without one stay what they were
+            d.pop("chaos_seed")
         digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
         return f"{self.method}-s{self.seed}-{digest}"
 
@@ -155,8 +160,9 @@ def ensure(ctx: report.Context, spec: RunSpec, companion=None, allow_failure: bo
     with open(log_path, "w") as log:
         proc = subprocess.Popen(spec.argv(run_dir, config_path), stdout=log, stderr=subprocess.STDOUT,
                                 env=procs.child_env(), cwd=report.REPO, start_new_session=True)
+        load_before = os.getloadavg()
         try:
-            while proc.poll() is None:
+            while (usage := _reap(proc)) is None:
                 time.sleep(1.0)
                 if run_dir.exists():
                     task.update(completed=min(total, steps_done(run_dir)))
@@ -173,6 +179,9 @@ def ensure(ctx: report.Context, spec: RunSpec, companion=None, allow_failure: bo
             if companion is not None:
                 companion.close()
     task.done()
+    if run_dir.exists():
+        report.write_json(run_dir / USAGE, {"cpu_s": usage.ru_utime + usage.ru_stime, "load_before": load_before,
+                                            "load_after": os.getloadavg()})
     if not summary_path.exists() or (proc.returncode != 0 and not allow_failure):
         tail = log_path.read_text()[-3000:]
         raise RuntimeError(f"{spec.label or spec.key} failed (exit {proc.returncode}); log {log_path}:\n{tail}")
@@ -180,9 +189,22 @@ def ensure(ctx: report.Context, spec: RunSpec, companion=None, allow_failure: bo
     return _load(summary_path, spec)
 
 
+def _reap(proc: subprocess.Popen):
+    """None while `proc` runs; then its resource usage, which covers every descendant it waited for (`diloco local`
+    waits for all of its learners, spares and its syncer): the CPU the whole run cost, whatever else the machine
+    ran meanwhile."""
+    pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+    if pid == 0:
+        return None
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return usage
+
+
 def _load(path: Path, spec: RunSpec) -> dict:
     summary = json.loads(path.read_text())
     summary["spec"] = {**asdict(spec), "key": spec.key}
+    usage = path.parent / USAGE
+    summary["usage"] = json.loads(usage.read_text()) if usage.exists() else {}
     return summary
 
 

@@ -50,13 +50,14 @@ def run(ctx: report.Context) -> dict:
         per.setdefault(label, []).append({
             "seed": seed, "val_loss": s["val_loss"], "tokens": s["tokens_trained"], "wall_time_s": s["wall_time_s"],
             "tokens_per_s": runs.learner_tokens_per_s(s), "goodput": s.get("goodput"), "unigram": s["unigram_loss"],
+            "merged_fraction": s.get("merged_fraction", s.get("goodput")),
             "stop_reason": s["stop_reason"], "curve": dict(zip(("time_s", "tokens", "val_loss"), runs.val_curve(s))),
             "run": s["run_dir"]})
         task.advance()
     task.done()
     result["figures"]["runs"] = per
     for label in [k for k in per if CONFIGS[k][0] == "decoupled"]:
-        merged = [r["goodput"] for r in per[label] if r.get("goodput") is not None]
+        merged = [r["merged_fraction"] for r in per[label] if r.get("merged_fraction") is not None]
         if merged:
             result["notes"].append(f"{label}: {100 * min(merged):.1f}-{100 * max(merged):.1f}% of the steps trained "
                                    "were merged into the global model (sync DiLoCo and DDP merge every step)")

@@ -192,10 +192,12 @@ def _rates(s: dict) -> dict:
     """Trained and useful tokens per second over the training span (runs.training_span)."""
     span = runs.training_span(s)
     seconds = span[1] - span[0] if span else float(s["wall_time_s"])
-    goodput = float(s.get("goodput") or 0.0)
+    # Tokens that reached the model = merged fraction × tokens trained (summaries older than goodput.py called the
+    # merged fraction "goodput").
+    merged = float(s.get("merged_fraction", s.get("goodput")) or 0.0)
     return {"wall_time_s": s["wall_time_s"], "training_s": seconds, "tokens_trained": s["tokens_trained"],
-            "tokens_per_s": s["tokens_trained"] / seconds, "goodput": goodput,
-            "useful_per_s": goodput * s["tokens_trained"] / seconds, "val_loss": s.get("val_loss"),
+            "tokens_per_s": s["tokens_trained"] / seconds, "goodput": s.get("goodput"), "merged_fraction": merged,
+            "useful_per_s": merged * s["tokens_trained"] / seconds, "val_loss": s.get("val_loss"),
             "stop_reason": s.get("stop_reason"), "restarts": s.get("restarts") or {},
             "lost_steps": s.get("lost_steps")}
 

@@ -1,8 +1,6 @@
 """Goodput and system uptime measured from a real run: a `diloco local` run directory, or Prometheus on a cluster.
 
-goodput = useful learner compute time / allocated learner time, where a step's compute is useful to the extent
-its contribution was merged (a step feeds one outer gradient per fragment, so a learner's merged fraction is
-steps_merged / (P · steps)); work discarded by adoption or lost to a crash does not count.
+goodput: the project's one definition, `diloco_trainer.goodput` (useful learner time / allocated learner time).
 system uptime = fraction of wall time in which the global model advanced (stalls longer than a threshold are down).
 """
 
@@ -14,21 +12,12 @@ from pathlib import Path
 
 import yaml
 
-from diloco_trainer.runtime.rundir import read_jsonl, split_incarnations
+from diloco_trainer.goodput import goodput
+from diloco_trainer.protocol import SyncerSample
+from diloco_trainer.runtime.rundir import learner_slots, metrics_records, read_jsonl
 
 MIN_STALL_S = 3.0  # the local runtime samples the syncer about once a second; shorter gaps are sampling noise
 STALL_FACTOR = 5.0  # a gap longer than 5× the typical interval between merges is a stall
-
-
-def incarnation_busy(records: list[dict]) -> tuple[int, float]:
-    """(steps, seconds spent in steps) of one incarnation's metrics lines (counters restart at zero)."""
-    prev, busy = 0, 0.0
-    for rec in sorted(records, key=lambda r: r.get("time", 0.0)):
-        step = int(rec.get("step", 0))
-        if step > prev:
-            busy += (step - prev) * float(rec.get("step_time_s") or 0.0)
-            prev = step
-    return prev, busy
 
 
 def stalls(advances: list[float], start: float, end: float, threshold_s: float | None = None) -> tuple[list, float]:
@@ -66,17 +55,17 @@ def _fragments(run_dir: Path, samples: list[dict]) -> int:
         if (raw.get("outer") or {}).get("fragments"):
             return int(raw["outer"]["fragments"])
     for s in reversed(samples):
-        if s.get("fragments"):
-            return int(s["fragments"])
+        if s.status is not None and s.status.fragments:
+            return s.status.fragments
     raise ValueError(f"{run_dir}: cannot tell the number of fragments (no config.yaml, no syncer samples)")
 
 
-def _merged_steps(run_dir: Path, samples: list[dict]) -> dict[str, int]:
+def _merged_steps(run_dir: Path, samples: list[SyncerSample]) -> dict[str, int]:
     """steps_merged per learner: the final checkpoint if the run finished, else the syncer's last status."""
     merged: dict[str, int] = {}
     for s in samples:
-        for lid, info in (s.get("learners") or {}).items():
-            merged[lid] = max(merged.get(lid, 0), int(info.get("steps_merged", 0)))
+        for lid, info in (s.status.learners if s.status else {}).items():
+            merged[lid] = max(merged.get(lid, 0), info.steps_merged)
     state = run_dir / "final" / "state.json"
     if state.exists():
         for lid, info in (json.loads(state.read_text()).get("learners") or {}).items():
@@ -90,46 +79,29 @@ def from_run_dir(run_dir: str | Path, stall_threshold_s: float | None = None) ->
     if not (run_dir / "learners").is_dir():
         raise ValueError(f"{run_dir} is not a run directory of `diloco local` (no learners/ inside)")
     events = read_jsonl(run_dir / "events.jsonl")
-    samples = [s for s in read_jsonl(run_dir / "syncer.jsonl") if s.get("up")]
+    samples = [SyncerSample.from_line(s) for s in read_jsonl(run_dir / "syncer.jsonl") if s.get("up")]
     fragments = _fragments(run_dir, samples)
     merged = _merged_steps(run_dir, samples)
+    slots = learner_slots(run_dir, merged, fragments)
+    if not slots:
+        raise ValueError(f"{run_dir}: no learner has started yet")
+    steady = learner_slots(run_dir, merged, fragments, after_startup=True)
 
-    learners, t_start, t_end, t_trained = {}, None, None, None
-    names = {e["name"] for e in events if e.get("role") == "learner"}
-    names |= {p.name for p in (run_dir / "learners").iterdir() if p.is_dir()}
-    for name in sorted(names):
-        records = read_jsonl(run_dir / "learners" / name / "metrics.jsonl")
-        mine = [e for e in events if e.get("name") == name]
-        starts = [float(e["time"]) for e in mine if e["event"] == "start"]
-        if not starts:
-            continue
-        exits = [float(e["time"]) for e in mine if e["event"] == "exit"]
-        # A slot is allocated from the first start to the last exit (or the last report while it still runs);
-        # a learner that never trained (a crash loop) is allocated all the same.
-        end = max([float(r["time"]) for r in records] + ([exits[-1]] if len(exits) >= len(starts) else [])
-                  + [starts[-1]])
-        steps, busy = 0, 0.0
-        for group in split_incarnations(records, starts):
-            s, b = incarnation_busy(group)
-            steps, busy = steps + s, busy + b
-        fraction = min(1.0, merged.get(name, 0) / (fragments * steps)) if steps else 0.0
-        first_report = min((float(r["time"]) for r in records), default=end)
-        learners[name] = {"incarnations": len(starts), "allocated_s": end - starts[0],
-                            "allocated_after_startup_s": end - first_report, "busy_s": busy, "steps": steps,
-                            "steps_merged": merged.get(name, 0), "merged_fraction": fraction,
-                            "useful_s": busy * fraction}
-        t_start = starts[0] if t_start is None else min(t_start, starts[0])
-        t_end = end if t_end is None else max(t_end, end)
-        last_step = max((float(r["time"]) for r in records if not r.get("final")), default=None)
+    learners, t_trained = {}, None
+    for name, sl in slots.items():
+        starts = [float(e["time"]) for e in events if e.get("name") == name and e["event"] == "start"]
+        learners[name] = {"incarnations": len(starts), "allocated_s": sl.allocated_s,
+                          "allocated_after_startup_s": steady[name].allocated_s, "busy_s": sl.busy_s,
+                          "steps": sl.steps, "steps_merged": merged.get(name, 0),
+                          "merged_fraction": sl.merged_fraction, "useful_s": sl.useful_s}
+        last_step = max((r.time for r in metrics_records(run_dir / "learners" / name / "metrics.jsonl")
+                         if not r.final), default=None)
         if last_step is not None:
             t_trained = last_step if t_trained is None else max(t_trained, last_step)
-    if not learners:
-        raise ValueError(f"{run_dir}: no learner has started yet")
+    t_start = min(float(e["time"]) for e in events if e.get("name") in slots and e["event"] == "start")
+    t_end = t_start + max(sl.allocated_s + _first_start(events, n) - t_start for n, sl in slots.items())
 
-    allocated = sum(v["allocated_s"] for v in learners.values())
-    busy = sum(v["busy_s"] for v in learners.values())
-    useful = sum(v["useful_s"] for v in learners.values())
-    steady = sum(v["allocated_after_startup_s"] for v in learners.values())
+    figures = goodput(slots.values())
     advances = advances_from_samples(samples)
     first = advances[0] if advances else None
     # From the first merge to the last training report: the start-up before and the shutdown drain after
@@ -139,19 +111,20 @@ def from_run_dir(run_dir: str | Path, stall_threshold_s: float | None = None) ->
         up = uptime(advances, first, max(first, t_trained), stall_threshold_s, origin=t_start)
     return {
         "source": str(run_dir), "fragments": fragments, "learners": learners,
-        "allocated_s": allocated, "busy_s": busy, "useful_s": useful,
-        "goodput": useful / allocated if allocated else None,
+        **figures,
         # The same, with each slot counted from its first training report: the one-time start-up (process,
         # corpus, first pull of Θ) left out; the start-up of every restart still counts as lost.
-        "goodput_after_startup": useful / steady if steady else None,
-        "compute_fraction": busy / allocated if allocated else None,  # time in steps / allocated
-        "merged_fraction": useful / busy if busy else None,  # useful / time in steps
+        "goodput_after_startup": goodput(steady.values())["goodput"],
         "wall_s": t_end - t_start, "first_merge_after_s": None if first is None else first - t_start,
         **up,
     }
 
 
-def advances_from_samples(samples: list[dict]) -> list[float]:
+def _first_start(events: list[dict], name: str) -> float:
+    return min(float(e["time"]) for e in events if e.get("name") == name and e["event"] == "start")
+
+
+def advances_from_samples(samples: list[SyncerSample]) -> list[float]:
     """Estimated times of the global model's advances, from the syncer's status samples.
 
     Between two answered samples the count of outer steps tells how many merges happened; they are spread
@@ -161,12 +134,10 @@ def advances_from_samples(samples: list[dict]) -> list[float]:
     """
     out: list[float] = []
     prev = None
-    for s in sorted(samples, key=lambda s: s.get("time", 0.0)):
-        t, count = float(s["time"]), int(s.get("outer_steps", 0))
+    for s in sorted((s for s in samples if s.status is not None), key=lambda s: s.time):
+        t, count = s.time, s.status.outer_steps
         if prev is not None and count > prev[1]:
-            since = prev[0]
-            if s.get("uptime_s") is not None:
-                since = max(since, t - float(s["uptime_s"]))
+            since = prev[0] if s.status.uptime_s is None else max(prev[0], t - s.status.uptime_s)
             k = count - prev[1]
             out.extend(since + (t - since) * (i + 1) / k for i in range(k))
         if prev is None or count >= prev[1]:

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from diloco_chaos.goodput import from_counters, from_run_dir, incarnation_busy, uptime
+from diloco_chaos.goodput import advances_from_samples, from_counters, from_run_dir, uptime
+from diloco_trainer.goodput import incarnation_busy
+from diloco_trainer.protocol import MetricsRecord, SyncerSample
 
 
 def _jsonl(path: Path, rows: list[dict]) -> None:
@@ -87,8 +89,9 @@ def test_a_learner_that_never_trained_is_allocated_and_useless(run_dir):
 
 
 def test_busy_time_of_an_incarnation_weights_each_window_by_its_step_time():
-    recs = [{"time": 1, "step": 5, "step_time_s": 0.2}, {"time": 2, "step": 10, "step_time_s": 0.4},
-            {"time": 3, "step": 10, "step_time_s": 9.9, "final": True}]  # a final line adds no steps
+    recs = [MetricsRecord.model_validate(r) for r in (
+        {"time": 1, "step": 5, "step_time_s": 0.2}, {"time": 2, "step": 10, "step_time_s": 0.4},
+        {"time": 3, "step": 10, "step_time_s": 9.9, "final": True})]  # a final line adds no steps
     assert incarnation_busy(recs) == (10, pytest.approx(5 * 0.2 + 5 * 0.4))
 
 
@@ -98,13 +101,15 @@ def test_uptime_is_whole_when_the_model_keeps_advancing():
 
 
 def test_merges_across_a_gap_in_the_samples_are_spread_over_it():
-    from diloco_chaos.goodput import advances_from_samples
+    def sample(t, outer_steps, uptime_s):
+        return SyncerSample.from_line({"time": t, "elapsed_s": t, "up": True, "outer_steps": outer_steps,
+                                       "uptime_s": uptime_s})
 
     # The sampler missed 20 s, but the syncer merged 10 times in between: the model kept advancing.
-    samples = [{"time": 0.0, "outer_steps": 0, "uptime_s": 50.0}, {"time": 20.0, "outer_steps": 10, "uptime_s": 70.0}]
+    samples = [sample(0.0, 0, 50.0), sample(20.0, 10, 70.0)]
     assert advances_from_samples(samples) == pytest.approx([2.0 * i for i in range(1, 11)])
     # The syncer restarted 5 s before the second sample: its 10 merges (a replayed spool) all came after that.
-    samples[1]["uptime_s"] = 5.0
+    samples[1] = sample(20.0, 10, 5.0)
     adv = advances_from_samples(samples)
     assert min(adv) > 15.0 and uptime(adv, 0.0, 20.0, threshold_s=3.0)["uptime"] == pytest.approx(1 - 15.5 / 20)
 

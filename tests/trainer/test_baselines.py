@@ -84,7 +84,8 @@ def _assert_resumed_from_the_checkpoint(run_dir: Path, summary: dict, steps: int
     # Re-done work counts as trained; the useful part is what the final model holds.
     assert summary["steps_trained"] == 2 * steps + summary["lost_steps"]
     assert summary["tokens_trained"] == summary["steps_trained"] * 8 * 64  # tiny.yaml: batch 8 × seq_len 64
-    assert summary["goodput"] == pytest.approx(2 * steps / summary["steps_trained"])
+    assert summary["merged_fraction"] == pytest.approx(2 * steps / summary["steps_trained"])
+    assert 0 < summary["goodput"] < summary["merged_fraction"]  # start-up and restarts are allocated, not useful
     assert len({v["param_sha256"] for v in summary["per_learner"].values()}) == 1, "replicas diverged"
     assert all(math.isfinite(v["final_loss"]) for v in summary["per_learner"].values())
     assert summary["val_loss"] is not None and math.isfinite(summary["val_loss"])
@@ -102,7 +103,7 @@ def test_ddp_replicas_stay_identical_and_the_loss_decreases(tmp_path):
         assert len(losses) >= 10 and losses[-1] < losses[0] - 0.5
     evals = summary["global_evals"]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 1.0  # vs Θ₀ (≈ ln 256)
-    assert summary["steps_trained"] == 48 and summary["goodput"] == 1.0
+    assert summary["steps_trained"] == 48 and summary["merged_fraction"] == 1.0
     # DDP sends what its own formula says, every step.
     assert summary["bytes"]["sent_per_learner_step"] == pytest.approx(summary["bytes"]["ddp_per_learner_step"])
     assert (tmp_path / "run" / "plot.png").stat().st_size > 10_000

@@ -372,13 +372,14 @@ class HostileClients(RuleBasedStateMachine):
 
 def test_hostile_requests_never_get_a_5xx_never_change_state_and_valid_submissions_still_merge(syncer):
     HostileClients.syncer = syncer
-    profile = settings.get_profile(os.environ.get("DILOCO_FUZZ_PROFILE", "syncer-fuzz"))
+    name = os.environ.get("DILOCO_FUZZ_PROFILE", "syncer-fuzz")
+    profile = settings.get_profile(name)
     HostileClients.TestCase.settings = profile
     started = time.monotonic()
     HostileClients.TestCase("runTest").runTest()
     log = syncer.log_path.read_text()
     assert "Traceback" not in log and " ERROR " not in log, log[-4000:]
-    assert time.monotonic() - started < 120
+    assert name != "syncer-fuzz" or time.monotonic() - started < 120, "the suite's profile must stay quick"
 
 
 def test_an_oversized_header_line_is_a_400_logged_as_one_warning_without_a_traceback(syncer):

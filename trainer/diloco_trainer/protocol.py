@@ -153,21 +153,22 @@ class LearnerStatus(_Document):
 
 
 class SyncerStatus(_Document):
-    """`GET /v1/status`: the syncer's progress for displays, the operator's job status and goodput."""
+    """`GET /v1/status`: the syncer's progress for displays, the operator's job status and goodput. The syncer
+    fills every field; readers of older or partial samples (syncer.jsonl) get zeros and empty maps instead."""
 
-    versions: Versions
-    outer_steps: int
-    outer_steps_per_fragment: dict[str, int]
-    merges: int
-    contributions_merged: int
-    tokens_merged: int
-    learners: dict[str, LearnerStatus]
-    live_learners: int
-    pending: dict[str, int]
-    grace_s: float
-    quorum: int
-    fragments: int
-    uptime_s: float
+    versions: Versions = Field(default_factory=dict)
+    outer_steps: int = 0
+    outer_steps_per_fragment: dict[str, int] = Field(default_factory=dict)
+    merges: int = 0
+    contributions_merged: int = 0
+    tokens_merged: int = 0
+    learners: dict[str, LearnerStatus] = Field(default_factory=dict)
+    live_learners: int = 0
+    pending: dict[str, int] = Field(default_factory=dict)
+    grace_s: float = 0.0
+    quorum: int = 1
+    fragments: int = 0
+    uptime_s: float | None = None
     last_checkpoint: float | None = None
 
     @property
@@ -238,6 +239,8 @@ class MetricsRecord(LearnerRecord):
     worker's (baselines.py), which adds the checkpoint step its incarnation resumed from and, on its last line,
     a digest of its parameters. Unknown keys are ignored; missing counters read as zero."""
 
+    time: float = 0.0
+    learner_id: str = ""
     resumed_from_step: int = 0
     param_sha256: str | None = None
 
@@ -249,7 +252,10 @@ class MetricsRecord(LearnerRecord):
 
 class ProcessEntry(_Document):
     """One supervised program in processes.json; `cmdline_tag` is what its command line contains that no other
-    process's does (a warm spare that took over a learner keeps showing `--standby DIR`)."""
+    process's does (a warm spare that took over a learner keeps showing `--standby DIR`). Other metadata the
+    supervisor attaches to a child is kept as it is."""
+
+    model_config = ConfigDict(extra="allow")
 
     name: str
     role: str  # learner | syncer

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import diloco_trainer
 from diloco_trainer.fsutil import atomic_write_json
+from diloco_trainer.protocol import ProcessEntry, ProcessesDoc
 
 from .spares import SparePool
 
@@ -240,18 +241,11 @@ class Supervisor:
         """Current PIDs and roles, atomically, so an external chaos tool can pick victims."""
         if self.processes_json is None:
             return
-        doc = {
-            "supervisor_pid": os.getpid(),
-            "updated": time.time(),
-            "stopping": self.stopping,
-            "processes": [
-                {"name": c.name, "role": c.role, "pid": c.pid, "alive": c.alive, "restarts": c.restarts,
-                 "finished": c.finished, "started": c.starts[-1] if c.starts else None,
-                 **({"cmdline_tag": c.cmdline_tag} if c.cmdline_tag else {}), **c.meta}
-                for c in self.children.values()
-            ],
-        }
-        atomic_write_json(self.processes_json, doc, indent=1)
+        doc = ProcessesDoc(supervisor_pid=os.getpid(), updated=time.time(), stopping=self.stopping, processes=[
+            ProcessEntry(name=c.name, role=c.role, pid=c.pid, alive=c.alive, restarts=c.restarts, finished=c.finished,
+                         started=c.starts[-1] if c.starts else None, cmdline_tag=c.cmdline_tag, **c.meta)
+            for c in self.children.values()])
+        atomic_write_json(self.processes_json, doc.model_dump(mode="json"), indent=1)
 
 
 class StopFlag:

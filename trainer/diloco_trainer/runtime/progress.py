@@ -11,6 +11,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from ..protocol import SyncerStatus
+
 
 @dataclass
 class LearnerView:
@@ -30,7 +32,7 @@ class View:
     elapsed_s: float
     budget_s: float | None
     learners: list[LearnerView] = field(default_factory=list)
-    syncer: dict | None = None  # the last /v1/status answer, None while the syncer is away
+    syncer: SyncerStatus | None = None  # the last /v1/status answer, None while the syncer is away
     syncer_restarts: int = 0
     no_syncer: str | None = None  # baselines: what stands in for the syncer line (e.g. "all-reduce every step")
     goodput: float | None = None
@@ -103,13 +105,12 @@ def syncer_text(view: View) -> Text:
     restarts = f", restarts {view.syncer_restarts}" if view.syncer_restarts else ""
     if s is None:
         return Text(f"syncer: away{restarts}", style="yellow")
-    live = sum(1 for ls in (s.get("learners") or {}).values() if ls.get("live"))
-    pending = sum(int(v) for v in (s.get("pending") or {}).values())
+    live = sum(1 for ls in s.learners.values() if ls.live)
     return Text(
-        f"syncer: outer steps {s.get('outer_steps', 0)}, merges {s.get('merges', 0)}, goodput {goodput} "
-        f"(tokens merged {human(s.get('tokens_merged'))} over {s.get('fragments', '?')} fragments, "
-        f"trained {human(view.tokens_trained)}), live learners {live}, pending {pending}, "
-        f"grace {float(s.get('grace_s') or 0):.2f}s{restarts}"
+        f"syncer: outer steps {s.outer_steps}, merges {s.merges}, goodput {goodput} "
+        f"(tokens merged {human(s.tokens_merged)} over {s.fragments} fragments, "
+        f"trained {human(view.tokens_trained)}), live learners {live}, pending {s.pending_total}, "
+        f"grace {s.grace_s:.2f}s{restarts}"
     )
 
 
@@ -125,5 +126,5 @@ def plain_line(view: View) -> str:
     if view.no_syncer:
         parts.append(f"| {view.no_syncer}")
     else:
-        parts.append(f"| syncer outer={s.get('outer_steps', 0)} merges={s.get('merges', 0)}" if s else "| syncer away")
+        parts.append(f"| syncer outer={s.outer_steps} merges={s.merges}" if s else "| syncer away")
     return " ".join(parts)

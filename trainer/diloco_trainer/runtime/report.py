@@ -104,7 +104,9 @@ def summary_lines(s: dict) -> list[str]:
     lines.append(f"tokens trained: {s['tokens_trained']:,} in {s['steps_trained']:,} learner steps "
                  f"({s['tokens_trained'] / max(s['wall_time_s'], 1e-9):,.0f} tokens/s overall)")
     if s.get("goodput") is not None:
-        lines.append(f"goodput: {100 * s['goodput']:.1f}% of trained steps were merged into the global model "
+        lines.append(f"goodput: {100 * s['goodput']:.1f}% of the learners' allocated time was useful training")
+    if s.get("merged_fraction") is not None:
+        lines.append(f"merged: {100 * s['merged_fraction']:.1f}% of trained steps reached the global model "
                      f"(tokens merged {s.get('tokens_merged', 0):,})")
     if s.get("restarts"):
         lost = (f" (lost {s['lost_steps']:,} learner steps, trained again from checkpoints)"

@@ -15,6 +15,8 @@ import yaml
 
 from ..config import TrainConfig
 from ..fsutil import atomic_write_json
+from ..goodput import Slot, slot
+from ..protocol import MetricsRecord
 
 
 def make_run_dir(path: str | Path | None, root: str | Path = "runs") -> Path:
@@ -87,8 +89,13 @@ def last_jsonl(path: Path, window: int = 16384) -> dict | None:
     return None
 
 
-def split_incarnations(records: list[dict], starts: list[float]) -> list[list[dict]]:
-    """Group a learner's metrics lines by process incarnation, using the supervisor's start times.
+def as_record(rec: dict | MetricsRecord) -> MetricsRecord:
+    """A metrics line as a typed record (lines read as plain dicts are validated here)."""
+    return rec if isinstance(rec, MetricsRecord) else MetricsRecord.model_validate(rec)
+
+
+def split_incarnations(records: list, starts: list[float]) -> list[list]:
+    """Group a learner's metrics lines (records or dicts) by process incarnation, using the supervisor's start times.
 
     Counters in metrics.jsonl (step, tokens, acked_tokens) restart from zero in each incarnation, so
     totals are sums over incarnations of each one's last line; only `step` of an incarnation resumed from a
@@ -96,27 +103,68 @@ def split_incarnations(records: list[dict], starts: list[float]) -> list[list[di
     """
     if not starts:
         return [records] if records else []
-    groups: list[list[dict]] = [[] for _ in starts]
+    groups: list[list] = [[] for _ in starts]
     for rec in records:
-        t = float(rec.get("time", 0.0))
+        t = rec.time if isinstance(rec, MetricsRecord) else float(rec.get("time", 0.0))
         k = max((i for i, s in enumerate(starts) if s <= t), default=0)
         groups[k].append(rec)
     return groups
 
 
-def steps_in_incarnation(rec: dict) -> int:
+def steps_in_incarnation(rec: dict | MetricsRecord) -> int:
     """Steps a metrics line's incarnation has trained: its step less the checkpoint step it resumed from."""
-    return int(rec.get("step", 0) or 0) - int(rec.get("resumed_from_step", 0) or 0)
+    return as_record(rec).steps_in_incarnation
 
 
-def learner_totals(records: list[dict], starts: list[float]) -> dict:
+def learner_totals(records: list, starts: list[float]) -> dict:
     """Totals over all incarnations of one learner: steps, tokens, acked tokens/steps, sent, rejected."""
     keys = ("step", "tokens", "acked_tokens", "acked_steps", "sent", "acked", "rejected", "adoptions")
     total = {k: 0 for k in keys}
     for group in split_incarnations(records, starts):
         if group:
-            last = group[-1]
+            last = as_record(group[-1])
             for k in keys:
-                total[k] += steps_in_incarnation(last) if k == "step" else int(last.get(k, 0) or 0)
+                total[k] += last.steps_in_incarnation if k == "step" else int(getattr(last, k))
     total["incarnations"] = max(1, len(starts)) if records else len(starts)
     return total
+
+
+def metrics_records(path: Path) -> list[MetricsRecord]:
+    """A metrics.jsonl as typed records (lines that are not a record, e.g. from a damaged file, are skipped)."""
+    out = []
+    for line in read_jsonl(path):
+        try:
+            out.append(MetricsRecord.model_validate(line))
+        except ValueError:
+            continue
+    return out
+
+
+def learner_slots(run_dir: Path, steps_merged: dict[str, int] | None, fragments: int = 1,
+                  after_startup: bool = False) -> dict[str, Slot]:
+    """Every learner slot of a run directory, for `goodput.goodput` (see goodput.py for the definition).
+
+    `steps_merged` (per learner, from the syncer) makes useful steps steps_merged / fragments (Decoupled); None
+    means a synchronous job, whose useful steps are those its last line says the final model holds
+    (resumed_from_step + acked_steps). `after_startup` counts each slot from its first training report.
+    """
+    events = read_jsonl(run_dir / "events.jsonl")
+    names = {e["name"] for e in events if e.get("role") == "learner"}
+    if (run_dir / "learners").is_dir():
+        names |= {p.name for p in (run_dir / "learners").iterdir() if p.is_dir()}
+    slots = {}
+    for name in sorted(names):
+        mine = [e for e in events if e.get("name") == name]
+        starts = [float(e["time"]) for e in mine if e["event"] == "start"]
+        if not starts:
+            continue
+        exits = [float(e["time"]) for e in mine if e["event"] == "exit"]
+        records = metrics_records(run_dir / "learners" / name / "metrics.jsonl")
+        if steps_merged is not None:
+            useful = steps_merged.get(name, 0) / fragments
+        else:
+            useful = records[-1].resumed_from_step + records[-1].acked_steps if records else 0
+        if after_startup:
+            starts = [min((r.time for r in records), default=starts[0]), *starts[1:]]
+        slots[name] = slot(split_incarnations(records, starts), starts, exits, useful)
+    return slots

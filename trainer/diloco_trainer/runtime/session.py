@@ -12,9 +12,11 @@ from pathlib import Path
 import yaml
 
 from ..config import TrainConfig
+from ..goodput import goodput
+from ..protocol import SyncerSample, SyncerStatus
 from . import progress, report
 from .procs import Supervisor
-from .rundir import append_jsonl, last_jsonl, learner_totals, read_jsonl, steps_in_incarnation
+from .rundir import append_jsonl, last_jsonl, learner_slots, learner_totals, read_jsonl, steps_in_incarnation
 from .summary import build_summary, write_outputs
 from .syncer_client import SyncerClient, wait_for_endpoint
 
@@ -80,7 +82,8 @@ class RunSession:
         self.eval_batches, self.n_snapshots = eval_batches, snapshots
         self.learners: dict[str, dict] = {}
         self.client: SyncerClient | None = None
-        self.status: dict | None = None
+        self.status: SyncerStatus | None = None
+        self.goodput: float | None = None  # live, from the run directory and the syncer's merged steps
         self.messages: list[str] = []
         self.bytes_up: dict[int, float] = {}  # syncer incarnation -> outer-gradient bytes received so far
         self.snapshots_taken = 0
@@ -215,12 +218,13 @@ class RunSession:
         if self.client is None:
             return
         self.status = self.client.status()
-        record = {"time": time.time(), "elapsed_s": time.monotonic() - self.started, "up": self.status is not None}
+        sample = SyncerSample(time=time.time(), elapsed_s=time.monotonic() - self.started,
+                              up=self.status is not None, status=self.status)
+        append_jsonl(self.run_dir / "syncer.jsonl", sample.to_line())
         if self.status is not None:
-            record.update(self.status)
-        append_jsonl(self.run_dir / "syncer.jsonl", record)
-        if self.status is not None and int(record["elapsed_s"]) % 5 == 0:
-            self._scrape_bytes(sup)
+            self.goodput = self._live_goodput()
+            if int(sample.elapsed_s) % 5 == 0:
+                self._scrape_bytes(sup)
         self._snapshot()
 
     def _scrape_bytes(self, sup: Supervisor) -> None:
@@ -304,15 +308,14 @@ class RunSession:
         return progress.View(
             title=f"diloco {self.mode} — {self.run_dir}", elapsed_s=time.monotonic() - self.started,
             budget_s=self.budget_s, learners=views, syncer=self.status,
-            syncer_restarts=syncer.restarts if syncer else 0, goodput=self._live_goodput(),
+            syncer_restarts=syncer.restarts if syncer else 0, goodput=self.goodput,
             no_syncer=None if self.mode == "decoupled" else _BASELINE_NOTE.get(self.mode, self.mode),
             tokens_trained=self._tokens_trained(), messages=self.messages)
 
     def _live_goodput(self) -> float | None:
-        if not self.status:
-            return None
-        trained = self._tokens_trained() * self.cfg.outer.fragments  # merged tokens are counted per fragment
-        return min(1.0, float(self.status.get("tokens_merged", 0)) / trained) if trained else None
+        """Goodput so far (goodput.py's definition), with the merged steps the syncer reports now."""
+        merged = {lid: info.steps_merged for lid, info in self.status.learners.items()}
+        return goodput(learner_slots(self.run_dir, merged, self.cfg.outer.fragments).values())["goodput"]
 
     def _open_display(self) -> None:
         if self.plain or self._live is not None:  # a restarted job is watched again in the same display
@@ -344,8 +347,7 @@ class RunSession:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._sample(sup)
-            pending = (self.status or {}).get("pending") or {}
-            if self.status is not None and not any(int(v) for v in pending.values()):
+            if self.status is not None and not self.status.pending_total:
                 break
             time.sleep(0.5)
         self._scrape_bytes(sup)

@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 from ..config import TrainConfig
+from ..goodput import goodput
 from . import report
 from .plot import Curve, plot_run
-from .rundir import learner_totals, read_jsonl, split_incarnations, write_json
+from .rundir import learner_slots, learner_totals, read_jsonl, split_incarnations, write_json
 
 
 def learner_starts(events: list[dict]) -> dict[str, list[float]]:
@@ -106,9 +107,12 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
         summary["syncer"] = {k: state.get(k) for k in ("outer_steps", "versions") if k in state}
         summary["merged"] = merged
         summary["tokens_merged"] = sum(m["tokens_merged"] for m in merged.values())
-        summary["goodput"] = goodput(merged, per_learner, cfg.outer.fragments)
+        slots = learner_slots(run_dir, {lid: m["steps_merged"] for lid, m in merged.items()}, cfg.outer.fragments)
     else:
-        summary.update(sync_job_figures(events, final_lines, steps, cfg.inner.batch_size * cfg.model.seq_len))
+        summary.update(sync_job_figures(events, final_lines, cfg.inner.batch_size * cfg.model.seq_len))
+        slots = learner_slots(run_dir, None)
+    figures = goodput(slots.values())  # the project's one definition: see goodput.py
+    summary["goodput"], summary["merged_fraction"] = figures["goodput"], figures["merged_fraction"]
 
     measured = sum(v["bytes_up"] for v in per_learner.values())
     received = sum(v["bytes_down"] for v in per_learner.values())
@@ -131,34 +135,19 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
     return summary, curves, evals
 
 
-def sync_job_figures(events: list[dict], final_lines: dict[str, dict], steps_trained: int,
-                     tokens_per_step: int) -> dict:
-    """A synchronous baseline's restarts, lost work and goodput.
+def sync_job_figures(events: list[dict], final_lines: dict[str, dict], tokens_per_step: int) -> dict:
+    """A synchronous baseline's restarts and lost work.
 
-    Useful work is what the final model holds: each worker's steps synced up to its last line (the checkpoint
-    step its incarnation resumed from plus what it synced since). Trained work also counts the steps a
-    restart threw away and trained again (`lost_steps`, from the job_restart events), so at the end of a
-    complete run goodput = (steps_trained − lost_steps) / steps_trained.
+    Work kept is what the final model holds: each worker's steps synced up to its last line (the checkpoint step
+    its incarnation resumed from plus what it synced since); `lost_steps` (from the job_restart events) were
+    trained and thrown away by a restart. Goodput and the merged fraction come from goodput.py like every run's.
     """
     restarts = [e for e in events if e.get("event") == "job_restart"]
     useful = sum(int(r.get("resumed_from_step", 0) or 0) + int(r.get("acked_steps", 0) or 0)
                  for r in final_lines.values())
     lost = sum(int(e.get("lost_steps", 0)) for e in restarts)
     return {"restarts": len(restarts), "lost_steps": lost, "lost_tokens": lost * tokens_per_step,
-            "goodput": useful / steps_trained if steps_trained else None,
             "tokens_merged": useful * tokens_per_step}
-
-
-def goodput(merged: dict[str, dict], per_learner: dict[str, dict], fragments: int = 1) -> float | None:
-    """Steps whose contribution was merged / steps trained (over all learners and incarnations).
-
-    Every inner step contributes to each of the P fragments, and the syncer counts merged steps per
-    fragment submission (c_steps), so a fully merged run has Σ steps_merged = P · steps trained.
-    """
-    trained = sum(v["step"] for v in per_learner.values()) * fragments
-    if not trained:
-        return None
-    return min(1.0, sum(m["steps_merged"] for m in merged.values()) / trained)
 
 
 def write_outputs(run_dir: Path, summary: dict, curves: list[Curve], evals: list[tuple], title: str) -> None:

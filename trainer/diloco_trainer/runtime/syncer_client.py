@@ -11,6 +11,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ..protocol import SyncerStatus
+
 
 class SyncerClient:
     """Reads the syncer's `/v1/status`, `/v1/state` and `/metrics`; every call has a short timeout."""
@@ -27,10 +29,10 @@ class SyncerClient:
         with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
             return resp.read()
 
-    def status(self) -> dict | None:
-        """`/v1/status` as a dict, or None when the syncer does not answer (down or restarting)."""
+    def status(self) -> SyncerStatus | None:
+        """`/v1/status`, or None when the syncer does not answer (down or restarting) or answers garbage."""
         try:
-            return json.loads(self._get("/v1/status"))
+            return SyncerStatus.model_validate_json(self._get("/v1/status"))
         except (OSError, urllib.error.URLError, ValueError):
             return None
 

@@ -211,8 +211,28 @@ def _token_corpus(cfg: DataConfig) -> Corpus:
     return Corpus(torch.from_numpy(tokens[:-n_val].copy()), torch.from_numpy(tokens[-n_val:].copy()))
 
 
+_PRELOADED: dict[str, Corpus] = {}  # see `preload`
+
+
+def _preload_key(cfg: DataConfig, cache_dir: Path | None) -> str:
+    return json.dumps([cfg.model_dump(mode="json"), str(cache_dir)], sort_keys=True)
+
+
+def preload(cfg: DataConfig, cache_dir: Path | None = None) -> Corpus:
+    """Load a corpus now and hand it, unchecked, to this process's later `load_corpus` calls with the same arguments.
+
+    Only for a process that becomes a learner within the run that loaded it (a warm spare forked from the local
+    runtime's zygote inherits it): its start then skips walking, hashing and reading the corpus files — measured
+    (issue 11), 2.2 s of a 2.9 s learner start on the busy 2-core machine."""
+    corpus = _PRELOADED[_preload_key(cfg, cache_dir)] = load_corpus(cfg, cache_dir)
+    return corpus
+
+
 def load_corpus(cfg: DataConfig, cache_dir: Path | None = None) -> Corpus:
     """Train and validation tokens for a data config; file corpora are cached as .npy token files."""
+    preloaded = _PRELOADED.get(_preload_key(cfg, cache_dir))
+    if preloaded is not None:
+        return preloaded
     if cfg.source == "tokens":
         return _token_corpus(cfg)
     if cfg.source == "stdlib":

@@ -97,7 +97,8 @@ def _warm_up(config: str | None = None) -> None:
     initialisation of a first forward, backward and AdamW step (measured on a busy 2-core machine: 13 s of imports,
     5 s for the first AdamW, 1.3 s for the first step). With the run's `config` (a YAML file), that step is taken
     by a throw-away model of the run's own size and batch, so the learner's first real step finds every buffer
-    size it needs already allocated once; without it, by a tiny model."""
+    size it needs already allocated once, and the corpus is loaded ahead (`data.preload`); without it, a tiny
+    model."""
     import torch
 
     from . import client, data, learner  # noqa: F401
@@ -109,6 +110,7 @@ def _warm_up(config: str | None = None) -> None:
 
         cfg = TrainConfig.model_validate(yaml.safe_load(Path(config).read_text()))
         model_cfg, shape, lr = cfg.model, (cfg.inner.batch_size, cfg.model.seq_len), cfg.inner.lr
+        data.preload(cfg.data)  # the learners of `diloco local` read the default data cache
     else:
         model_cfg, shape, lr = MODEL_PRESETS["tiny"], (1, 8), 1e-3
     model = build_model(model_cfg, seed=0)

@@ -32,7 +32,7 @@ from diloco_chaos.schedule import Schedule
 from diloco_trainer.runtime import procs
 from diloco_trainer.runtime.rundir import read_jsonl
 
-from . import harsh, quality, report, runs
+from . import harsh, quality, report, restart_state, runs
 
 NAME = "resilience"
 MTBF_S = 60.0  # the issue's schedule
@@ -181,6 +181,8 @@ def run(ctx: report.Context) -> dict:
     result["figures"]["harsh"] = h = harsh.measure(ctx)  # issue 11: a kill every ~20 s pooled
     harsh.summarize(result, h)
     harsh.plot(h, ctx.out_dir / f"{NAME}_harsh.png", report.footnote(result))
+    result["figures"]["restart_state"] = rs = restart_state.measure(ctx)
+    result["notes"].append("what a restarted learner loses with its inner state: " + restart_state.describe(rs))
     return result
 
 

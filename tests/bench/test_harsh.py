@@ -1,0 +1,26 @@
+"""The harsh resilience schedule (bench/diloco_bench/harsh.py) and the restart-state comparison's step conversion."""
+
+import pytest
+
+from diloco_bench import harsh, report, restart_state
+from diloco_chaos.experiment import parse_experiment
+
+
+def test_the_harsh_schedule_is_a_valid_experiment_killing_each_learner_every_60_s_with_three_seeds(tmp_path):
+    full = report.Context(mode="full", out_dir=tmp_path)
+    assert len(harsh.seeds(full)) >= 3 and len(set(harsh.seeds(full))) == len(harsh.seeds(full))
+    assert len(harsh.seeds(report.Context(mode="full", out_dir=tmp_path, seeds=5))) == 5
+    exp = parse_experiment(harsh.experiment(101, 60.0))
+    assert exp.schedule.kind == "mtbf" and exp.schedule.mtbf_s == 60.0 and exp.schedule.seed == 101
+    # Every configuration under a seed gets that seed's schedule; its failure-free twin is a run of its own.
+    chaos, twin = harsh.spec(full, 101), harsh.spec(full, 101, kills=False)
+    assert chaos.key != twin.key != harsh.spec(full, 102, kills=False).key
+    assert twin.kill_every_s is None and chaos.kill_every_s == 60.0 and chaos.learners == 3
+    assert "--restart-delay" in chaos.extra and chaos.extra[chaos.extra.index("--restart-delay") + 1] == "2"
+
+
+def test_steps_behind_finds_where_the_reference_had_the_same_loss():
+    reference = [10.0 - 0.1 * i for i in range(60)]  # one loss unit per 10 steps
+    assert restart_state.steps_behind(reference, reference) == pytest.approx(0.0, abs=1e-9)
+    assert restart_state.steps_behind(reference, [x + 0.5 for x in reference]) == pytest.approx(5.0)
+    assert restart_state.steps_behind(reference, [x - 0.5 for x in reference]) == 0.0

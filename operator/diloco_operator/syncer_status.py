@@ -6,6 +6,7 @@ import asyncio
 from datetime import datetime, timezone
 
 import aiohttp
+from diloco_trainer.protocol import SyncerStatus
 
 from diloco_operator import conditions as C
 
@@ -19,17 +20,15 @@ def syncer_address(job: dict, port: int) -> str:
     return override.rstrip("/") if override else f"http://{meta['name']}-syncer.{meta['namespace']}.svc:{port}"
 
 
-def summarize(doc: dict) -> dict:
-    """Job-status fields from a /v1/status document; learners maps learner id -> last seen (RFC 3339)."""
-    learners = {}
-    for lid, info in (doc.get("learners") or {}).items():
-        if info.get("last_seen"):
-            learners[lid] = C.now_iso(datetime.fromtimestamp(float(info["last_seen"]), timezone.utc))
-    out = {"outerSteps": int(doc.get("outer_steps", 0)),
-           "version": sum(int(v) for v in (doc.get("versions") or {}).values()),
-           "learners": learners}
-    if doc.get("last_checkpoint"):  # unix seconds of the syncer's last checkpoint, when it reports one
-        out["lastCheckpoint"] = C.now_iso(datetime.fromtimestamp(float(doc["last_checkpoint"]), timezone.utc))
+def summarize(doc: dict | SyncerStatus) -> dict:
+    """Job-status fields from a /v1/status document; learners maps learner id -> last seen (RFC 3339).
+    ValueError if the document is not a /v1/status."""
+    status = doc if isinstance(doc, SyncerStatus) else SyncerStatus.model_validate(doc)
+    learners = {lid: C.now_iso(datetime.fromtimestamp(info.last_seen, timezone.utc))
+                for lid, info in status.learners.items() if info.last_seen}
+    out = {"outerSteps": status.outer_steps, "version": sum(status.versions.values()), "learners": learners}
+    if status.last_checkpoint:  # unix seconds of the syncer's last checkpoint, when it reports one
+        out["lastCheckpoint"] = C.now_iso(datetime.fromtimestamp(status.last_checkpoint, timezone.utc))
     return out
 
 

@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from diloco_trainer.protocol import MetricsRecord, ProcessEntry, ProcessesDoc, SyncerSample
+
 from ..experiment import Experiment
 from ..guards import Candidate
 from ..record import UnitObservation
@@ -92,14 +94,14 @@ class LocalTarget:
 
     # ------------------------------------------------------------------ discovery
 
-    def _doc(self) -> dict:
+    def _doc(self) -> ProcessesDoc:
         try:
-            return json.loads(self.processes_json.read_text())
+            return ProcessesDoc.model_validate_json(self.processes_json.read_text())
         except FileNotFoundError:
             raise ValueError(f"{self.processes_json} not found: pass the run directory of a running "
                              f"`diloco local` (--run-dir)") from None
         except ValueError:  # replaced atomically, so this is a damaged file, not a torn write
-            raise ValueError(f"{self.processes_json} is not valid JSON") from None
+            raise ValueError(f"{self.processes_json} is not a valid processes.json") from None
 
     async def preflight(self, exp: Experiment) -> None:
         self._doc()
@@ -110,42 +112,41 @@ class LocalTarget:
 
     async def ended(self) -> str | None:
         doc = self._doc()
-        if doc.get("stopping"):
+        if doc.stopping:
             return "the local run is stopping"
-        if not _pid_alive(int(doc.get("supervisor_pid", 0))):
+        if not _pid_alive(doc.supervisor_pid):
             return "the local run's supervisor is gone"
         return None
 
     async def candidates(self) -> list[Candidate]:
         out = []
-        for p in self._doc().get("processes", []):
-            role = p.get("role")
-            if role not in ("learner", "syncer"):
+        for p in self._doc().processes:
+            if p.role not in ("learner", "syncer"):
                 continue
-            m = re.search(r"(\d+)$", p["name"])
+            m = re.search(r"(\d+)$", p.name)
             out.append(Candidate(
-                unit=p["name"], role=role, index=int(m.group(1)) if role == "learner" and m else None,
-                members=(p["name"],), labels={LABEL_COMPONENT: role, LABEL_UNIT: p["name"]},
-                alive=bool(p.get("alive")) and not p.get("finished") and p["name"] not in self.stopped))
+                unit=p.name, role=p.role, index=int(m.group(1)) if p.role == "learner" and m else None,
+                members=(p.name,), labels={LABEL_COMPONENT: p.role, LABEL_UNIT: p.name},
+                alive=p.alive and not p.finished and p.name not in self.stopped))
         return out
 
-    def _process(self, name: str) -> dict | None:
-        return next((p for p in self._doc().get("processes", []) if p["name"] == name), None)
+    def _process(self, name: str) -> ProcessEntry | None:
+        return self._doc().process(name)
 
     def _verified_pid(self, name: str) -> int | None:
         """The live PID of `name`, checked against its command line (a PID is never signalled after reuse)."""
         p = self._process(name)
-        if p is None or not p.get("alive") or not p.get("pid"):
+        if p is None or not p.alive or not p.pid:
             return None
-        pid = int(p["pid"])
+        pid = p.pid
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             return None
-        if p.get("cmdline_tag"):  # a warm spare that became this learner (runtime/spares.py)
-            expected = str(p["cmdline_tag"]).encode()
+        if p.cmdline_tag:  # a warm spare that became this learner (runtime/spares.py)
+            expected = p.cmdline_tag.encode()
         else:
-            expected = b"--learner-id " + name.encode() if p["role"] == "learner" else b"syncer --config"
+            expected = b"--learner-id " + name.encode() if p.role == "learner" else b"syncer --config"
         return pid if expected in b" ".join(argv) else None
 
     # ------------------------------------------------------------------ actions
@@ -205,23 +206,25 @@ class LocalTarget:
     async def observe(self) -> dict[str, UnitObservation]:
         doc = self._doc()
         units: dict[str, UnitObservation] = {}
-        for p in doc.get("processes", []):
-            if p.get("role") not in ("learner", "syncer"):
+        for p in doc.processes:
+            if p.role not in ("learner", "syncer"):
                 continue
-            units[p["name"]] = UnitObservation(started=p.get("started"), running=bool(p.get("alive")), lines=[])
-            if p["role"] == "learner":
-                tail = self.tails.setdefault(p["name"], _Tail(self.run_dir / "learners" / p["name"] / "metrics.jsonl"))
-                units[p["name"]].lines = [(float(r["time"]), int(r.get("step", 0))) for r in tail.new() if "time" in r]
-        for rec in self.syncer_tail.new():
-            t = float(rec.get("time", 0.0))
-            if not rec.get("up"):
+            units[p.name] = UnitObservation(started=p.started, running=p.alive, lines=[])
+            if p.role == "learner":
+                tail = self.tails.setdefault(p.name, _Tail(self.run_dir / "learners" / p.name / "metrics.jsonl"))
+                records = [MetricsRecord.model_validate(r) for r in tail.new() if "time" in r]
+                units[p.name].lines = [(r.time, r.step) for r in records]
+        for line in self.syncer_tail.new():
+            if not line.get("up"):
                 continue
+            sample = SyncerSample.from_line(line)
+            t, status = sample.time, sample.status
             if "syncer" in units:  # the syncer "trains" when it serves: its progress is the outer step count
-                units["syncer"].lines.append((t, int(rec.get("outer_steps", 0)) + 1))
-                units["syncer"].merged.append((t, int(rec.get("contributions_merged", 0))))
-            for lid, info in (rec.get("learners") or {}).items():
+                units["syncer"].lines.append((t, status.outer_steps + 1))
+                units["syncer"].merged.append((t, status.contributions_merged))
+            for lid, info in status.learners.items():
                 if lid in units:
-                    units[lid].merged.append((t, int(info.get("submissions_merged", 0))))
+                    units[lid].merged.append((t, info.submissions_merged))
         return units
 
 

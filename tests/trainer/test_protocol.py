@@ -10,10 +10,12 @@ from diloco_trainer.protocol import (FragmentQuery, HeartbeatRequest, MetricsRec
                                      RegisterRequest, SyncerSample, SyncerStatus, parse)
 
 
-def test_importing_protocol_does_not_import_torch():
-    code = ("import sys; import diloco_trainer.protocol; "
+@pytest.mark.parametrize("module", ["diloco_trainer.protocol", "diloco_trainer.goodput", "diloco_chaos.goodput",
+                                    "diloco_operator.syncer_status"])
+def test_the_contracts_and_their_readers_import_without_torch(module):
+    code = (f"import json, sys; import {module}; "
             "print(json.dumps(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))))")
-    out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
 
 

@@ -147,6 +147,32 @@ class RestartPolicy(_Api):
     maxBackoffSeconds: float = Field(300.0, ge=0, le=86400)
 
 
+class Autoscaling(_Api):
+    """Capacity-aware autoscaling: how many units the job may run and in which order its templates are filled."""
+
+    minUnits: int = Field(1, ge=0, le=10000, description="Never fewer units on purpose (0 to 10000).")
+    maxUnits: int = Field(..., ge=1, le=10000, description="Never more units (1 to 10000).")
+    preference: list[Annotated[str, Field(max_length=20, pattern=DNS_LABEL)]] = Field(default_factory=list, max_length=16,
+                                  description="Template names, best first; unnamed templates follow in spec order.")
+    provisioningTimeoutSeconds: float = Field(
+        300, ge=0, le=86400, description="How long a unit's pods may stay Unschedulable (e.g. while a cluster "
+                                         "autoscaler adds nodes) before the unit is parked.")
+    retryBackoffSeconds: float = Field(60, ge=0, le=86400,
+                                       description="A parked template is retried after this, doubled per park.")
+    maxRetryBackoffSeconds: float = Field(1800, ge=0, le=604800, description="Cap of the retry backoff.")
+    scaleUpCooldownSeconds: float = Field(30, ge=0, le=86400, description="At least this between two scale-ups.")
+    scaleDownCooldownSeconds: float = Field(
+        30, ge=0, le=86400, description="At least this after a scale-up or a park before units are parked again.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "Autoscaling":
+        if self.minUnits > self.maxUnits:
+            raise ValueError(f"autoscaling.minUnits ({self.minUnits}) must be <= maxUnits ({self.maxUnits})")
+        if len(set(self.preference)) != len(self.preference):
+            raise ValueError(f"autoscaling.preference must not repeat a template, got {self.preference}")
+        return self
+
+
 class DilocoJobSpec(_Api):
     """A Decoupled DiLoCo training job: one syncer and learner units built from templates."""
 
@@ -158,6 +184,7 @@ class DilocoJobSpec(_Api):
     syncer: SyncerSpec = Field(default_factory=SyncerSpec)
     restartPolicy: RestartPolicy = Field(default_factory=RestartPolicy)
     chaos: JobChaos | None = None  # a chaos schedule the operator runs on this job's own units (docs/chaos.md)
+    autoscaling: Autoscaling | None = None  # capacity-aware: units follow the room on the templates' pools
 
     @model_validator(mode="after")
     def _consistent(self) -> "DilocoJobSpec":
@@ -165,14 +192,24 @@ class DilocoJobSpec(_Api):
         if len(set(names)) != len(names):
             raise ValueError(f"units[].name must be unique, got {names}")
         lo = sum(u.minCount for u in self.units)
-        if self.replicas is not None:
+        if self.autoscaling is not None:
+            unknown = [p for p in self.autoscaling.preference if p not in names]
+            if unknown:
+                raise ValueError(f"autoscaling.preference names unknown templates {unknown} (templates: {names})")
+            if self.autoscaling.minUnits < lo:
+                raise ValueError(f"autoscaling.minUnits ({self.autoscaling.minUnits}) must be >= the sum of "
+                                 f"units[].minCount ({lo})")
+        elif self.replicas is not None:
             if self.replicas < lo:
                 raise ValueError(f"replicas ({self.replicas}) must be >= the sum of units[].minCount ({lo})")
             if all(u.maxCount is not None for u in self.units):
                 hi = sum(u.maxCount or 0 for u in self.units)
                 if self.replicas > hi:
                     raise ValueError(f"replicas ({self.replicas}) must be <= the sum of units[].maxCount ({hi})")
-        if self.config.outer.quorum > self.total_units():
+        if self.autoscaling is not None and self.config.outer.quorum > self.autoscaling.minUnits:
+            raise ValueError(f"config.outer.quorum ({self.config.outer.quorum}) must not exceed "
+                             f"autoscaling.minUnits ({self.autoscaling.minUnits})")
+        if self.autoscaling is None and self.config.outer.quorum > self.total_units():
             raise ValueError(f"config.outer.quorum ({self.config.outer.quorum}) must not exceed the number of "
                              f"learner units ({self.total_units()})")
         return self
@@ -183,7 +220,11 @@ class DilocoJobSpec(_Api):
         return max(1, sum(u.maxCount if u.maxCount is not None else u.count for u in self.units))
 
     def total_units(self) -> int:
-        """The number of learner units wanted: spec.replicas when set, else the sum of the templates' counts."""
+        """The number of learner units wanted: with autoscaling spec.replicas (else maxUnits) within
+        [minUnits, maxUnits]; without, spec.replicas when set, else the sum of the templates' counts."""
+        if self.autoscaling is not None:
+            want = self.replicas if self.replicas is not None else self.autoscaling.maxUnits
+            return max(self.autoscaling.minUnits, min(self.autoscaling.maxUnits, want))
         return self.replicas if self.replicas is not None else sum(u.count for u in self.units)
 
 
@@ -222,6 +263,39 @@ class Condition(_Api):
     observedGeneration: int | None = None
 
 
+class TemplateScaling(_Api):
+    """The autoscaler's view of one template: units it wants and runs, and why it is parked."""
+
+    name: str
+    desired: int = 0
+    running: int = 0
+    parkCount: int = 0  # consecutive parks (reset once a unit of the template runs)
+    freeUnits: int | None = None  # units that fit on ready, matching nodes now (accelerator templates)
+    retryAt: str | None = None  # parked: no new units before this (unless capacity appears)
+    reason: str | None = None
+
+
+class ParkedUnit(_Api):
+    """A unit the autoscaler removed because its pods could not be placed."""
+
+    name: str
+    template: str
+    reason: str = ""
+    time: str
+
+
+class AutoscalingStatus(_Api):
+    """What the autoscaler wants and why (spec.autoscaling)."""
+
+    targetUnits: int = 0  # spec.replicas (or maxUnits) within [minUnits, maxUnits]
+    desiredUnits: int = 0  # what it asks for now, given parked templates
+    runningUnits: int = 0
+    templates: list[TemplateScaling] = Field(default_factory=list)
+    parkedUnits: list[ParkedUnit] = Field(default_factory=list)  # newest first, at most 20
+    lastScaleUpTime: str | None = None
+    lastScaleDownTime: str | None = None
+
+
 class DilocoJobStatus(_Api):
     """What the operator observed for a job: written once per reconcile."""
 
@@ -240,6 +314,7 @@ class DilocoJobStatus(_Api):
     startTime: str | None = None
     completionTime: str | None = None
     message: str | None = None
+    autoscaling: AutoscalingStatus | None = None
 
 
 class LearnerUnitStatus(_Api):

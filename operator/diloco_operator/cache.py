@@ -111,6 +111,10 @@ class Cache:
                             lambda o: _name(o) == name)
         return next((o for o in found if _name(o) == name), None)
 
+    def all_pods(self) -> list[dict]:
+        """Every watched learner pod (the autoscaler's view of what its units use on each node)."""
+        return [p for store in self.indexes["pods"].values() for p in store]
+
     def node(self, name: str) -> dict | None:
         return next(iter(self._lookup("nodes", name)), None)
 

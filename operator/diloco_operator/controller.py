@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 
 from pydantic import ValidationError
 
-from diloco_operator import api, metrics
+from diloco_operator import api, autoscale, metrics
 from diloco_operator import conditions as C
 from diloco_operator import jobplan
 from diloco_operator import objects as O
@@ -65,6 +65,11 @@ class Controller:
             self.queued.add(key)
             self.queue.put_nowait(key)
         metrics.QUEUE_DEPTH.set(self.queue.qsize())
+
+    def enqueue_jobs(self) -> None:
+        """Re-queue every known job (a Node changed: capacity for the autoscaler)."""
+        for key in [k for k in self.known if k[0] == "job"]:
+            self.enqueue(key)
 
     def forget(self, key: Key) -> None:
         self.known.discard(key)
@@ -194,25 +199,43 @@ class Controller:
         lus = self.cache.units_of_job(ns, name)
         units = [jobplan.unit_view(lu) for lu in lus]
         events: list[tuple[str, str, str]] = []
+        decision = None
         if not finished:
-            plan = jobplan.plan_units(name, spec, units)
+            if spec.autoscaling is not None:
+                free = autoscale.free_by_template(name, spec, self.cache.nodes(), self.cache.all_pods())
+                decision = autoscale.decide(spec, [autoscale.unit_state(lu) for lu in lus if not
+                                                   lu["metadata"].get("deletionTimestamp")], free,
+                                            old_status.get("autoscaling"), now)
+                events += decision.events
+                plan = jobplan.plan_units(name, spec, units, decision.counts, decision.park, running_first=True)
+            else:
+                plan = jobplan.plan_units(name, spec, units)
             for unit in plan.delete:
                 last = self.cache.unit(ns, unit)
                 self.cache.deleted(LEARNERUNITS.plural, ns, unit, await self.kube.delete(LEARNERUNITS, ns, unit), last)
-                events.append(("Normal", "UnitRemoved", f"removed learner unit {unit} (scaled down)"))
+                why = "parked: its pods could not be placed" if decision and unit in decision.park else "scaled down"
+                events.append(("Normal", C.Reason.UNIT_REMOVED, f"removed learner unit {unit} ({why})"))
             for unit, uspec in plan.create.items():
                 self.cache.wrote(LEARNERUNITS.plural, await self.kube.create(LEARNERUNITS, O.learner_unit(job, uspec)))
-                events.append(("Normal", "UnitCreated", f"created learner unit {unit} ({uspec.template}, "
+                events.append(("Normal", C.Reason.UNIT_CREATED, f"created learner unit {unit} ({uspec.template}, "
                                                         f"{uspec.podsPerUnit} pod(s), unit index {uspec.unitIndex})"))
             for unit, uspec in plan.update.items():
                 self.cache.wrote(LEARNERUNITS.plural, await self.kube.merge_patch(
                     LEARNERUNITS, ns, unit, {"spec": uspec.model_dump(mode="json")}))
-                events.append(("Normal", "UnitUpdated", f"updated the spec of learner unit {unit}"))
+                events.append(("Normal", C.Reason.UNIT_UPDATED, f"updated the spec of learner unit {unit}"))
             if plan.delete or plan.create:
                 lus = self.cache.units_of_job(ns, name)
                 units = [jobplan.unit_view(lu) for lu in lus if lu["metadata"]["name"] not in plan.delete]
-        status, status_events = jobplan.job_status(name, spec, job["metadata"].get("generation"), units,
-                                                   syncer_ready, old_status, now, info)
+        status, status_events = jobplan.job_status(
+            name, spec, job["metadata"].get("generation"), units, syncer_ready, old_status, now, info,
+            desired=sum(decision.counts.values()) if decision else None)
+        if decision is not None and status.get("phase") not in jobplan.TERMINAL_JOB:
+            status["autoscaling"] = decision.status
+            limited, reason, message = decision.limited
+            status["conditions"] = C.set_condition(status["conditions"], C.SCALING_LIMITED, limited, reason, message,
+                                                   now, job["metadata"].get("generation"))
+            if decision.requeue_after is not None:
+                self.enqueue(("job", ns, name), decision.requeue_after)
         if (patch := status_patch(old_status, status)) is not None:
             self.cache.wrote(DILOCOJOBS.plural,
                              await self.kube.merge_patch(DILOCOJOBS, ns, name, {"status": patch}, "status"))

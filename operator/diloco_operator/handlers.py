@@ -131,6 +131,12 @@ async def pod_event(body: kopf.Body, memo: kopf.Memo, **_) -> None:
         memo["controller"].enqueue(("unit", body["metadata"]["namespace"], unit))
 
 
+@kopf.on.event("", "v1", "nodes")
+async def node_event(memo: kopf.Memo, **_) -> None:
+    """Capacity may have appeared or gone: autoscaled jobs look again (reads only, from the caches)."""
+    memo["controller"].enqueue_jobs()
+
+
 @kopf.on.event("apps", "v1", "deployments", labels={O.LABEL_COMPONENT: "syncer"})
 async def syncer_event(body: kopf.Body, memo: kopf.Memo, **_) -> None:
     job = body["metadata"].get("labels", {}).get(O.LABEL_JOB)

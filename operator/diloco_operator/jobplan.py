@@ -79,42 +79,55 @@ class UnitsPlan:
     counts: dict[str, int] = field(default_factory=dict)
 
 
-def plan_units(job_name: str, spec: api.DilocoJobSpec, units: list[UnitView]) -> UnitsPlan:
-    """Which units to keep, add and remove so each template has its share; kept units are never touched
-    except to update a changed spec. Removal takes the highest indices first."""
-    plan = UnitsPlan(counts=distribute(spec.units, spec.total_units()))
+def plan_units(job_name: str, spec: api.DilocoJobSpec, units: list[UnitView], counts: dict[str, int] | None = None,
+               park: list[str] | tuple = (), running_first: bool = False) -> UnitsPlan:
+    """Which units to keep, add and remove so each template has its share (`counts`, else `distribute`); kept
+    units are never touched except to update a changed spec. `park` units are removed whatever their index.
+    Removal takes the highest indices first (with `running_first`, units that do not run go before those that
+    do); new units take the lowest free indices."""
+    plan = UnitsPlan(counts=counts if counts is not None else distribute(spec.units, spec.total_units()))
     templates = {t.name: t for t in spec.units}
     live = [u for u in units if not u.deleting]
-    kept = [u for u in live if u.template in templates and 0 <= u.index < plan.counts[u.template]]
+    kept = []
+    for t in spec.units:
+        mine = [u for u in live if u.template == t.name and u.name not in park and u.index >= 0]
+        mine.sort(key=lambda u: ((u.phase != "Running") if running_first else False, u.index))
+        kept += mine[:plan.counts.get(t.name, 0)]
     plan.delete = sorted((u.name for u in live if u not in kept), key=lambda n: n, reverse=True)
     used = {u.unit_index for u in kept} | {u.unit_index for u in units if u.deleting}
     have = {(u.template, u.index) for u in kept}
+    taken = have | {(u.template, u.index) for u in units if u.deleting}
     for u in kept:
         want = O.unit_spec(job_name, spec, templates[u.template], u.index, u.unit_index)
         if want.model_dump(mode="json", exclude_none=True) != u.spec:
             plan.update[u.name] = want
     next_index = 0
     for t in spec.units:
-        for i in range(plan.counts[t.name]):
-            if (t.name, i) in have:
-                continue
-            while next_index in used:
-                next_index += 1
-            used.add(next_index)
-            plan.create[O.unit_name(job_name, t.name, i)] = O.unit_spec(job_name, spec, t, i, next_index)
+        missing = plan.counts.get(t.name, 0) - sum(1 for u in kept if u.template == t.name)
+        i = 0
+        while missing > 0:
+            if (t.name, i) not in taken:
+                while next_index in used:
+                    next_index += 1
+                used.add(next_index)
+                plan.create[O.unit_name(job_name, t.name, i)] = O.unit_spec(job_name, spec, t, i, next_index)
+                missing -= 1
+            i += 1
     return plan
 
 
 def job_status(name: str, spec: api.DilocoJobSpec, generation: int | None, units: list[UnitView],
                syncer_ready: bool, old: dict | None, now: datetime, syncer_info: dict | None = None,
-               ) -> tuple[dict, list[Event]]:
+               desired: int | None = None) -> tuple[dict, list[Event]]:
     """The job's full status (written once per reconcile) and the Events its changes deserve.
-    `units` are the units that exist after this reconcile's changes. Succeeded and Failed stick."""
+    `units` are the units that exist after this reconcile's changes; `desired` the units wanted (default: the
+    templates' distribution; the autoscaler's when it decides). Succeeded and Failed stick."""
     old = dict(old or {})
     if old.get("phase") in TERMINAL_JOB:
         return old, []
     st: dict = {**old}
-    desired = sum(distribute(spec.units, spec.total_units()).values())
+    if desired is None:
+        desired = sum(distribute(spec.units, spec.total_units()).values())
     quorum = spec.config.outer.quorum
     live = [u for u in units if not u.deleting]
     ready = [u for u in live if u.phase == "Running"]

@@ -227,24 +227,32 @@ def unit_state_pvc(unit: dict, rank: int) -> dict | None:
                                                                                     labels), "spec": pvc_spec}
 
 
+def learner_tolerations(spec: api.LearnerUnitSpec) -> list[dict]:
+    """A learner pod's tolerations: the template's, its accelerator pool's taint, and a short grace on lost nodes."""
+    resource, label, _ = api.ACCELERATORS[spec.accelerator.type]
+    tolerations = _tolerations(spec.tolerations)
+    if resource and label:
+        # Accelerator pools are tainted with their resource name; pods that request it tolerate it.
+        tolerations.append({"key": resource, "operator": "Exists", "effect": "NoSchedule"})
+    # A lost node evicts its pods after 30 s instead of the default 300 s, so the unit restarts elsewhere sooner.
+    return tolerations + [{"key": key, "operator": "Exists", "effect": "NoExecute",
+                           "tolerationSeconds": NODE_LOSS_GRACE_S}
+                          for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")]
+
+
 def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
     """Pod `rank` of incarnation `incarnation` of a unit, placed by nodeSelector/tolerations/resources."""
     spec = api.LearnerUnitSpec.model_validate(unit["spec"])
     name = unit["metadata"]["name"]
     resource, label, device = api.ACCELERATORS[spec.accelerator.type]
     node_selector = dict(spec.nodeSelector)
-    tolerations = _tolerations(spec.tolerations)
+    tolerations = learner_tolerations(spec)
     extra: dict[str, int] = {}
     if resource and label:
         node_selector[label] = spec.accelerator.type
         extra[resource] = spec.accelerator.count
-        # Accelerator pools are tainted with their resource name; pods that request it tolerate it.
-        tolerations.append({"key": resource, "operator": "Exists", "effect": "NoSchedule"})
     if spec.accelerator.topology:
         node_selector[api.TPU_TOPOLOGY_LABEL] = spec.accelerator.topology
-    # A lost node evicts its pods after 30 s instead of the default 300 s, so the unit restarts elsewhere sooner.
-    tolerations += [{"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": NODE_LOSS_GRACE_S}
-                    for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")]
     command = ["diloco", "learner", "--syncer", syncer_url(spec.jobName), "--learner-id", name,
                "--unit", str(spec.unitIndex), "--units", str(spec.shards or spec.unitIndex + 1), "--device", device, "--state-dir", LEARNER_STATE_DIR,
                "--metrics-port", str(api.METRICS_PORT)]

@@ -77,15 +77,29 @@ def _rule(rule: str, message: str, field_path: str | None = None) -> dict:
 _COUNT = "(has(u.count) ? u.count : 1)"
 _TOTAL = f"(has(self.replicas) ? self.replicas : self.units.map(u, {_COUNT}).sum())"
 _QUORUM = "(has(self.config) && has(self.config.outer) && has(self.config.outer.quorum) ? self.config.outer.quorum : 1)"
+_MIN_UNITS = "(has(self.autoscaling.minUnits) ? self.autoscaling.minUnits : 1)"
+_MIN_COUNTS = "self.units.map(u, has(u.minCount) ? u.minCount : 0).sum()"
 SPEC_RULES = [
-    _rule(f"{_QUORUM} <= {_TOTAL}", "config.outer.quorum (K) must not exceed the number of learner units",
-          ".config.outer.quorum"),
+    _rule(f"has(self.autoscaling) || {_QUORUM} <= {_TOTAL}",
+          "config.outer.quorum (K) must not exceed the number of learner units", ".config.outer.quorum"),
+    _rule(f"!has(self.autoscaling) || {_QUORUM} <= {_MIN_UNITS}",
+          "config.outer.quorum (K) must not exceed autoscaling.minUnits", ".config.outer.quorum"),
     _rule("self.units.all(u, self.units.exists_one(v, v.name == u.name))", "units[].name must be unique", ".units"),
-    _rule("!has(self.replicas) || self.replicas >= self.units.map(u, has(u.minCount) ? u.minCount : 0).sum()",
+    _rule(f"has(self.autoscaling) || !has(self.replicas) || self.replicas >= {_MIN_COUNTS}",
           "replicas must be >= the sum of units[].minCount", ".replicas"),
-    _rule("!has(self.replicas) || !self.units.all(u, has(u.maxCount)) || "
+    _rule("has(self.autoscaling) || !has(self.replicas) || !self.units.all(u, has(u.maxCount)) || "
           "self.replicas <= self.units.map(u, u.maxCount).sum()",
           "replicas must be <= the sum of units[].maxCount", ".replicas"),
+    _rule(f"!has(self.autoscaling) || {_MIN_UNITS} >= {_MIN_COUNTS}",
+          "autoscaling.minUnits must be >= the sum of units[].minCount", ".autoscaling.minUnits"),
+    _rule("!has(self.autoscaling) || !has(self.autoscaling.preference) || "
+          "self.autoscaling.preference.all(p, self.units.exists(u, u.name == p))",
+          "autoscaling.preference must name templates of units[]", ".autoscaling.preference"),
+]
+AUTOSCALING_RULES = [
+    _rule("(has(self.minUnits) ? self.minUnits : 1) <= self.maxUnits", "minUnits must be <= maxUnits", ".minUnits"),
+    _rule("!has(self.preference) || self.preference.all(p, self.preference.exists_one(q, q == p))",
+          "preference must not repeat a template", ".preference"),
 ]
 
 
@@ -183,6 +197,7 @@ def dilocojob_crd() -> dict:
     """The DilocoJob CRD: schema from DilocoJobSpec/DilocoJobStatus, CEL rules, scale subresource, columns."""
     spec = openapi(api.DilocoJobSpec)
     spec["x-kubernetes-validations"] = SPEC_RULES
+    spec["properties"]["autoscaling"]["x-kubernetes-validations"] = AUTOSCALING_RULES
     template = spec["properties"]["units"]["items"]
     template["x-kubernetes-validations"] = TEMPLATE_RULES
     template["properties"]["accelerator"]["x-kubernetes-validations"] = ACCELERATOR_RULES

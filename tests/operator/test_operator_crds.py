@@ -96,6 +96,14 @@ BAD = [
      "spec.config.outer.fragments"),
     ("more fragments than the default model's tensors", _with("spec.config.outer", {"quorum": 2, "fragments": 37}),
      "spec.config.outer.fragments"),
+    # spec.autoscaling (issue 9).
+    ("autoscaling minUnits above maxUnits", _with("spec.autoscaling", {"minUnits": 5, "maxUnits": 2}),
+     "spec.autoscaling.minUnits"),
+    ("autoscaling preference naming no template",
+     _with("spec.autoscaling", {"minUnits": 2, "maxUnits": 4, "preference": ["a100"]}), "spec.autoscaling.preference"),
+    ("K above autoscaling.minUnits", _with("spec.autoscaling", {"minUnits": 1, "maxUnits": 4}),
+     "spec.config.outer.quorum"),
+    ("absurd maxUnits", _with("spec.autoscaling", {"minUnits": 2, "maxUnits": 10**12}), "spec.autoscaling.maxUnits"),
     # Absurd sizes (issue 8): 10^12 of anything countable.
     *[(f"absurd {path.rsplit('.', 1)[-1]}", _with(path, 10**12), re.sub(r"\.([0-9]+)", r"[\1]", path))
       for path in ABSURD],

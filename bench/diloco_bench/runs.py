@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from diloco_trainer.runtime import procs
-from diloco_trainer.runtime.rundir import read_jsonl, steps_in_incarnation
+from diloco_trainer.runtime.rundir import metrics_records, read_jsonl
 
 from . import report
 
@@ -112,11 +112,11 @@ def bytes_down(summary: dict) -> float:
     total = 0.0
     for metrics in (Path(summary["run_dir"]) / "learners").glob("*/metrics.jsonl"):
         last = None
-        for rec in read_jsonl(metrics):
-            if last is not None and int(rec.get("step", 0)) < int(last.get("step", 0)):
-                total += float(last.get("bytes_down", 0) or 0)
+        for rec in metrics_records(metrics):
+            if last is not None and rec.step < last.step:
+                total += last.bytes_down
             last = rec
-        total += float((last or {}).get("bytes_down", 0) or 0)
+        total += last.bytes_down if last is not None else 0.0
     return total
 
 
@@ -125,12 +125,12 @@ def steps_done(run_dir: Path) -> int:
     worker resumed from a checkpoint counts from its `resumed_from_step`)."""
     total = 0
     for metrics in (run_dir / "learners").glob("*/metrics.jsonl"):
-        last: dict = {}
-        for rec in read_jsonl(metrics):
-            if last and int(rec.get("step", 0)) < int(last.get("step", 0)):  # a new incarnation
-                total += steps_in_incarnation(last)
+        last = None
+        for rec in metrics_records(metrics):
+            if last is not None and rec.step < last.step:  # a new incarnation
+                total += last.steps_in_incarnation
             last = rec
-        total += steps_in_incarnation(last) if last else 0
+        total += last.steps_in_incarnation if last is not None else 0
     return total
 
 
@@ -212,12 +212,12 @@ def training_span(summary: dict) -> tuple[float, float] | None:
     """(unix time the first learner began its first step, time of the last training report), from metrics.jsonl."""
     first, last = None, None
     for metrics in (Path(summary["run_dir"]) / "learners").glob("*/metrics.jsonl"):
-        recs = read_jsonl(metrics)
+        recs = metrics_records(metrics)
         if recs:
             r0 = recs[0]
-            start = float(r0["time"]) - int(r0.get("step", 0)) * float(r0.get("step_time_s") or 0.0)
+            start = r0.time - r0.step * (r0.step_time_s or 0.0)
             first = start if first is None else min(first, start)
-            last = float(recs[-1]["time"]) if last is None else max(last, float(recs[-1]["time"]))
+            last = recs[-1].time if last is None else max(last, recs[-1].time)
     return (first, last) if first is not None and last > first else None
 
 

@@ -162,3 +162,19 @@ def test_error_feedback_residuals_carry_what_int4_dropped_into_the_next_send():
     _, deltas = decoded(sub)
     residual = sync.ef.residual("a")
     assert residual is not None and torch.allclose(deltas["a"] + residual, -params["a"])
+
+
+def test_keep_with_a_fraction_carries_that_share_of_the_progress_and_of_its_counters():
+    params = {"a": torch.zeros(4), "b": torch.zeros(2, 2)}
+    sync = OuterSync(PLAN, {0: 1, 1: 1}, params, sync_every=4, adopt="keep", compression="none", block_size=8,
+                     keep_fraction=0.5)
+    train(sync, params, 4)
+    sync.book([answer(sent_of(sync, 4, 0))])  # θ_a = −4 went out
+    train(sync, params, 4)  # θ_a = −8: four unsent steps
+    sync.adopt(0, 2, {"a": torch.full((4,), 10.0)}, step=8)
+    assert torch.equal(params["a"], torch.full((4,), 8.0)), "10 + 0.5 · (−8 − (−4))"
+    assert (sync.frags[0].c_steps, sync.frags[0].c_tokens) == (2, 2 * TOKENS)
+    assert (sync.steps_kept, sync.steps_discarded) == (2, 2)
+    with pytest.raises(ValueError, match="keep_fraction"):
+        OuterSync(PLAN, {0: 1, 1: 1}, params, sync_every=4, adopt="keep", compression="none", block_size=8,
+                  keep_fraction=0.0)

@@ -111,6 +111,9 @@ class OuterConfig(_Strict):
     # "overwrite" drops what it trained since its last send (the paper), "keep" carries it on top of the new
     # version into its next send (see outer_sync.py; the benchmark that chose the default: docs/benchmarks.md).
     adopt: Literal["keep", "overwrite"] = "overwrite"
+    # With adopt=keep: the share rho of that progress carried (streaming DiLoCo's mixing; 1 = all of it).
+    keep_fraction: float = Field(1.0, gt=0.0, le=1.0, description="rho: share of the unsent progress adopt=keep "
+                                                                   "carries over an adoption (0 < rho <= 1).")
 
     @model_validator(mode="after")
     def _overlap_below_sync_every(self) -> "OuterConfig":

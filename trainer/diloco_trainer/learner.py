@@ -27,12 +27,16 @@ from . import inner_state
 from .inner import inner_optimizer, set_lr
 from .model import build_model
 from .outer_sync import OuterSync
+from .protocol import LearnerRecord
 
 log = logging.getLogger(__name__)
 
 # Steps between two saves of the data position and the inner state (a SIGKILL replays at most this many batches and
 # restarts from moments at most this many steps old).
 POSITION_EVERY = 10
+# What the metrics record takes from the syncer client's counters (SyncerClient.snapshot()).
+NET_COUNTERS = ("superseded", "sent", "acked", "acked_tokens", "acked_steps", "rejected", "stale", "syncer_up",
+                "pending", "bytes_up", "bytes_down")
 
 
 @dataclass
@@ -134,7 +138,7 @@ class Learner:
         outer = self.cfg.outer
         self.outer = OuterSync(self.plan, versions, self.params, sync_every=outer.sync_every, adopt=outer.adopt,
                                compression=outer.compression, block_size=outer.block_size, step=self.step,
-                               sends=self.group.is_main)
+                               sends=self.group.is_main, keep_fraction=outer.keep_fraction)
         self.opt, self.lr_at = inner_optimizer(self.model, self.cfg)
         if self.opts.restore_inner:
             self._restore_inner_state()
@@ -294,21 +298,17 @@ class Learner:
     def _record(self, window: Window) -> dict:
         elapsed = max(1e-9, time.monotonic() - window.started)
         net = self.client.snapshot() if self.client is not None else {}
-        return {
-            "time": time.time(), "learner_id": self.opts.learner_id, "unit": self.opts.unit,
-            "world_size": self.group.world_size, "step": self.step,
-            "loss": window.loss / window.steps if window.steps else self.last_loss,
-            "tokens": self.tokens, "tokens_per_s": window.tokens / elapsed if window.steps else 0.0,
-            "step_time_s": window.busy_s / window.steps if window.steps else self.step_time_ema,
-            "versions": self._versions(), "queued": self.outer.queued, "superseded": net.get("superseded", 0),
-            "sent": net.get("sent", 0), "acked": net.get("acked", 0),
-            "acked_tokens": net.get("acked_tokens", 0), "acked_steps": net.get("acked_steps", 0),
-            "rejected": net.get("rejected", 0), "stale": net.get("stale", 0), "adoptions": self.outer.adoptions,
-            "steps_kept": self.outer.steps_kept, "steps_discarded": self.outer.steps_discarded,
-            "syncer_up": net.get("syncer_up", False), "pending": net.get("pending", 0),
-            "bytes_up": net.get("bytes_up", 0), "bytes_down": net.get("bytes_down", 0),
-            "epoch": self.sampler.epoch, "lr": self.opt.param_groups[0]["lr"],
-        }
+        return LearnerRecord(
+            time=time.time(), learner_id=self.opts.learner_id, unit=self.opts.unit,
+            world_size=self.group.world_size, step=self.step,
+            loss=window.loss / window.steps if window.steps else self.last_loss,
+            tokens=self.tokens, tokens_per_s=window.tokens / elapsed if window.steps else 0.0,
+            step_time_s=window.busy_s / window.steps if window.steps else self.step_time_ema,
+            versions=self._versions(), queued=self.outer.queued, adoptions=self.outer.adoptions,
+            steps_kept=self.outer.steps_kept, steps_discarded=self.outer.steps_discarded,
+            epoch=self.sampler.epoch, lr=self.opt.param_groups[0]["lr"],
+            **{k: net[k] for k in NET_COUNTERS if k in net},
+        ).model_dump()
 
     def _log(self, window: Window, final: bool = False) -> None:
         if not self.group.is_main:

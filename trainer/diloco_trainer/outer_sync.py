@@ -6,7 +6,7 @@ versions it fetched, and hands the submissions it returns to the client.
 
 Adoption (`outer.adopt`):
 - "overwrite" (the paper): θ_p := Θ_p(new). Whatever the learner trained on p since its last send is lost.
-- "keep": θ_p := Θ_p(new) + (θ_p − θ_p(ref)), where ref is θ_p when the learner's outstanding Δ of p was built
+- "keep": θ_p := Θ_p(new) + ρ·(θ_p − θ_p(ref)) (ρ = `outer.keep_fraction`, 1 by default), where ref is θ_p when the learner's outstanding Δ of p was built
   (that Δ's work is in the new version, or still on its way to the syncer), or the adopted base when nothing was
   sent from it. The learner's unsent progress rides on top of the new global version and goes out with its next
   Δ (its steps and tokens carried over), so no trained step is discarded at adoption. Like the "eager" outer
@@ -59,11 +59,13 @@ class OuterSync:
 
     def __init__(self, plan: list[list[str]], versions: dict[int, int], params: dict[str, Tensor], *,
                  sync_every: int, adopt: AdoptMode, compression: str, block_size: int, step: int = 0,
-                 sends: bool = True):
+                 sends: bool = True, keep_fraction: float = 1.0):
         if adopt not in ("keep", "overwrite"):
             raise ValueError(f"adopt must be 'keep' or 'overwrite', got {adopt!r}")
         self.plan, self.params, self.sends = plan, params, sends
-        self.sync_every, self.adopt_mode = sync_every, adopt
+        if not 0.0 < keep_fraction <= 1.0:
+            raise ValueError(f"keep_fraction must be in (0, 1], got {keep_fraction}")
+        self.sync_every, self.adopt_mode, self.keep_fraction = sync_every, adopt, keep_fraction
         self.compression, self.block_size = compression, block_size
         self.ef = ErrorFeedback()
         P = len(plan)
@@ -162,18 +164,20 @@ class OuterSync:
                 for n in names:
                     param = self.params[n].data
                     new = theta[n].to(param.device, param.dtype)
-                    if keep:  # θ + (Θ_new − ref) = Θ_new + (θ − ref): the unsent progress rides on top
+                    if keep:  # Θ_new + ρ(θ − ref): the unsent progress rides on top
                         ref = fs.sent[n] if fs.sent is not None else fs.base[n]
-                        param.add_(new - ref)
+                        param.sub_(ref).mul_(self.keep_fraction).add_(new)
                     else:
                         param.copy_(new)
                     if self.sends:
                         fs.base[n] = new.clone()
         # The work no outstanding or acknowledged Δ covers (all of it when nothing went out from this base).
         unsent_steps, unsent_tokens = fs.c_steps - fs.sent_steps, fs.c_tokens - fs.sent_tokens
-        if keep:
-            carried_steps, carried_tokens = unsent_steps, unsent_tokens
-            self.steps_kept += unsent_steps
+        if keep:  # a fraction ρ of the work is carried: its counters scale with it (token weights stay fair)
+            carried_steps = round(self.keep_fraction * unsent_steps)
+            carried_tokens = round(self.keep_fraction * unsent_tokens)
+            self.steps_kept += carried_steps
+            self.steps_discarded += unsent_steps - carried_steps
         else:
             carried_steps = carried_tokens = 0
             self.steps_discarded += unsent_steps

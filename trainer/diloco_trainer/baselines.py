@@ -192,6 +192,7 @@ def _worker(args: argparse.Namespace) -> int:
     from .config import TrainConfig
     from .data import ShardSampler, load_corpus
     from .inner import inner_optimizer, set_lr
+    from .protocol import MetricsRecord
     from .learner import step_sleep
     from .merge import NesterovOuter
     from .model import build_model, count_parameters
@@ -300,16 +301,16 @@ def _worker(args: argparse.Namespace) -> int:
             if step % args.log_every == 0 or done or save_now:
                 now = time.time()
                 synced_here = synced_steps - start_step
-                rec = {"time": now, "learner_id": name, "step": step, "resumed_from_step": start_step,
-                       "loss": win_loss / win_steps, "tokens": (step - start_step) * tokens_per_step,
-                       "tokens_per_s": win_steps * tokens_per_step / max(now - win_start, 1e-9),
-                       "step_time_s": win_busy / win_steps, "versions": {"all": syncs}, "sent": syncs - start_syncs,
-                       "acked": syncs - start_syncs, "acked_tokens": synced_here * tokens_per_step,
-                       "acked_steps": synced_here, "rejected": 0, "adoptions": syncs - start_syncs,
-                       "syncer_up": True, "bytes_up": bytes_up - start_bytes, "bytes_down": bytes_up - start_bytes}
-                if done:
-                    rec["param_sha256"] = _param_digest(model if outer is None else theta)
-                metrics.write(json.dumps(rec) + "\n")
+                rec = MetricsRecord(
+                    time=now, learner_id=name, step=step, resumed_from_step=start_step,
+                    loss=win_loss / win_steps, tokens=(step - start_step) * tokens_per_step,
+                    tokens_per_s=win_steps * tokens_per_step / max(now - win_start, 1e-9),
+                    step_time_s=win_busy / win_steps, versions={"all": syncs}, sent=syncs - start_syncs,
+                    acked=syncs - start_syncs, acked_tokens=synced_here * tokens_per_step, acked_steps=synced_here,
+                    adoptions=syncs - start_syncs, syncer_up=True, bytes_up=bytes_up - start_bytes,
+                    bytes_down=bytes_up - start_bytes, lr=opt.param_groups[0]["lr"],
+                    param_sha256=_param_digest(model if outer is None else theta) if done else None)
+                metrics.write(rec.model_dump_json(exclude_none=True) + "\n")
                 metrics.flush()
                 win_loss, win_steps, win_busy, win_start = 0.0, 0, 0.0, now
             progress = max(step / args.steps, (time.time() - t0) / max(1e-9, deadline - t0))

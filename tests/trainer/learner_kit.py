@@ -64,7 +64,8 @@ class SyncerProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if "--tls-cert" in self.args else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     def start(self, wait: bool = True) -> "SyncerProcess":
         endpoint = self.state_dir / "endpoint.json"

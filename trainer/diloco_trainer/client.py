@@ -11,12 +11,14 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 from torch import Tensor
 
 from .protocol import (ErrorAnswer, HeartbeatAnswer, HeartbeatRequest, RegisterAnswer, RegisterRequest,
                        SubmitAnswer, VersionsAnswer)
+from .tls import client_context, warn_if_plain
 from .wire import decode_tensors
 
 log = logging.getLogger(__name__)
@@ -98,8 +100,11 @@ class SyncerClient:
 
     def __init__(self, url: str, token: str, learner_id: str, *, unit: int = 0, world_size: int = 1,
                  device: str = "cpu", poll_s: float = 0.25, timeout_s: float = 30.0,
-                 backoff_s: float = 0.2, backoff_max_s: float = 5.0):
+                 backoff_s: float = 0.2, backoff_max_s: float = 5.0, ca: Path | None = None):
         self.url = url.rstrip("/")
+        # https: the syncer's certificate is verified against `ca` (else the system's CAs); see tls.py.
+        self._ssl = client_context(ca) if self.url.startswith("https://") else None
+        warn_if_plain(self.url, f"learner {learner_id}")
         self.learner_id = learner_id
         self._headers = {"Authorization": f"Bearer {token}"}
         self._register_body = RegisterRequest(learner_id=learner_id, unit=unit, world_size=world_size,
@@ -213,6 +218,7 @@ class SyncerClient:
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(headers=self._headers,
+                                                  connector=aiohttp.TCPConnector(ssl=self._ssl or True),
                                                   timeout=aiohttp.ClientTimeout(total=None, connect=10.0,
                                                                                 sock_read=self.timeout_s))
         return self._session

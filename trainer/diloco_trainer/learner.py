@@ -60,6 +60,7 @@ class LearnerOptions:
     data_cache: Path | None = None
     poll_s: float = 0.25
     save_params: Path | None = None  # write the final local θ here (params-rank{r}.safetensors), for inspection
+    ca: Path | None = None  # CA certificate the syncer's (https) certificate is verified against
     restore_inner: bool = False  # resume AdamW and error feedback from the state directory's snapshot (inner_state.py)
 
 
@@ -107,7 +108,7 @@ class Learner:
         if self.group.is_main:
             self.client = SyncerClient(self.opts.syncer, self.opts.token, self.opts.learner_id, unit=self.opts.unit,
                                        world_size=self.group.world_size, device=devices.describe(self.device),
-                                       poll_s=self.opts.poll_s)
+                                       poll_s=self.opts.poll_s, ca=self.opts.ca)
             boot = self.client.bootstrap(self.stop_flag)
             info = {"config": boot.config, "plan": boot.plan, "versions": {str(k): v for k, v in boot.versions.items()}}
         else:

@@ -37,6 +37,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--poll-s", type=float, default=0.25, help="how often to look for newer fragment versions")
     parser.add_argument("--save-params", default=None, metavar="DIR",
                         help="at exit, write this process's final parameters to DIR/params-rank{R}.safetensors")
+    parser.add_argument("--ca", default=None, metavar="FILE",
+                        help="verify an https syncer's certificate against this CA (PEM, e.g. a Secret's ca.crt); "
+                             "default: the system's CAs")
     parser.add_argument("--restore-inner-state", action=argparse.BooleanOptionalAction, default=None,
                         help="on start, resume AdamW moments and step and the error-feedback residuals from "
                              "--state-dir's last snapshot (written every 10 steps); the parameters always come "
@@ -82,6 +85,10 @@ def options_from_args(args: argparse.Namespace):
         raise ValueError(f"--metrics-port must be a TCP port or 0, got {args.metrics_port}")
     if not args.syncer.startswith(("http://", "https://")):
         raise ValueError(f"--syncer must be an http(s) URL, got {args.syncer!r}")
+    if args.ca and not Path(args.ca).is_file():
+        raise ValueError(f"--ca {args.ca}: no such file")
+    if args.ca and not args.syncer.startswith("https://"):
+        raise ValueError(f"--ca needs an https --syncer URL, got {args.syncer!r}")
     SubmissionMeta(args.learner_id, "check", 0, 0, 1, 1)  # the id must be valid on the wire (WireError otherwise)
     return LearnerOptions(
         syncer=args.syncer, learner_id=args.learner_id, token=token, unit=args.unit, units=units,
@@ -89,6 +96,7 @@ def options_from_args(args: argparse.Namespace):
         slowdown=args.slowdown, jitter=args.jitter, log_every=args.log_every, metrics_port=args.metrics_port,
         drain_s=args.drain_s, seed=args.seed, data_cache=Path(args.data_cache) if args.data_cache else None,
         poll_s=args.poll_s, save_params=Path(args.save_params) if args.save_params else None,
+        ca=Path(args.ca) if args.ca else None,
         **({} if args.restore_inner_state is None else {"restore_inner": args.restore_inner_state}))
 
 

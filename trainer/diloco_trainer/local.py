@@ -19,6 +19,7 @@ from .runtime.rundir import make_run_dir, write_config
 from .runtime.session import (DEFAULT_CONFIG, DEFAULT_MINUTES, DEFAULT_STEPS, RunSession, load_config,
                               parse_slowdown)
 from .runtime.spares import SparePool
+from .tls import make_authority
 
 
 
@@ -57,6 +58,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-batches", type=int, default=32,
                         help="validation batches (of inner.batch_size windows) for each evaluation of the global model")
     parser.add_argument("--plain", action="store_true", help="plain progress lines instead of the live table")
+    parser.add_argument("--tls", action="store_true",
+                        help="HTTPS between learners and syncer, with a CA and certificate made for this run "
+                             "(RUN_DIR/tls); loopback traffic never leaves the machine, so plain HTTP is the default")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,17 +89,19 @@ def run(args: argparse.Namespace) -> int:
     stop = StopFlag()
     with Supervisor(run_dir / "processes.json", run_dir / "events.jsonl") as sup, stop.installed():
         syncer_dir = run_dir / "syncer"
+        tls = make_authority(run_dir / "tls", ["127.0.0.1", "localhost"]) if args.tls else None
+        tls_syncer = ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)] if tls else []
         sup.add(Child("syncer", "syncer", procs.diloco_argv(
             "syncer", "--config", str(config_path), "--host", "127.0.0.1", "--port", "0",
             "--state-dir", str(syncer_dir), "--token-env", "DILOCO_TOKEN",
-            "--checkpoint-every-s", f"{args.checkpoint_every_s:g}"),
+            "--checkpoint-every-s", f"{args.checkpoint_every_s:g}", *tls_syncer),
             env, run_dir / "logs" / "syncer.log", restart=not args.no_restart,
             restart_delay=args.restart_delay, meta={"state_dir": str(syncer_dir)}))
         sup.start("syncer")
         # While the syncer starts: cache the corpus once (learners then load it fast), check the shards, and
         # compute the unigram baseline.
         session.prepare_data()
-        endpoint = session.wait_for_syncer(sup, syncer_dir / "endpoint.json", token)
+        endpoint = session.wait_for_syncer(sup, syncer_dir / "endpoint.json", token, ca=tls.ca if tls else None)
         # A restarted syncer must come back on the same port: the learners know only this URL.
         argv = sup.children["syncer"].argv
         argv[argv.index("--port") + 1] = str(endpoint["port"])
@@ -111,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
                 "--device", "cpu", "--drain-s", "20")
             if args.jitter:
                 learner_argv += ["--jitter", f"{args.jitter:g}"]
+            if tls:
+                learner_argv += ["--ca", str(tls.ca)]
             sup.add(Child(name, "learner", learner_argv, env, run_dir / "logs" / f"{name}.log",
                           restart=not args.no_restart, restart_delay=args.restart_delay,
                           meta={"state_dir": str(state_dir), "slowdown": slowdown[i]}))

@@ -111,13 +111,14 @@ class RunSession:
         self.message(f"corpus: {len(self.corpus.train):,} train / {len(self.corpus.val):,} validation bytes, "
                      f"unigram baseline {self.unigram:.3f} nats/byte")
 
-    def wait_for_syncer(self, sup: Supervisor, endpoint_path: Path, token: str, timeout: float = 120.0) -> dict:
+    def wait_for_syncer(self, sup: Supervisor, endpoint_path: Path, token: str, timeout: float = 120.0,
+                        ca: Path | None = None) -> dict:
         """Block until the syncer listens; returns endpoint.json ({url, port, ...})."""
         try:
             endpoint = wait_for_endpoint(endpoint_path, lambda: sup.children["syncer"].alive, timeout)
         except RuntimeError as exc:
             raise SystemExit(f"{exc}; see {sup.children['syncer'].log_path}") from None
-        self.client = SyncerClient(endpoint["url"], token)
+        self.client = SyncerClient(endpoint["url"], token, ca=ca)
         self.message(f"syncer listening on {endpoint['url']}")
         self._snapshot(force=True)  # Θ₀: the first point of the global model's validation curve
         return endpoint

@@ -12,21 +12,23 @@ import urllib.request
 from pathlib import Path
 
 from ..protocol import SyncerStatus
+from ..tls import client_context
 
 
 class SyncerClient:
     """Reads the syncer's `/v1/status`, `/v1/state` and `/metrics`; every call has a short timeout."""
 
-    def __init__(self, url: str, token: str, timeout: float = 5.0):
+    def __init__(self, url: str, token: str, timeout: float = 5.0, ca: Path | None = None):
         self.url = url.rstrip("/")
         self.token = token
         self.timeout = timeout
+        self._ssl = client_context(ca) if self.url.startswith("https://") else None
 
     def _get(self, path: str, auth: bool = True, timeout: float | None = None) -> bytes:
         req = urllib.request.Request(self.url + path)
         if auth:
             req.add_header("Authorization", f"Bearer {self.token}")
-        with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout or self.timeout, context=self._ssl) as resp:
             return resp.read()
 
     def status(self) -> SyncerStatus | None:

@@ -27,6 +27,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint at most this often after merges (and always at shutdown)")
     parser.add_argument("--heartbeat-s", type=float, default=2.0, help="heartbeat interval asked of learners")
     parser.add_argument("--log-every-s", type=float, default=10.0, help="progress line interval (0 = off)")
+    parser.add_argument("--tls-cert", default=None, metavar="FILE",
+                        help="serve HTTPS with this certificate (PEM, e.g. a Secret's tls.crt); needs --tls-key")
+    parser.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's private key (tls.key)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -40,6 +43,22 @@ def run(args: argparse.Namespace) -> int:
         if not getattr(args, name) > 0:
             print(f"diloco syncer: --{name.replace('_', '-')} must be > 0", flush=True)
             return 2
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("diloco syncer: --tls-cert and --tls-key go together", flush=True)
+        return 2
+    ssl_context = None
+    if args.tls_cert:
+        from ..tls import server_context
+
+        try:
+            ssl_context = server_context(Path(args.tls_cert), Path(args.tls_key))
+        except ValueError as exc:
+            print(f"diloco syncer: {exc}", flush=True)
+            return 2
+    elif args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving plain HTTP on %s: the token and the model travel unencrypted; give --tls-cert and "
+                    "--tls-key for any network you do not control", args.host)
+    args.ssl_context = ssl_context
     try:
         config = TrainConfig.from_yaml(args.config)
     except (OSError, ValueError) as exc:
@@ -67,13 +86,15 @@ async def _serve(args: argparse.Namespace, config: TrainConfig, token: str) -> i
                                          checkpoint_every_s=args.checkpoint_every_s, heartbeat_s=args.heartbeat_s))
     runner = web.AppRunner(make_app(syncer), handle_signals=False, access_log=None, logger=ServerLog())
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
+    site = web.TCPSite(runner, args.host, args.port, ssl_context=args.ssl_context)
     await site.start()
     port = runner.addresses[0][1]
     connect = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
+    scheme = "https" if args.ssl_context is not None else "http"
     endpoint = state_dir / "endpoint.json"
-    atomic_write_json(endpoint, {"host": args.host, "port": port, "url": f"http://{connect}:{port}", "pid": os.getpid()})
-    print(f"diloco syncer listening on http://{connect}:{port} (state in {state_dir})", flush=True)
+    atomic_write_json(endpoint, {"host": args.host, "port": port, "url": f"{scheme}://{connect}:{port}",
+                                 "pid": os.getpid()})
+    print(f"diloco syncer listening on {scheme}://{connect}:{port} (state in {state_dir})", flush=True)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

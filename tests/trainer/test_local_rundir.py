@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_trainer.protocol import SyncerStatus
+from diloco_trainer.protocol import MetricsRecord, SyncerStatus
 from diloco_trainer.runtime import report
 from diloco_trainer.runtime.rundir import last_jsonl, learner_totals, make_run_dir, read_jsonl, split_incarnations
 from diloco_trainer.runtime.session import load_config, parse_slowdown
@@ -46,7 +46,8 @@ def test_an_incarnation_resumed_from_a_checkpoint_counts_only_the_steps_past_it(
 
 def test_a_restarted_sync_job_counts_lost_steps_as_trained_but_not_kept():
     events = [{"event": "start", "name": "learner-0"}, {"event": "job_restart", "name": "job", "lost_steps": 8}]
-    final = {n: {"step": 30, "resumed_from_step": 20, "acked_steps": 10} for n in ("learner-0", "learner-1")}
+    final = {n: MetricsRecord(time=1.0, learner_id=n, step=30, resumed_from_step=20, acked_steps=10)
+             for n in ("learner-0", "learner-1")}
     figures = sync_job_figures(events, final, tokens_per_step=512)
     assert figures["restarts"] == 1 and figures["lost_steps"] == 8 and figures["lost_tokens"] == 8 * 512
     assert figures["tokens_merged"] == 60 * 512
@@ -164,8 +165,8 @@ def test_progress_table_shows_each_learner_and_the_syncer():
 
     from diloco_trainer.runtime import progress
 
-    running = {"loss": 2.91, "versions": {"0": 13, "1": 15}, "sent": 38, "acked": 37, "bytes_up": 683920,
-               "bytes_down": 1204000, "syncer_up": False}
+    running = MetricsRecord(time=1.0, learner_id="learner-0", loss=2.91, versions={"0": 13, "1": 15}, sent=38, acked=37,
+                            bytes_up=683920, bytes_down=1204000, syncer_up=False)
     view = progress.View("diloco decoupled", 83.0, 240.0, [
         progress.LearnerView("learner-0", "running", 0, running, 120, 300, 1.0, 5120.0),
         progress.LearnerView("learner-3", "restarting", 1, None, 80, 300, 2.0, None)],

@@ -11,7 +11,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from ..protocol import SyncerStatus
+from ..protocol import MetricsRecord, SyncerStatus
 
 
 @dataclass
@@ -19,7 +19,7 @@ class LearnerView:
     name: str
     status: str  # running | restarting | done | stopped | starting
     restarts: int = 0
-    last: dict | None = None  # the last metrics.jsonl record of the current incarnation
+    last: MetricsRecord | None = None  # the last metrics.jsonl record of the current incarnation
     total_steps: int = 0  # over all incarnations
     target_steps: int | None = None
     slowdown: float = 1.0
@@ -78,21 +78,20 @@ def render(view: View) -> Group:
                          ("bytes up/down", "right"), ("syncer", "left")]:
         table.add_column(col, justify=justify, no_wrap=True)
     for lv in view.learners:
-        m = lv.last or {}
+        m = lv.last
         target = f"/{lv.target_steps}" if lv.target_steps else ""
         restarts = f" ↻{lv.restarts}" if lv.restarts else ""
         slow = f" ×{lv.slowdown:g}" if lv.slowdown != 1 else ""
-        up, down = m.get("bytes_up"), m.get("bytes_down")
         table.add_row(
             lv.name + slow,
             Text(lv.status + restarts, style=_status_style(lv.status)),
             f"{lv.total_steps}{target}",
-            f"{m['loss']:.3f}" if m.get("loss") is not None else "-",
+            f"{m.loss:.3f}" if m is not None and m.loss is not None else "-",
             human(lv.rate),
-            versions_text(m.get("versions")),
-            f"{m.get('sent', '-')}/{m.get('acked', '-')}",
-            f"{human(up)}/{human(down)}" if up is not None else "-",
-            "-" if not m else Text("up", style="green") if m.get("syncer_up") else Text("away", style="yellow"),
+            versions_text(m.versions if m is not None else None),
+            f"{m.sent}/{m.acked}" if m is not None else "-/-",
+            f"{human(m.bytes_up)}/{human(m.bytes_down)}" if m is not None else "-",
+            "-" if m is None else Text("up", style="green") if m.syncer_up else Text("away", style="yellow"),
         )
     return Group(header, table, syncer_text(view), *[Text(msg, style="dim") for msg in view.messages[-4:]])
 
@@ -118,10 +117,10 @@ def plain_line(view: View) -> str:
     """One log line for non-interactive output (CI logs, tests)."""
     parts = [f"[{view.elapsed_s:6.1f}s]"]
     for lv in view.learners:
-        m = lv.last or {}
-        loss = f"{m['loss']:.3f}" if m.get("loss") is not None else "-"
+        m = lv.last
+        loss = f"{m.loss:.3f}" if m is not None and m.loss is not None else "-"
         code = {"restarting": "R"}.get(lv.status, lv.status[0])
-        parts.append(f"{lv.name}:{code} s{lv.total_steps} L{loss} {versions_text(m.get('versions'))}")
+        parts.append(f"{lv.name}:{code} s{lv.total_steps} L{loss} {versions_text(m.versions if m else None)}")
     s = view.syncer
     if view.no_syncer:
         parts.append(f"| {view.no_syncer}")

@@ -13,10 +13,10 @@ import yaml
 
 from ..config import TrainConfig
 from ..goodput import goodput
-from ..protocol import SyncerSample, SyncerStatus
+from ..protocol import MetricsRecord, SyncerSample, SyncerStatus
 from . import progress, report
 from .procs import Supervisor
-from .rundir import append_jsonl, last_jsonl, learner_slots, learner_totals, read_jsonl, steps_in_incarnation
+from .rundir import append_jsonl, last_jsonl, learner_slots, learner_totals, metrics_records
 from .summary import build_summary, write_outputs
 from .syncer_client import SyncerClient, wait_for_endpoint
 
@@ -194,7 +194,7 @@ class RunSession:
         info = self.learners.get(child.name)
         if info is None:
             return True  # the syncer
-        done = learner_totals(read_jsonl(info["state_dir"] / "metrics.jsonl"), child.starts)["step"]
+        done = learner_totals(metrics_records(info["state_dir"] / "metrics.jsonl"), child.starts)["step"]
         if done >= steps:  # it failed on its way out, after its last step
             return False
         argv = child.argv
@@ -267,21 +267,24 @@ class RunSession:
 
     # ------------------------------------------------------------------ display
 
-    def _learner_tail(self, name: str) -> dict | None:
+    def _learner_tail(self, name: str) -> MetricsRecord | None:
         info = self.learners[name]
-        rec = last_jsonl(info["state_dir"] / "metrics.jsonl")
+        line = last_jsonl(info["state_dir"] / "metrics.jsonl")
+        try:
+            rec = None if line is None else MetricsRecord.model_validate(line)
+        except ValueError:
+            rec = None
         info["last"] = rec
-        if rec and rec.get("tokens_per_s"):  # a final line's window may be empty (0 tok/s): keep the last rate
-            info["rate"] = rec["tokens_per_s"]
+        if rec is not None and rec.tokens_per_s:  # a final line's window may be empty (0 tok/s): keep the last rate
+            info["rate"] = rec.tokens_per_s
         return rec
 
     def _total_steps(self, name: str) -> int:
         info = self.learners[name]
-        rec = info["last"] or {}
-        return info["done_before"] + steps_in_incarnation(rec)
+        return info["done_before"] + (info["last"].steps_in_incarnation if info["last"] else 0)
 
     def _tokens_trained(self) -> int:
-        return sum(info["tokens_before"] + int((info["last"] or {}).get("tokens", 0))
+        return sum(info["tokens_before"] + (info["last"].tokens if info["last"] else 0)
                    for info in self.learners.values())
 
     def _view(self, sup: Supervisor) -> progress.View:
@@ -290,13 +293,13 @@ class RunSession:
             child = sup.children.get(name)
             if child is not None and len(child.starts) != info["seen_starts"]:
                 # A new incarnation: fold the old one's counters into the totals shown.
-                prev = info["last"] or {}
-                info["done_before"] += steps_in_incarnation(prev)
-                info["tokens_before"] += int(prev.get("tokens", 0))
+                prev = info["last"]
+                info["done_before"] += prev.steps_in_incarnation if prev else 0
+                info["tokens_before"] += prev.tokens if prev else 0
                 info["seen_starts"] = len(child.starts)
                 info["last"] = None
             rec = self._learner_tail(name)
-            if rec is not None and child is not None and child.starts and rec.get("time", 0) < child.starts[-1]:
+            if rec is not None and child is not None and child.starts and rec.time < child.starts[-1]:
                 info["last"] = rec = None  # the previous incarnation's line: nothing new logged yet
             status = "stopped"
             if child is not None:

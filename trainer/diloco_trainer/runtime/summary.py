@@ -7,9 +7,11 @@ from pathlib import Path
 
 from ..config import TrainConfig
 from ..goodput import goodput
+from ..protocol import MetricsRecord
 from . import report
 from .plot import Curve, plot_run
-from .rundir import learner_slots, learner_totals, read_jsonl, split_incarnations, write_json
+from .rundir import (as_record, learner_slots, learner_totals, metrics_records, read_jsonl, split_incarnations,
+                     write_json)
 
 
 def learner_starts(events: list[dict]) -> dict[str, list[float]]:
@@ -21,22 +23,21 @@ def learner_starts(events: list[dict]) -> dict[str, list[float]]:
     return starts
 
 
-def learner_curve(name: str, records: list[dict], starts: list[float], t0: float,
-                  deaths: list[float] = ()) -> Curve:
+def learner_curve(name: str, records: list, starts: list[float], t0: float, deaths: list[float] = ()) -> Curve:
     """Training loss over the run with tokens accumulated across incarnations, outages marked."""
     curve = Curve(name, deaths_s=[d - t0 for d in deaths])
     carried = 0.0
-    for i, group in enumerate(split_incarnations(records, starts)):
-        points = [rec for rec in group if rec.get("loss") is not None]
+    for i, group in enumerate(split_incarnations([as_record(r) for r in records], starts)):
+        points = [rec for rec in group if rec.loss is not None]
         if i > 0 and points:
             curve.breaks.append(len(curve.time_s))
-            curve.restarts_s.append(float(points[0]["time"]) - t0)
+            curve.restarts_s.append(points[0].time - t0)
         for rec in points:
-            curve.time_s.append(float(rec["time"]) - t0)
-            curve.tokens.append(carried + float(rec.get("tokens", 0)))
-            curve.loss.append(float(rec["loss"]))
+            curve.time_s.append(rec.time - t0)
+            curve.tokens.append(carried + rec.tokens)
+            curve.loss.append(rec.loss)
         if group:
-            carried += float(group[-1].get("tokens", 0))
+            carried += group[-1].tokens
     return curve
 
 
@@ -65,15 +66,16 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
         torch.set_num_threads(1)
     per_learner, curves, final_lines = {}, [], {}
     for d in sorted((run_dir / "learners").iterdir()) if (run_dir / "learners").exists() else []:
-        records = read_jsonl(d / "metrics.jsonl")
+        records = metrics_records(d / "metrics.jsonl")
         per_learner[d.name] = learner_totals(records, starts.get(d.name, []))
         lives = [g for g in split_incarnations(records, starts.get(d.name, [])) if g]
-        for key in ("bytes_up", "bytes_down"):
-            per_learner[d.name][key] = sum(float(g[-1].get(key, 0) or 0) for g in lives)
-        per_learner[d.name]["final_loss"] = records[-1].get("loss") if records else None
-        final_lines[d.name] = records[-1] if records else {}
-        if records and records[-1].get("param_sha256"):
-            per_learner[d.name]["param_sha256"] = records[-1]["param_sha256"]
+        per_learner[d.name]["bytes_up"] = sum(g[-1].bytes_up for g in lives)
+        per_learner[d.name]["bytes_down"] = sum(g[-1].bytes_down for g in lives)
+        per_learner[d.name]["final_loss"] = records[-1].loss if records else None
+        if records:
+            final_lines[d.name] = records[-1]
+        if records and records[-1].param_sha256:
+            per_learner[d.name]["param_sha256"] = records[-1].param_sha256
         deaths = [float(e["time"]) for e in events if e["name"] == d.name and e["event"] == "exit" and e["code"] != 0]
         curves.append(learner_curve(d.name, records, starts.get(d.name, []), t0, deaths))
     steps = sum(v["step"] for v in per_learner.values())
@@ -135,7 +137,7 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
     return summary, curves, evals
 
 
-def sync_job_figures(events: list[dict], final_lines: dict[str, dict], tokens_per_step: int) -> dict:
+def sync_job_figures(events: list[dict], final_lines: dict[str, MetricsRecord], tokens_per_step: int) -> dict:
     """A synchronous baseline's restarts and lost work.
 
     Work kept is what the final model holds: each worker's steps synced up to its last line (the checkpoint step
@@ -143,8 +145,7 @@ def sync_job_figures(events: list[dict], final_lines: dict[str, dict], tokens_pe
     trained and thrown away by a restart. Goodput and the merged fraction come from goodput.py like every run's.
     """
     restarts = [e for e in events if e.get("event") == "job_restart"]
-    useful = sum(int(r.get("resumed_from_step", 0) or 0) + int(r.get("acked_steps", 0) or 0)
-                 for r in final_lines.values())
+    useful = sum(r.resumed_from_step + r.acked_steps for r in final_lines.values())
     lost = sum(int(e.get("lost_steps", 0)) for e in restarts)
     return {"restarts": len(restarts), "lost_steps": lost, "lost_tokens": lost * tokens_per_step,
             "tokens_merged": useful * tokens_per_step}

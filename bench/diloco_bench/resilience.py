@@ -29,8 +29,9 @@ from diloco_chaos import goodput as chaos_goodput
 from diloco_chaos.experiment import parse_experiment
 from diloco_chaos.record import summarize
 from diloco_chaos.schedule import Schedule
+from diloco_trainer.protocol import ProcessEntry, ProcessesDoc, SyncerSample
 from diloco_trainer.runtime import procs
-from diloco_trainer.runtime.rundir import read_jsonl
+from diloco_trainer.runtime.rundir import metrics_records, read_jsonl
 
 from . import harsh, quality, report, restart_state, runs
 
@@ -100,16 +101,17 @@ class BaselineKiller:
 
     def tick(self, run_dir: Path) -> None:
         procs_doc = _processes(run_dir)
-        workers = {p["name"]: p for p in procs_doc if p.get("role") == "learner"}
+        workers = {p.name: p for p in procs_doc if p.role == "learner"}
         if self.schedule is None:
             if workers and _training_started(run_dir):
                 self.schedule = Schedule(self.spec, time.time(), sorted(workers))
             return
-        alive = sorted(n for n, p in workers.items() if p.get("alive"))
+        alive = sorted(n for n, p in workers.items() if p.alive)
         for tick in self.schedule.due(time.time(), alive):
             p = workers[tick.unit]
-            pid = int(p.get("pid") or 0)
-            if pid and _cmdline_has(pid, f"--rank {p.get('meta', {}).get('rank', tick.unit.rsplit('-', 1)[-1])}"):
+            pid = p.pid or 0
+            rank = p.rank if p.rank is not None else tick.unit.rsplit("-", 1)[-1]
+            if pid and _cmdline_has(pid, f"--rank {rank}"):
                 os.kill(pid, signal.SIGKILL)
                 _append(self.record, {"event": "fault", "time": time.time(), "unit": tick.unit, "pid": pid,
                                       "action": "kill", "why": tick.why})
@@ -118,9 +120,9 @@ class BaselineKiller:
         pass
 
 
-def _processes(run_dir: Path) -> list[dict]:
+def _processes(run_dir: Path) -> list[ProcessEntry]:
     try:
-        return json.loads((run_dir / "processes.json").read_text()).get("processes", [])
+        return ProcessesDoc.model_validate_json((run_dir / "processes.json").read_text()).processes
     except (FileNotFoundError, ValueError):
         return []
 
@@ -287,14 +289,15 @@ def _model_progress(method: str, summary: dict) -> tuple[list[float], list[float
     xs, ys = [], []
     if method == "decoupled":
         fragments = runs.BENCH_CONFIG["outer"]["fragments"]
-        for r in read_jsonl(run_dir / "syncer.jsonl"):
-            if r.get("up"):
-                xs.append(float(r["time"]) - t0)
-                ys.append(int(r.get("tokens_merged", 0)) / fragments / 1e3)
+        for line in read_jsonl(run_dir / "syncer.jsonl"):
+            sample = SyncerSample.from_line(line)
+            if sample.status is not None:
+                xs.append(sample.time - t0)
+                ys.append(sample.status.tokens_merged / fragments / 1e3)
     else:
-        for r in read_jsonl(run_dir / "learners" / "learner-0" / "metrics.jsonl"):
-            xs.append(float(r["time"]) - t0)
-            ys.append(int(r.get("tokens", 0)) * 4 / 1e3)
+        for r in metrics_records(run_dir / "learners" / "learner-0" / "metrics.jsonl"):
+            xs.append(r.time - t0)
+            ys.append(r.tokens * 4 / 1e3)
     return xs, ys, t0
 
 

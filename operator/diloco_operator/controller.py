@@ -25,6 +25,20 @@ from diloco_operator.pools import POOL_LABEL
 
 Key = tuple[str, str, str]  # (kind: "job" | "unit", namespace, name)
 log = logging.getLogger("diloco_operator")
+PARALLEL_WRITES = 16  # the client's thread pool: more in flight would only queue there
+
+
+async def _bounded(coros: list) -> None:
+    """Await `coros` at most PARALLEL_WRITES at a time; the first error is raised once all have ended."""
+    sem = asyncio.Semaphore(PARALLEL_WRITES)
+
+    async def one(c):
+        async with sem:
+            return await c
+    results = await asyncio.gather(*(one(c) for c in coros), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
 
 
 class Controller:
@@ -125,12 +139,13 @@ class Controller:
                     self.enqueue(key)
 
     async def _events(self, obj: dict, events: list[tuple[str, str, str]]) -> None:
-        for type_, reason, message in events:
+        async def post(type_: str, reason: str, message: str) -> None:
             log.info("%s/%s %s: %s", obj["kind"], obj["metadata"]["name"], reason, message)
             try:
                 await self.kube.event(obj, type_, reason, message)
             except ApiError as exc:  # an Event is best effort; the status holds the truth
                 log.warning("could not post event %s on %s: %s", reason, obj["metadata"]["name"], exc)
+        await _bounded([post(*e) for e in events])
 
     async def _ensure(self, res: Resource, desired: dict, *, update: bool = True,
                       cached: dict | None | bool = False) -> dict:
@@ -142,8 +157,13 @@ class Controller:
         key = (res.plural, meta["namespace"], meta["name"])
         if cached is False:
             done = self.ensured.get(key)
-            if done and done[0] == want and time.monotonic() - done[1] < self.ensure_ttl_s:
+            # Create-only objects (update=False, e.g. the random token) are never compared, only re-created if gone.
+            if done and (done[0] == want or not update) and time.monotonic() - done[1] < self.ensure_ttl_s:
                 return desired
+            if not update:  # create-only: one POST (AlreadyExists is fine) instead of a GET first
+                current = await self.kube.create(res, desired) or desired
+                self.ensured[key] = (want, time.monotonic())
+                return current
             current = await self.kube.get(res, meta["namespace"], meta["name"])
         else:
             current = cached
@@ -210,18 +230,26 @@ class Controller:
                 plan = jobplan.plan_units(name, spec, units, decision.counts, decision.park, running_first=True)
             else:
                 plan = jobplan.plan_units(name, spec, units)
-            for unit in plan.delete:
+            async def delete(unit: str) -> None:
                 last = self.cache.unit(ns, unit)
                 self.cache.deleted(LEARNERUNITS.plural, ns, unit, await self.kube.delete(LEARNERUNITS, ns, unit), last)
+
+            async def create(uspec: api.LearnerUnitSpec) -> None:
+                self.cache.wrote(LEARNERUNITS.plural, await self.kube.create(LEARNERUNITS, O.learner_unit(job, uspec)))
+
+            async def update(unit: str, uspec: api.LearnerUnitSpec) -> None:
+                self.cache.wrote(LEARNERUNITS.plural, await self.kube.merge_patch(
+                    LEARNERUNITS, ns, unit, {"spec": uspec.model_dump(mode="json")}))
+            # Independent writes go out together (bounded): 1,000 units are not 1,000 round trips in a row.
+            await _bounded([delete(u) for u in plan.delete] + [create(u) for u in plan.create.values()]
+                           + [update(u, us) for u, us in plan.update.items()])
+            for unit in plan.delete:
                 why = "parked: its pods could not be placed" if decision and unit in decision.park else "scaled down"
                 events.append(("Normal", C.Reason.UNIT_REMOVED, f"removed learner unit {unit} ({why})"))
             for unit, uspec in plan.create.items():
-                self.cache.wrote(LEARNERUNITS.plural, await self.kube.create(LEARNERUNITS, O.learner_unit(job, uspec)))
                 events.append(("Normal", C.Reason.UNIT_CREATED, f"created learner unit {unit} ({uspec.template}, "
                                                         f"{uspec.podsPerUnit} pod(s), unit index {uspec.unitIndex})"))
-            for unit, uspec in plan.update.items():
-                self.cache.wrote(LEARNERUNITS.plural, await self.kube.merge_patch(
-                    LEARNERUNITS, ns, unit, {"spec": uspec.model_dump(mode="json")}))
+            for unit in plan.update:
                 events.append(("Normal", C.Reason.UNIT_UPDATED, f"updated the spec of learner unit {unit}"))
             if plan.delete or plan.create:
                 lus = self.cache.units_of_job(ns, name)
@@ -306,14 +334,17 @@ class Controller:
         last_seen = self.syncer_info.get((ns, spec.jobName), {}).get("learners", {}).get(name)
         if last_seen:
             plan.status["lastContribution"] = last_seen
-        for pod in plan.delete:
+        async def delete(pod: str) -> None:
             self.cache.deleted(PODS.plural, ns, pod, await self.kube.delete(PODS, ns, pod), pod_objs.get(pod))
-        if plan.create:
-            await self._ensure(SERVICES, O.unit_service(unit), update=False)
-        for rank in plan.create:
+
+        async def create(rank: int) -> None:
             if (pvc := O.unit_state_pvc(unit, rank)) is not None:
                 await self._ensure(PVCS, pvc, update=False)
             self.cache.wrote(PODS.plural, await self.kube.create(PODS, O.unit_pod(unit, plan.status["incarnation"], rank)))
+        await _bounded([delete(p) for p in plan.delete])
+        if plan.create:
+            await self._ensure(SERVICES, O.unit_service(unit), update=False)
+        await _bounded([create(rank) for rank in plan.create])
         if (patch := status_patch(old_status, plan.status)) is not None:
             self.cache.wrote(LEARNERUNITS.plural,
                              await self.kube.merge_patch(LEARNERUNITS, ns, name, {"status": patch}, "status"))

@@ -47,7 +47,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     kube = await Kube.connect()
     cache = Cache({"jobs": diloco_jobs, "units": diloco_units, "pods": diloco_pods,
                    "deployments": diloco_deployments, "nodes": diloco_nodes})
-    controller = Controller(kube, cache, workers=int(_env_float("DILOCO_OPERATOR_WORKERS", 4)),
+    controller = Controller(kube, cache, workers=int(_env_float("DILOCO_OPERATOR_WORKERS", 16)),
                             resync_s=_env_float("DILOCO_OPERATOR_RESYNC_SECONDS", 30))
     memo["controller"] = controller
     memo["task"] = asyncio.create_task(controller.run(), name="diloco-controller")

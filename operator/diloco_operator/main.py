@@ -10,7 +10,7 @@ import sys
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--namespace", action="append", default=[],
                         help="watch this namespace (repeatable; default: all namespaces)")
-    parser.add_argument("--workers", type=int, default=4, help="reconciles running at once")
+    parser.add_argument("--workers", type=int, default=16, help="reconciles running at once")
     parser.add_argument("--resync-seconds", type=float, default=30.0,
                         help="look at every known object at least this often, events or not")
     parser.add_argument("--metrics-port", type=int, default=8080, help="Prometheus /metrics port (0: off)")

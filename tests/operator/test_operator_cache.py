@@ -79,10 +79,10 @@ def test_a_periodic_resync_sends_no_more_api_requests_for_12_units_than_for_2(ku
         total = _metric(operator, "diloco_operator_api_requests_total")
         assert total > 0, "the request counter counts"
         print(f"API requests per resync: {small:.2f} with 2 units, {large:.2f} with 12")
-        # Reading the API would cost >= 3 requests per unit per resync (36 for 12 units); what is left is noise
-        # from other tests' jobs in namespaces being deleted (Events refused, retries), about one a second.
-        assert large <= small + 1.0, f"API requests per resync: {small} with 2 units, {large} with 12"
-        assert large <= 2.0, f"a resync should read nothing from the API server ({large} requests)"
+        # Reading the API would cost >= 3 requests per unit per resync (36 for 12 units); what may be left is
+        # noise from other tests' jobs in namespaces being deleted (Events refused, retries).
+        assert large <= small + 0.5, f"API requests per resync: {small} with 2 units, {large} with 12"
+        assert large <= 1.0, f"a resync should read nothing from the API server ({large} requests)"
     finally:
         operator.stop()
         operator.start()
@@ -103,4 +103,5 @@ def _requests_per_resync(operator, resyncs: int = 5) -> float:
     wait_for(lambda: _metric(operator, "diloco_operator_resyncs_total") >= r0 + resyncs, 30, 0.2, "resyncs")
     time.sleep(0.5)  # the last resync's reconciles
     r1, q1 = _metric(operator, "diloco_operator_resyncs_total"), _metric(operator, "diloco_operator_api_requests_total")
+    print({k: v for k, v in operator.metrics().items() if k.startswith("diloco_operator_api_requests_total")})
     return (q1 - q0) / (r1 - r0)

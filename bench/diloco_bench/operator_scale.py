@@ -1,0 +1,158 @@
+"""Operator scale benchmark on the local control plane (kwok): N single-pod CPU learner units from `kubectl apply`
+to all Running; K learner pods deleted at once, until every one is replaced; API requests per periodic resync.
+
+    python -m diloco_bench.operator_scale --units 1000 --kill 20 [--resync-seconds 5] [--workers 4]
+
+Prints one JSON line of figures. Needs the testbed binaries (hack/build-testbed.sh) and kubectl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from diloco_operator import api, testbed
+from diloco_operator.devcluster import install_crds
+from diloco_operator.pools import DEFAULT_POOLS, NodePool
+
+ROOT = Path(__file__).resolve().parents[2]
+POOL = "bench-cpu"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job(units: int) -> dict:
+    return {"apiVersion": api.API_VERSION, "kind": "DilocoJob", "metadata": {"name": "scale", "namespace": "default"},
+            "spec": {"image": "diloco-trainer:bench", "units": [{"name": "cpu", "count": units,
+                                                                  "nodeSelector": {"cloud.google.com/gke-nodepool": POOL}}],
+                     "syncer": {"nodeSelector": {"cloud.google.com/gke-nodepool": "cpu"}},
+                     "restartPolicy": {"backoffSeconds": 0, "maxRestarts": 100}}}
+
+
+def _metrics(port: int) -> dict[str, float]:
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            name = key.split("{", 1)[0]
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def _units_running(tb: testbed.Testbed) -> int:
+    items = tb.request("GET", "/apis/diloco.dev/v1alpha1/namespaces/default/learnerunits", timeout=30)["items"]
+    return sum(1 for u in items if (u.get("status") or {}).get("phase") == "Running")
+
+
+def _learner_pods(tb: testbed.Testbed) -> list[dict]:
+    path = "/api/v1/namespaces/default/pods?labelSelector=diloco.dev%2Fcomponent%3Dlearner"
+    return [p for p in tb.request("GET", path, timeout=30)["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def _wait(what: str, predicate, timeout: float, interval: float = 0.25) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        try:
+            if predicate():
+                return time.monotonic() - start
+        except urllib.error.HTTPError as exc:  # 429 while a watch cache initializes
+            if exc.code != 429:
+                raise
+        time.sleep(interval)
+    raise TimeoutError(f"{what}: not within {timeout:.0f}s")
+
+
+def run(units: int, kill: int, resync_s: float, workers: int, timeout: float) -> dict:
+    nodes = max(2, -(-units // 100))  # 110 pods per node, some room left
+    pools = tuple(p for p in DEFAULT_POOLS if p.name == "cpu") + (
+        NodePool(POOL, nodes, {"cpu": "1000", "memory": "4000Gi", "pods": "110"}),)
+    tb = testbed.start(pools=pools, log=lambda m: print(f"[testbed] {m}", file=sys.stderr))
+    op = None
+    try:
+        install_crds(tb)
+        env = {**os.environ, "KUBECONFIG": tb.kubeconfig}
+        subprocess.run(["kubectl", "wait", "--for=condition=Established", "crd", "--all", "--timeout=60s"],
+                       env=env, check=True, capture_output=True)
+        port = _free_port()
+        log = open(Path(tempfile.gettempdir()) / f"operator-bench-{port}.log", "wb")
+        op = subprocess.Popen([sys.executable, "-m", "diloco_trainer.cli", "operator", "--resync-seconds",
+                               str(resync_s), "--workers", str(workers), "--metrics-port", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        _wait("operator metrics", lambda: _metrics(port), 60)
+        applied = time.monotonic()
+        subprocess.run(["kubectl", "apply", "-f", "-"], input=yaml.safe_dump(_job(units)).encode(), env=env,
+                       check=True, capture_output=True)
+        all_running = _wait(f"{units} units Running", lambda: _units_running(tb) == units, timeout, 1.0)
+        requests_after_up = _metrics(port).get("diloco_operator_api_requests_total", 0)
+
+        time.sleep(max(2.0, resync_s))
+        m0 = _metrics(port)
+        _wait("3 resyncs", lambda: _metrics(port).get("diloco_operator_resyncs_total", 0)
+              >= m0.get("diloco_operator_resyncs_total", 0) + 3, 10 * resync_s + 30, 0.2)
+        m1 = _metrics(port)
+        per_resync = ((m1["diloco_operator_api_requests_total"] - m0["diloco_operator_api_requests_total"])
+                      / (m1["diloco_operator_resyncs_total"] - m0["diloco_operator_resyncs_total"]))
+
+        pods = _learner_pods(tb)
+        victims = random.Random(0).sample(pods, min(kill, len(pods)))
+        gone = {p["metadata"]["uid"] for p in victims}
+        killed = time.monotonic()
+        for p in victims:  # one DELETE each, back to back (~10 ms apart)
+            tb.request("DELETE", f"/api/v1/namespaces/default/pods/{p['metadata']['name']}", {"gracePeriodSeconds": 0})
+        victim_units = {p["metadata"]["labels"]["diloco.dev/unit"] for p in victims}
+
+        def replaced() -> bool:
+            now = {p["metadata"]["labels"]["diloco.dev/unit"]: p for p in _learner_pods(tb)
+                   if p["metadata"]["labels"]["diloco.dev/unit"] in victim_units}
+            return len(now) == len(victim_units) and all(
+                p["metadata"]["uid"] not in gone and p["status"].get("phase") == "Running" for p in now.values())
+        _wait(f"{kill} pods replaced", replaced, timeout, 0.2)
+        replace_s = time.monotonic() - killed
+        return {"units": units, "nodes": nodes, "workers": workers, "all_running_s": round(all_running, 1),
+                "api_requests_to_all_running": int(requests_after_up), "killed": len(victims),
+                "replaced_s": round(replace_s, 1), "api_requests_per_resync": round(per_resync, 2),
+                "resync_seconds": resync_s, "since_apply_s": round(time.monotonic() - applied, 1)}
+    finally:
+        if op is not None:
+            op.terminate()
+            try:
+                op.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                op.kill()
+        tb.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--units", type=int, default=300)
+    parser.add_argument("--kill", type=int, default=20)
+    parser.add_argument("--resync-seconds", type=float, default=5.0)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args(argv)
+    print(json.dumps(run(args.units, args.kill, args.resync_seconds, args.workers, args.timeout)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

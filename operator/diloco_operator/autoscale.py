@@ -147,6 +147,86 @@ def _iso(t: datetime | None) -> str | None:
     return C.now_iso(t) if t else None
 
 
+@dataclass
+class _Template:
+    """One template's autoscaling state during a decision (read from and written back to its status)."""
+
+    spec: api.UnitTemplate
+    units: list[UnitState]
+    free: int | None
+    retry_at: datetime | None = None
+    park_count: int = 0
+    reason: str = ""
+    probe: bool = False  # its backoff just ended: one unit may probe for room
+
+    def waiting(self, parked: set[str]) -> int:
+        return sum(1 for u in self.units if not u.running and not u.finished and u.name not in parked)
+
+    def running(self, parked: set[str]) -> int:
+        return sum(1 for u in self.units if u.running and u.name not in parked)
+
+    def kept(self, parked: set[str]) -> int:
+        return sum(1 for u in self.units if u.name not in parked)
+
+
+def _templates(spec: api.DilocoJobSpec, units: list[UnitState], free: dict[str, int | None],
+               old: api.AutoscalingStatus, now: datetime) -> tuple[list[_Template], list[Event]]:
+    """Templates in preference order with their state; a parked one is retried when its backoff ends or when
+    more room shows on its nodes than when last looked."""
+    prev = {t.name: t for t in old.templates}
+    out, events = [], []
+    for t in preference(spec):
+        p = prev.get(t.name) or api.TemplateScaling(name=t.name)
+        tpl = _Template(t, [u for u in units if u.template == t.name], free.get(t.name),
+                        C.parse_time(p.retryAt), p.parkCount, p.reason or "")
+        if tpl.retry_at is not None:
+            if (tpl.free or 0) > (p.freeUnits or 0):
+                events.append(("Normal", C.Reason.CAPACITY_APPEARED,
+                               f"template {t.name}: room for {tpl.free} unit(s) on its nodes; retrying it now"))
+                tpl.retry_at, tpl.reason = None, ""
+            elif now >= tpl.retry_at:
+                events.append(("Normal", C.Reason.RETRYING_TEMPLATE,
+                               f"template {t.name}: backoff over, trying to place a unit again"))
+                tpl.retry_at, tpl.reason, tpl.probe = None, "", True
+        out.append(tpl)
+    return out, events
+
+
+def _stuck(tpl: _Template, now: datetime, timeout: timedelta) -> list[UnitState]:
+    """Units Unschedulable longer than the provisioning timeout (a cluster autoscaler had its chance)."""
+    return [u for u in tpl.units if not u.running and not u.finished and u.unschedulable_since
+            and now - u.unschedulable_since >= timeout]
+
+
+def _fill(templates: list[_Template], target: int, parked: set[str], allow_up: bool) -> dict[str, int]:
+    """Units per template: the existing ones (at least minCount), then the best available templates up to
+    maxCount until the target; above the target, the least preferred templates shrink first."""
+    counts = {t.spec.name: max(t.spec.minCount, t.kept(parked)) for t in templates}
+    parked_templates = {u.template for t in templates for u in t.units if u.name in parked}
+    for t in templates if allow_up else []:
+        room = target - sum(counts.values())
+        if room <= 0:
+            break
+        if t.retry_at is not None or t.spec.name in parked_templates:
+            continue
+        cap = (t.spec.maxCount if t.spec.maxCount is not None else 10**6) - counts[t.spec.name]
+        if t.park_count:  # it has failed to place units: grow by the room seen (minus units still waiting)
+            seen = 1 if t.free is None else max(0, t.free - t.waiting(parked))
+            cap = min(cap, max(seen, 1) if t.probe else seen)
+        counts[t.spec.name] += max(0, min(room, cap))
+    excess = sum(counts.values()) - target
+    for t in reversed(templates):
+        cut = min(excess, counts[t.spec.name] - t.spec.minCount)
+        if cut > 0:
+            counts[t.spec.name] -= cut
+            excess -= cut
+    return counts
+
+
+def _since(now: datetime, then: datetime | None) -> float:
+    return float("inf") if then is None else (now - then).total_seconds()
+
+
 def decide(spec: api.DilocoJobSpec, units: list[UnitState], free: dict[str, int | None], old: dict | None,
            now: datetime) -> Decision:
     """Units per template and units to park. Rules: fill templates in preference order up to maxCount; a unit
@@ -156,170 +236,95 @@ def decide(spec: api.DilocoJobSpec, units: list[UnitState], free: dict[str, int 
     parks."""
     a = spec.autoscaling
     assert a is not None
-    old = old or {}
-    old_t = {t["name"]: t for t in old.get("templates") or []}
+    prev = api.AutoscalingStatus.model_validate(old or {})
     timeout = timedelta(seconds=a.provisioningTimeoutSeconds)
-    last_up = C.parse_time(old.get("lastScaleUpTime"))
-    last_down = C.parse_time(old.get("lastScaleDownTime"))
-    events: list[Event] = []
-    order = preference(spec)
+    last_up, last_down = C.parse_time(prev.lastScaleUpTime), C.parse_time(prev.lastScaleDownTime)
     target = target_units(spec)
-    by_t: dict[str, list[UnitState]] = {t.name: [] for t in order}
-    for u in units:
-        if u.template in by_t:
-            by_t[u.template].append(u)
+    templates, events = _templates(spec, units, free, prev, now)
+    rank = {t.spec.name: i for i, t in enumerate(templates)}
 
-    # Template state: parked until retryAt (backoff); parkCount parks since the template last had all the units
-    # it was asked for running. A template that was parked grows only by the room seen on its nodes, except
-    # right after its backoff, when one unit probes (it may make a cluster autoscaler add a node).
-    state: dict[str, dict] = {}
-    probe: set[str] = set()
-    for t in order:
-        prev = old_t.get(t.name, {})
-        st = {"retryAt": C.parse_time(prev.get("retryAt")), "parkCount": int(prev.get("parkCount") or 0),
-              "reason": prev.get("reason") or ""}
-        if st["retryAt"] is not None:
-            if (free.get(t.name) or 0) > int(prev.get("freeUnits") or 0):  # more room than when last looked
-                events.append(("Normal", C.Reason.CAPACITY_APPEARED,
-                               f"template {t.name}: room for {free[t.name]} unit(s) on its nodes; retrying it now"))
-                st["retryAt"], st["reason"] = None, ""
-            elif now >= st["retryAt"]:
-                events.append(("Normal", C.Reason.RETRYING_TEMPLATE,
-                               f"template {t.name}: backoff over, trying to place a unit again"))
-                st["retryAt"], st["reason"] = None, ""
-                probe.add(t.name)
-        state[t.name] = st
-
-    # Stuck units: Unschedulable longer than the provisioning timeout (a cluster autoscaler had its chance).
-    stuck = {t.name: [u for u in by_t[t.name] if not u.running and not u.finished and u.unschedulable_since
-                      and now - u.unschedulable_since >= timeout] for t in order}
-    down_ok = last_down is None or (now - last_down).total_seconds() >= a.scaleDownCooldownSeconds
-    down_ok = down_ok and (last_up is None or (now - last_up).total_seconds() >= a.scaleDownCooldownSeconds)
+    stuck = [u for t in templates for u in _stuck(t, now, timeout)]
+    down_ok = min(_since(now, last_down), _since(now, last_up)) >= a.scaleDownCooldownSeconds
+    up_ok = _since(now, last_up) >= a.scaleUpCooldownSeconds
     park: list[UnitState] = []
-    if down_ok:
-        for t in order:
-            # Never below the template's minCount by parking: those units keep waiting for capacity.
-            spare = len(by_t[t.name]) - t.minCount
-            park += sorted(stuck[t.name], key=lambda u: -u.index)[:max(0, spare)]
-
-    def keep_count(t: api.UnitTemplate, parked: set[str]) -> int:
-        return sum(1 for u in by_t[t.name] if u.name not in parked)
-
-    def available(t: api.UnitTemplate) -> bool:
-        return state[t.name]["retryAt"] is None
-
-    def fill(parked: set[str], allow_up: bool) -> dict[str, int]:
-        counts = {t.name: max(t.minCount, keep_count(t, parked)) for t in order}
-        if allow_up:
-            for t in order:
-                room = target - sum(counts.values())
-                if room <= 0:
-                    break
-                if available(t) and not (t.name in {p.template for p in park}):
-                    cap = (t.maxCount if t.maxCount is not None else 10**6) - counts[t.name]
-                    if state[t.name]["parkCount"]:
-                        room_seen = free.get(t.name)
-                        # Units still waiting for their pods to run will take some of that room.
-                        waiting_units = sum(1 for u in by_t[t.name] if not u.running and not u.finished
-                                            and u.name not in parked)
-                        room_seen = 1 if room_seen is None else max(0, room_seen - waiting_units)
-                        cap = min(cap, max(room_seen, 1) if t.name in probe else room_seen)
-                    counts[t.name] += max(0, min(room, cap))
-        # Above the target (kubectl scale / HPA down): least preferred first, down to each minCount.
-        excess = sum(counts.values()) - target
-        for t in reversed(order):
-            if excess <= 0:
-                break
-            cut = min(excess, counts[t.name] - t.minCount)
-            if cut > 0:
-                counts[t.name] -= cut
-                excess -= cut
-        return counts
-
-    up_ok = last_up is None or (now - last_up).total_seconds() >= a.scaleUpCooldownSeconds
+    if down_ok:  # never below a template's minCount by parking: those units keep waiting for room
+        for t in templates:
+            park += sorted(_stuck(t, now, timeout), key=lambda u: -u.index)[:max(0, len(t.units) - t.spec.minCount)]
     parked = {u.name for u in park}
-    counts = fill(parked, up_ok)
+    counts = _fill(templates, target, parked, up_ok)
     # Never ask for fewer than minUnits on purpose: keep stuck units (best template first) rather than go below.
     while sum(counts.values()) < min(a.minUnits, target) and park:
-        keep = min(park, key=lambda u: [t.name for t in order].index(u.template))
+        keep = min(park, key=lambda u: rank[u.template])
         park.remove(keep)
         parked.discard(keep.name)
-        counts = fill(parked, up_ok)
+        counts = _fill(templates, target, parked, up_ok)
 
-    for t in order:
-        mine = [u for u in park if u.template == t.name]
-        if not mine:
-            continue
-        st = state[t.name]
-        delay = min(a.retryBackoffSeconds * 2 ** st["parkCount"], a.maxRetryBackoffSeconds)
-        st["parkCount"] += 1
-        st["retryAt"] = now + timedelta(seconds=delay)
-        why = mine[0].unschedulable_message or "unschedulable"
-        st["reason"] = f"pods unschedulable for over {a.provisioningTimeoutSeconds:g}s: {why}"[:300]
-        events.append(("Warning", C.Reason.UNITS_PARKED,
-                       f"parked {len(mine)} unit(s) of template {t.name} ({', '.join(u.name for u in mine)}): "
-                       f"{st['reason']}; retry in {delay:g}s"))
+    for t in templates:
+        mine = [u for u in park if u.template == t.spec.name]
+        if mine:
+            delay = min(a.retryBackoffSeconds * 2 ** t.park_count, a.maxRetryBackoffSeconds)
+            t.park_count += 1
+            t.retry_at = now + timedelta(seconds=delay)
+            why = mine[0].unschedulable_message or "unschedulable"
+            t.reason = f"pods unschedulable for over {a.provisioningTimeoutSeconds:g}s: {why}"[:300]
+            events.append(("Warning", C.Reason.UNITS_PARKED,
+                           f"parked {len(mine)} unit(s) of template {t.spec.name} ({', '.join(u.name for u in mine)}): "
+                           f"{t.reason}; retry in {delay:g}s"))
+        # Everything asked of it runs and nothing more is wanted: its history of parks is cleared.
+        full = counts[t.spec.name] == t.spec.maxCount or sum(counts.values()) >= target
+        if full and t.retry_at is None and t.running(parked) == counts[t.spec.name]:
+            t.park_count = 0
 
-    for t in order:  # everything asked of the template runs and nothing more is wanted: its history is cleared
-        full = counts[t.name] == (t.maxCount if t.maxCount is not None else -1) or sum(counts.values()) >= target
-        if full and state[t.name]["retryAt"] is None and \
-                sum(1 for u in by_t[t.name] if u.running and u.name not in parked) == counts[t.name]:
-            state[t.name]["parkCount"] = 0
-    existing = {t.name: keep_count(t, parked) for t in order}
-    grown = {t: counts[t] - existing[t] for t in counts if counts[t] > existing[t]}
-    shrunk = {t: existing[t] - counts[t] for t in counts if counts[t] < existing[t]}
+    existing = {t.spec.name: t.kept(parked) for t in templates}
+    grown = {n: counts[n] - existing[n] for n in counts if counts[n] > existing[n]}
+    shrunk = {n: existing[n] - counts[n] for n in counts if counts[n] < existing[n]}
     if grown and units:  # the first creation of a job's units is not a decision worth an Event
-        events.append(("Normal", C.Reason.SCALED_UP, "added " + ", ".join(f"{n} unit(s) of {t}" for t, n in grown.items())
+        events.append(("Normal", C.Reason.SCALED_UP, "added " + ", ".join(f"{k} unit(s) of {n}" for n, k in grown.items())
                        + f" (target {target} units)"))
     if shrunk:
-        events.append(("Normal", C.Reason.SCALED_DOWN, "removed " + ", ".join(f"{n} unit(s) of {t}"
-                                                                             for t, n in shrunk.items())
+        events.append(("Normal", C.Reason.SCALED_DOWN, "removed " + ", ".join(f"{k} unit(s) of {n}"
+                                                                             for n, k in shrunk.items())
                        + f" (target {target} units)"))
-    if grown:
-        last_up = now
-    if park or shrunk:
-        last_down = now
+    last_up = now if grown else last_up
+    last_down = now if park or shrunk else last_down
 
-    parked_list = [{"name": u.name, "template": u.template, "reason": state[u.template]["reason"], "time": C.now_iso(now)}
-                   for u in park] + list(old.get("parkedUnits") or [])
-    running = {t.name: sum(1 for u in by_t[t.name] if u.running and u.name not in parked) for t in order}
-    templates = []
-    for t in order:
-        st = state[t.name]
-        entry = {"name": t.name, "desired": counts[t.name], "running": running[t.name],
-                 "parkCount": st["parkCount"]}
-        if free.get(t.name) is not None:
-            entry["freeUnits"] = free[t.name]
-        if st["retryAt"] is not None:
-            entry["retryAt"] = _iso(st["retryAt"])
-            entry["reason"] = st["reason"]
-        templates.append(entry)
-    desired = sum(counts.values())
-    status = {"targetUnits": target, "desiredUnits": desired, "runningUnits": sum(running.values()),
-              "templates": templates, "parkedUnits": parked_list[:PARKED_HISTORY]}
-    if last_up:
-        status["lastScaleUpTime"] = _iso(last_up)
-    if last_down:
-        status["lastScaleDownTime"] = _iso(last_down)
+    by_name = {t.spec.name: t for t in templates}
+    status = api.AutoscalingStatus(
+        targetUnits=target, desiredUnits=sum(counts.values()), runningUnits=sum(t.running(parked) for t in templates),
+        templates=[api.TemplateScaling(name=t.spec.name, desired=counts[t.spec.name], running=t.running(parked),
+                                       parkCount=t.park_count, freeUnits=t.free, retryAt=_iso(t.retry_at),
+                                       reason=t.reason if t.retry_at else None) for t in templates],
+        parkedUnits=([api.ParkedUnit(name=u.name, template=u.template, reason=by_name[u.template].reason,
+                                     time=C.now_iso(now)) for u in park] + prev.parkedUnits)[:PARKED_HISTORY],
+        lastScaleUpTime=_iso(last_up), lastScaleDownTime=_iso(last_down))
+    return Decision(counts=counts, park=[u.name for u in park], status=status.model_dump(mode="json", exclude_none=True),
+                    events=events, limited=_limited(status, templates, up_ok, a),
+                    requeue_after=_wake(templates, units, parked, now, timeout, a, last_up, last_down, up_ok,
+                                        down_ok, bool(stuck)))
 
-    waiting = [t for t in order if state[t.name]["retryAt"] is not None]
-    if desired < target and not up_ok:
-        limited = (True, C.Reason.COOLDOWN, f"{desired}/{target} units: scale-up cooldown "
-                                            f"({a.scaleUpCooldownSeconds:g}s)")
-    elif desired < target:
-        limited = (True, C.Reason.CAPACITY_UNAVAILABLE,
-                   f"{desired}/{target} units placeable; parked: " + (", ".join(
-                       f"{t.name} until {_iso(state[t.name]['retryAt'])}" for t in waiting) or "none (maxCount)"))
-    else:
-        limited = (False, C.Reason.TARGET_MET, f"{desired} units wanted (target {target})")
-    # Wake up when a backoff or a cooldown ends, or a stuck unit reaches its provisioning timeout.
-    wakes = [(s["retryAt"] - now).total_seconds() for s in state.values() if s["retryAt"] is not None]
+
+def _limited(status: api.AutoscalingStatus, templates: list[_Template], up_ok: bool,
+             a: api.Autoscaling) -> tuple[bool, str, str]:
+    """The ScalingLimited condition: (status, reason, message)."""
+    desired, target = status.desiredUnits, status.targetUnits
+    if desired >= target:
+        return False, C.Reason.TARGET_MET, f"{desired} units wanted (target {target})"
+    if not up_ok:
+        return True, C.Reason.COOLDOWN, f"{desired}/{target} units: scale-up cooldown ({a.scaleUpCooldownSeconds:g}s)"
+    waiting = ", ".join(f"{t.spec.name} until {_iso(t.retry_at)}" for t in templates if t.retry_at is not None)
+    return True, C.Reason.CAPACITY_UNAVAILABLE, f"{desired}/{target} units placeable; parked: {waiting or 'none (maxCount)'}"
+
+
+def _wake(templates: list[_Template], units: list[UnitState], parked: set[str], now: datetime, timeout: timedelta,
+          a: api.Autoscaling, last_up: datetime | None, last_down: datetime | None, up_ok: bool, down_ok: bool,
+          stuck: bool) -> float | None:
+    """Seconds until the next decision is due: a backoff or a cooldown ends, or a pending unit times out."""
+    wakes = [(t.retry_at - now).total_seconds() for t in templates if t.retry_at is not None]
     wakes += [(u.unschedulable_since + timeout - now).total_seconds() for u in units
               if u.unschedulable_since and not u.running and u.name not in parked]
     if not up_ok and last_up:
         wakes.append(a.scaleUpCooldownSeconds - (now - last_up).total_seconds())
-    if any(stuck.values()) and not down_ok and last_down:
+    if stuck and not down_ok and last_down:
         wakes.append(a.scaleDownCooldownSeconds - (now - last_down).total_seconds())
     wakes = [w for w in wakes if w > 0]
-    return Decision(counts=counts, park=[u.name for u in park], status=status, events=events, limited=limited,
-                    requeue_after=min(wakes) + 0.5 if wakes else None)
+    return min(wakes) + 0.5 if wakes else None

@@ -17,6 +17,7 @@ from diloco_chaos.metrics import ChaosMetrics
 from diloco_chaos.record import Record
 from diloco_chaos.runner import run_experiment
 from diloco_chaos.targets.kubernetes import KubernetesTarget
+from diloco_operator import conditions as C
 from diloco_operator.kube import DILOCOJOBS, Kube
 
 # {"startedAt": unix, "spec": hash of the spec.chaos it runs, "faults": injected so far, "ended": true once done}
@@ -67,7 +68,7 @@ async def run_job_chaos(kube: Kube, job: dict, chaos: dict, should_stop: Callabl
     try:
         exp = JobChaos.model_validate(chaos).to_experiment(name, ns)
     except ValueError as exc:
-        await kube.event(job, "Warning", "ChaosRejected", f"spec.chaos: {exc}")
+        await kube.event(job, "Warning", C.Reason.CHAOS_REJECTED, f"spec.chaos: {exc}")
         return None
     saved = persisted(meta.get("annotations") or {}, digest)
     if saved and saved["ended"]:
@@ -81,7 +82,7 @@ async def run_job_chaos(kube: Kube, job: dict, chaos: dict, should_stop: Callabl
     if saved is None:
         started = time.time()
         await _persist(kube, ns, name, digest, started)
-        await kube.event(job, "Normal", "ChaosStarted", f"chaos experiment {exp.name} started: "
+        await kube.event(job, "Normal", C.Reason.CHAOS_STARTED, f"chaos experiment {exp.name} started: "
                          f"schedule {exp.schedule.model_dump(by_alias=True, exclude_defaults=True)}, "
                          f"{exp.action.type} a {exp.target.kind}, at most {exp.safety.max_faults or 'unbounded'} "
                          f"faults within {exp.safety.max_duration}")
@@ -113,7 +114,7 @@ async def run_job_chaos(kube: Kube, job: dict, chaos: dict, should_stop: Callabl
         try:
             summary = task.result()
         except ValueError as exc:  # refused by the target's preflight (e.g. pause on Kubernetes)
-            await kube.event(job, "Warning", "ChaosRejected", f"spec.chaos: {exc}")
+            await kube.event(job, "Warning", C.Reason.CHAOS_REJECTED, f"spec.chaos: {exc}")
             return None
     finally:
         if not task.done():
@@ -121,7 +122,7 @@ async def run_job_chaos(kube: Kube, job: dict, chaos: dict, should_stop: Callabl
             await asyncio.gather(task, return_exceptions=True)
     await _persist(kube, ns, name, digest, started, injected["faults"], ended=True)
     dry = f" ({summary['dry_run_faults']} dry-run)" if summary["dry_run_faults"] else ""
-    await kube.event(job, "Normal", "ChaosEnded", f"chaos experiment {exp.name} ended: {injected['faults']} faults"
+    await kube.event(job, "Normal", C.Reason.CHAOS_ENDED, f"chaos experiment {exp.name} ended: {injected['faults']} faults"
                      f"{dry}, {summary['skipped']} skipped, {summary['recovered']} recovered, "
                      f"{summary['not_recovered']} not recovered")
     return summary

@@ -48,6 +48,13 @@ class Reason:
     UNIT_CREATED = "UnitCreated"
     UNIT_REMOVED = "UnitRemoved"
     UNIT_UPDATED = "UnitUpdated"
+    PODS_CREATED = "PodsCreated"
+    JOB_SUCCEEDED = "JobSucceeded"
+    JOB_FAILED = "JobFailed"
+    # spec.chaos run by the operator
+    CHAOS_STARTED = "ChaosStarted"
+    CHAOS_ENDED = "ChaosEnded"
+    CHAOS_REJECTED = "ChaosRejected"
     # LearnerUnit
     PODS_READY = "PodsReady"
     PODS_NOT_READY = "PodsNotReady"

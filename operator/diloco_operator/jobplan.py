@@ -161,7 +161,8 @@ def job_status(name: str, spec: api.DilocoJobSpec, generation: int | None, units
             st["phase"] = "Pending"
     if st["phase"] in TERMINAL_JOB:
         st["completionTime"] = C.now_iso(now)
-        events.append(("Normal" if st["phase"] == "Succeeded" else "Warning", f"Job{st['phase']}",
+        events.append(("Normal" if st["phase"] == "Succeeded" else "Warning",
+                       C.Reason.JOB_SUCCEEDED if st["phase"] == "Succeeded" else C.Reason.JOB_FAILED,
                        C.get_condition(conds, st["phase"])["message"]))
     if st["phase"] == "Running" and not st.get("startTime"):
         st["startTime"] = C.now_iso(now)

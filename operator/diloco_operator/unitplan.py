@@ -162,7 +162,7 @@ def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | Non
         st["launchedIncarnation"] = inc
         st.pop("restartAfter", None)
         if plan.create:
-            plan.events.append(("Normal", "PodsCreated",
+            plan.events.append(("Normal", C.Reason.PODS_CREATED,
                                 f"created {len(plan.create)} pod(s) of incarnation {inc} on {spec.accelerator.type}"))
     ready = sum(1 for p in current if p.phase == "Running" and p.ready and not p.deleting)
     if ready == spec.podsPerUnit:

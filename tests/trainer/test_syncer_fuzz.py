@@ -28,10 +28,11 @@ from learner_kit import TOKEN, SyncerProcess
 # digs deeper (minutes).
 # No shrinking in the suite: a failure prints its whole step list, and shrinking a stateful run against a real
 # process can take minutes.
-settings.register_profile("syncer-fuzz", max_examples=12, stateful_step_count=25, deadline=None,
+# database=None: no .hypothesis/ example store in the checkout (a real process's state is not replayable anyway).
+settings.register_profile("syncer-fuzz", max_examples=12, stateful_step_count=25, deadline=None, database=None,
                           phases=[Phase.explicit, Phase.reuse, Phase.generate],
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-settings.register_profile("syncer-fuzz-long", max_examples=300, stateful_step_count=40, deadline=None,
+settings.register_profile("syncer-fuzz-long", max_examples=300, stateful_step_count=40, deadline=None, database=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 ANSWER_TIMEOUT_S = 15.0  # a request the syncer does not answer (or close) within this long is a hang
 AUTH = f"Bearer {TOKEN}"

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--units", type=int, default=300)
     parser.add_argument("--kill", type=int, default=20)
     parser.add_argument("--resync-seconds", type=float, default=5.0)
-    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
     print(json.dumps(run(args.units, args.kill, args.resync_seconds, args.workers, args.timeout)))

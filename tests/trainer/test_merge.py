@@ -226,3 +226,29 @@ def test_nesterov_rejects_bad_inputs_without_touching_parameters():
         NesterovOuter(0.0, 0.9)
     with pytest.raises(ValueError, match="momentum"):
         NesterovOuter(0.7, 1.0)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_nesterov_stepped_equals_step_on_a_copy_and_leaves_the_parameters_untouched(momentum):
+    gen = torch.Generator().manual_seed(3)
+    params = {"w": torch.randn(5, 4, generator=gen), "b": torch.randn(4, generator=gen)}
+    in_place, fresh = NesterovOuter(0.7, momentum), NesterovOuter(0.7, momentum)
+    copy = {n: t.clone() for n, t in params.items()}
+    before = {n: t.clone() for n, t in params.items()}
+    current = params
+    for _ in range(3):  # buffers exist from the second step on
+        delta = {n: torch.randn(t.shape, generator=gen) for n, t in params.items()}
+        in_place.step(copy, delta)
+        current = fresh.stepped(current, delta)
+        assert all(torch.equal(current[n], copy[n]) for n in params)
+    assert all(torch.equal(params[n], before[n]) for n in params), "stepped never writes its input"
+    assert all(torch.equal(in_place.state_dict()[n], fresh.state_dict()[n]) for n in params)
+
+
+def test_rda_matches_its_definition_with_unequal_weights():
+    gen = torch.Generator().manual_seed(4)
+    ds, ws = [torch.randn(50, generator=gen) * s for s in (0.5, 1.0, 3.0)], [1.0, 2.0, 0.5]
+    total = sum(ws)
+    radius = sum(w * d.norm() for d, w in zip(ds, ws)) / total
+    direction = sum(w * d / d.norm() for d, w in zip(ds, ws)) / total
+    assert torch.allclose(rda(ds, ws), radius * direction / direction.norm(), atol=1e-6)

@@ -273,6 +273,7 @@ async def test_a_stale_but_kept_base_is_reanchored_to_the_current_version(aiohtt
     st = syncer.state
     lr, mu = cfg.outer.lr, cfg.outer.momentum
     theta0 = st.fragment(0)
+    theta0_values = {n: t.clone() for n, t in theta0.items()}
     d1, d2 = deltas_for(st, 0, seed=1), deltas_for(st, 0, seed=2)
     await client.post("/v1/fragments/0/outer-gradient", data=body(st, 0, d1, sid="s1"), headers=AUTH)
     await wait_for(lambda: st.versions[0] == 1)
@@ -286,6 +287,7 @@ async def test_a_stale_but_kept_base_is_reanchored_to_the_current_version(aiohtt
         d_prime = theta1[n] - (theta0[n] - d2[n])
         buf = mu * d1[n] + d_prime
         torch.testing.assert_close(st.theta[n], theta1[n] - lr * (d_prime + mu * buf), rtol=1e-5, atol=1e-6)
+        assert torch.equal(theta0[n], theta0_values[n]), "a merge never writes into a published version"
     metrics = (await (await client.get("/metrics")).read()).decode()
     assert 'diloco_syncer_staleness_versions_bucket{le="0.0"} 1.0' in metrics  # s1: base was current
     assert 'diloco_syncer_staleness_versions_bucket{le="1.0"} 2.0' in metrics  # s2: one version behind

@@ -61,9 +61,11 @@ class Contribution:
         return {n: self.anchor[n] - self.delta[n] for n in self.anchor}
 
     def reanchored(self, current: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Δ' = Θ_current − θ_m (exactly Δ̂ when the base is still current)."""
+        """Δ' = Θ_current − θ_m: Δ̂ itself (no copy) when its base is still the current version."""
         if self.delta is None:
             return {n: current[n] - self.anchor[n] for n in current}
+        if all(self.anchor[n] is current[n] for n in current):
+            return self.delta
         return {n: reanchor(self.anchor[n], current[n], self.delta[n]) for n in current}
 
     def spool_meta(self) -> dict:
@@ -248,8 +250,7 @@ class SyncerState:
         merged = merge_fragment(deltas, weights, self.embeddings, out.merge)
         fresh = NesterovOuter(out.lr, out.momentum)
         fresh.load_state_dict(outer.state_dict())  # clones: the published outer state is never mutated
-        theta = {n: t.clone() for n, t in current.items()}
-        fresh.step(theta, merged)
+        theta = dict(current) | fresh.stepped(current, merged)  # new tensors: the published Θ is never mutated
         return MergeResult(p, theta, fresh, contribs, weights)
 
     def commit_merge(self, r: MergeResult) -> int:

@@ -61,7 +61,7 @@ class LearnerOptions:
     poll_s: float = 0.25
     save_params: Path | None = None  # write the final local θ here (params-rank{r}.safetensors), for inspection
     ca: Path | None = None  # CA certificate the syncer's (https) certificate is verified against
-    restore_inner: bool = False  # resume AdamW and error feedback from the state directory's snapshot (inner_state.py)
+    restore_inner: bool = True  # resume AdamW and error feedback from the state directory's snapshot (inner_state.py)
 
 
 @dataclass

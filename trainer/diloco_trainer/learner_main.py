@@ -42,8 +42,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "default: the system's CAs")
     parser.add_argument("--restore-inner-state", action=argparse.BooleanOptionalAction, default=None,
                         help="on start, resume AdamW moments and step and the error-feedback residuals from "
-                             "--state-dir's last snapshot (written every 10 steps); the parameters always come "
-                             "from the syncer")
+                             "--state-dir's last snapshot (written every 10 steps; default: on); the parameters "
+                             "always come from the syncer")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--standby", default=None, metavar="DIR",
                         help="warm spare: import everything, then wait for DIR/assignment.json (the learner "

@@ -159,9 +159,6 @@ class _Template:
     reason: str = ""
     probe: bool = False  # its backoff just ended: one unit may probe for room
 
-    def waiting(self, parked: set[str]) -> int:
-        return sum(1 for u in self.units if not u.running and not u.finished and u.name not in parked)
-
     def running(self, parked: set[str]) -> int:
         return sum(1 for u in self.units if u.running and u.name not in parked)
 
@@ -177,7 +174,11 @@ def _templates(spec: api.DilocoJobSpec, units: list[UnitState], free: dict[str, 
     out, events = [], []
     for t in preference(spec):
         p = prev.get(t.name) or api.TemplateScaling(name=t.name)
-        tpl = _Template(t, [u for u in units if u.template == t.name], free.get(t.name),
+        mine = [u for u in units if u.template == t.name]
+        # Room not yet promised: units whose pods the scheduler has not placed nor refused will take some.
+        pending = sum(1 for u in mine if not u.running and not u.finished and u.unschedulable_since is None)
+        room = free.get(t.name)
+        tpl = _Template(t, mine, None if room is None else max(0, room - pending),
                         C.parse_time(p.retryAt), p.parkCount, p.reason or "")
         if tpl.retry_at is not None:
             if (tpl.free or 0) > (p.freeUnits or 0):
@@ -210,8 +211,8 @@ def _fill(templates: list[_Template], target: int, parked: set[str], allow_up: b
         if t.retry_at is not None or t.spec.name in parked_templates:
             continue
         cap = (t.spec.maxCount if t.spec.maxCount is not None else 10**6) - counts[t.spec.name]
-        if t.park_count:  # it has failed to place units: grow by the room seen (minus units still waiting)
-            seen = 1 if t.free is None else max(0, t.free - t.waiting(parked))
+        if t.park_count:  # it has failed to place units: grow by the room seen (not promised yet)
+            seen = 1 if t.free is None else t.free
             cap = min(cap, max(seen, 1) if t.probe else seen)
         counts[t.spec.name] += max(0, min(room, cap))
     excess = sum(counts.values()) - target

@@ -147,3 +147,12 @@ def test_room_already_promised_to_a_waiting_unit_is_not_given_twice():
     waiting = UnitState("j-h100-0", "h100", 0, running=False)
     d = decide(s, [waiting, unit("l4", 0)], {"h100": 1}, parked, T0)
     assert d.counts["h100"] == 1
+
+
+def test_room_a_unit_of_the_job_is_about_to_take_does_not_count_as_capacity_appearing():
+    s = spec(max_units=3)
+    parked = {"templates": [{"name": "h100", "retryAt": C.now_iso(T0 + timedelta(seconds=100)), "parkCount": 1,
+                             "freeUnits": 0}]}
+    not_yet_placed = UnitState("j-h100-0", "h100", 0, running=False)
+    d = decide(s, [not_yet_placed], {"h100": 1}, parked, T0)
+    assert C.Reason.CAPACITY_APPEARED not in {e[1] for e in d.events}

@@ -38,9 +38,9 @@ def test_moments_step_and_residuals_come_back_exactly(tmp_path):
     fresh = build_model(cfg.model, seed=1)
     fresh_opt, _ = inner_optimizer(fresh, cfg)
     found = inner_state.read(path, fresh_opt, dict(fresh.named_parameters()))
-    assert found is not None and found[1] == 42
+    assert found is not None and found.steps == 42
     fresh_ef = ErrorFeedback()
-    inner_state.restore(fresh_opt, fresh_ef, found[0])
+    inner_state.restore(fresh_opt, fresh_ef, found.tensors)
     before, after = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
     assert sorted(before) == sorted(after)
     for idx in before:

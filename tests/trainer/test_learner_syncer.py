@@ -1,6 +1,7 @@
 """Learner processes against a real `diloco syncer` process on loopback (tiny model, CPU)."""
 
 import json
+import re
 import signal
 import time
 
@@ -214,3 +215,32 @@ def test_a_restarted_learner_resumes_its_adamw_state_and_learning_rate_instead_o
            log)
     afresh = metrics(state)[first:]
     assert afresh[0]["lr"] == pytest.approx(lr / 5), "without the snapshot: step 1 of a 5-step warm-up"
+
+
+def test_a_killed_learners_unsent_work_is_resent_by_its_next_start_and_counted_once(tmp_path, syncer):
+    syncer.start()
+    state, log = tmp_path / "l0", tmp_path / "l0.log"
+    first = start_learner(syncer.url, "l0", state, 1_000_000, log_path=log)
+    try:
+        wait_for(lambda: metrics(state), 120, "the first metrics line")
+        syncer.stop()  # cleanly: its checkpoint holds every version the learner may have adopted
+        # The learner trains on with the syncer away; nothing it sends from here on can be delivered.
+        wait_for(lambda: metrics(state) and metrics(state)[-1]["step"] >= 25, 180, "25 steps with the syncer away")
+    finally:
+        first.kill()  # SIGKILL: everything since its last acknowledged sends dies with it (but the snapshot)
+        first.wait()
+    syncer.start()
+    before = syncer.status()["learners"].get("l0", {}).get("steps_merged", 0)
+
+    lines = len(metrics(state))
+    finish(start_learner(syncer.url, "l0", state, 5, log_path=log), log)
+    text = log.read_text()
+    found = re.search(r"resending the unsent work of the previous start: (\d+) of (\d+) fragment\(s\)", text)
+    assert found and int(found.group(1)) >= 1, text[-3000:]
+    second = metrics(state)[lines:][-1]
+    assert second["rejected"] == 0 and second["acked"] == second["sent"]
+    # 5 steps of its own cover at most 4 fragments x 5 steps: the rest is the first start's work, merged.
+    assert second["acked_steps"] > 4 * 5
+    wait_for(lambda: not any(syncer.status()["pending"].values()), 30, "the syncer to merge the resent work")
+    # Exactly once: what the syncer merged since the restart is what the second start booked as acknowledged.
+    assert syncer.status()["learners"]["l0"]["steps_merged"] - before == second["acked_steps"]

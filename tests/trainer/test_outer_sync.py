@@ -178,3 +178,22 @@ def test_keep_with_a_fraction_carries_that_share_of_the_progress_and_of_its_coun
     with pytest.raises(ValueError, match="keep_fraction"):
         OuterSync(PLAN, {0: 1, 1: 1}, params, sync_every=4, adopt="keep", compression="none", block_size=8,
                   keep_fraction=0.0)
+
+
+def test_unsent_work_comes_back_as_the_previous_incarnations_delta_only_where_the_base_is_still_current():
+    sync, params = make("overwrite", sync_every=4, compression="none")
+    train(sync, params, 4)
+    sync.book([answer(sent_of(sync, 4, 0))])  # fragment 0's work is acknowledged: nothing to carry over
+    train(sync, params, 1)
+    tensors, fragments = sync.unsent_work()
+    assert [f["fragment"] for f in fragments] == [1] and fragments[0]["c_steps"] == 5
+    assert set(tensors) == {"base.1.b", "theta.1.b"}
+
+    after, after_params = make("overwrite")
+    (sub,) = after.resend(tensors, fragments, {0: 1, 1: 1}, "l0", "oldnonce")
+    assert sub.recovered and sub.submission_id == "l0.oldnonce.p1.v1", "the previous life's id: never merged twice"
+    meta, deltas = decoded(sub)
+    assert (meta.base_version, meta.c_steps, meta.c_tokens) == (1, 5, 5 * TOKENS)
+    assert torch.equal(deltas["b"], torch.full((2, 2), 5.0))
+    assert after.resend(tensors, fragments, {0: 1, 1: 2}, "l0", "oldnonce") == [], \
+        "fragment 1 moved on: an adoption would have dropped that work"

@@ -4,6 +4,7 @@ heartbeats, submits outer gradients with retries, and fetches newer fragments in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -49,6 +50,9 @@ class Submission:
     body: bytes
     c_steps: int
     c_tokens: int
+    # Built from a previous incarnation's snapshot (its nonce, its base): a "duplicate" answer then means that
+    # incarnation's own send got there first, and its counters are that incarnation's to book, not this one's.
+    recovered: bool = False
 
 
 @dataclass
@@ -338,6 +342,8 @@ class SyncerClient:
             if 200 <= status < 300:
                 if duplicate:  # the syncer kept an earlier attempt whose answer we never saw
                     held = self._maybe_delivered.get(sub.submission_id, sub)
+                    if sub.recovered and sub.submission_id not in self._maybe_delivered:
+                        held = dataclasses.replace(sub, c_steps=0, c_tokens=0)
                 self._acked_ids.add(sub.submission_id)
                 self.stats.acked += 1
                 self.stats.acked_tokens += held.c_tokens

@@ -7,8 +7,10 @@ syncer. Best effort by design: a missing, damaged or foreign snapshot only means
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,19 +24,35 @@ FILE = "inner-state.safetensors"
 KIND = "diloco-learner-inner-state/1"
 
 
-def save(path: Path, opt: torch.optim.Optimizer, ef: ErrorFeedback | None, steps: int) -> None:
-    """Atomically replace `path` with the optimizer's state, the residuals and the steps trained so far."""
+@dataclass
+class Snapshot:
+    """What `read` found: the tensors (optimizer `opt.*`, residuals `ef.*`, unsent work `base.*`/`theta.*`), the
+    steps trained, and the unsent work's fragments with the nonce of the incarnation that trained it."""
+
+    tensors: dict[str, torch.Tensor]
+    steps: int
+    unsent: list[dict] = field(default_factory=list)
+    nonce: str | None = None
+
+
+def save(path: Path, opt: torch.optim.Optimizer, ef: ErrorFeedback | None, steps: int,
+         unsent: tuple[dict[str, torch.Tensor], list[dict]] | None = None, nonce: str | None = None) -> None:
+    """Atomically replace `path` with the optimizer's state, the residuals, the steps trained so far and, if given,
+    the unsent work (OuterSync.unsent_work) of the incarnation `nonce`."""
     tensors = optimizer_tensors(opt)
     if ef is not None:
         tensors.update({f"ef.{n}": t for n, t in ef.state_dict().items()})
-    body = encode_tensors(tensors, {"kind": KIND, "steps": str(steps)})
+    meta = {"kind": KIND, "steps": str(steps)}
+    if unsent is not None and unsent[1] and nonce:
+        tensors.update(unsent[0])
+        meta.update(unsent=json.dumps(unsent[1]), nonce=nonce)
+    body = encode_tensors(tensors, meta)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(body)
     os.replace(tmp, path)
 
 
-def read(path: Path, opt: torch.optim.Optimizer,
-         params: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int] | None:
+def read(path: Path, opt: torch.optim.Optimizer, params: dict[str, torch.Tensor]) -> Snapshot | None:
     """(tensors, steps trained) of the snapshot at `path`, checked against this optimizer and the model's named
     parameters; None when there is none or it does not fit (logged)."""
     if not path.exists():
@@ -50,14 +68,24 @@ def read(path: Path, opt: torch.optim.Optimizer,
         for key, value in saved.items():
             if value.shape != expected[key].shape:
                 raise ValueError(f"{key} has shape {tuple(value.shape)}, not this model's {tuple(expected[key].shape)}")
-        for name, residual in ((k[3:], t) for k, t in tensors.items() if k.startswith("ef.")):
-            if name not in params or residual.shape != params[name].shape:
-                raise ValueError(f"the residual of {name!r} fits no parameter of this model")
+        for key, t in tensors.items():
+            kind, _, rest = key.partition(".")
+            if kind in ("base", "theta"):
+                _, _, name = rest.partition(".")
+            elif kind == "ef":
+                name = rest
+            else:
+                continue
+            if name not in params or t.shape != params[name].shape:
+                raise ValueError(f"{key} fits no parameter of this model")
         steps = int(meta["steps"])
+        unsent = json.loads(meta.get("unsent", "[]"))
+        if not isinstance(unsent, list) or not all(isinstance(f, dict) for f in unsent):
+            raise ValueError("its unsent work is not a list of fragments")
     except (OSError, ValueError, KeyError, WireError) as exc:
         log.warning("starting AdamW and error feedback afresh: the snapshot %s is unusable: %s", path, exc)
         return None
-    return tensors, steps
+    return Snapshot(tensors, steps, unsent, meta.get("nonce"))
 
 
 def optimizer_template(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

@@ -142,7 +142,7 @@ class Learner:
                                sends=self.group.is_main, keep_fraction=outer.keep_fraction)
         self.opt, self.lr_at = inner_optimizer(self.model, self.cfg)
         if self.opts.restore_inner:
-            self._restore_inner_state()
+            self._restore_inner_state(versions)
 
         corpus = load_corpus(self.cfg.data, self.opts.data_cache)
         if corpus.vocab_needed > self.cfg.model.vocab_size:
@@ -176,21 +176,27 @@ class Learner:
             atomic_write_json(path, self.sampler.state_dict())
             if self.step:  # an optimizer that has not stepped has no state worth a snapshot
                 inner_state.save(self.opts.state_dir / inner_state.FILE, self.opt, self.outer.ef,
-                                 self.steps_before + self.step)
+                                 self.steps_before + self.step, self.outer.unsent_work(), self.nonce)
 
-    def _restore_inner_state(self) -> None:
+    def _restore_inner_state(self, versions: dict[int, int]) -> None:
         """AdamW moments and step, and the residuals, from the last snapshot (rank 0 reads, the unit gets them)."""
         found = None
         if self.group.is_main and self.opts.state_dir is not None:
             found = inner_state.read(self.opts.state_dir / inner_state.FILE, self.opt, self.params)
-        steps = self.group.broadcast_json(found[1] if found else None)
+        steps = self.group.broadcast_json(found.steps if found else None)
         if steps is None:
             return
-        tensors = found[0] if found else inner_state.optimizer_template(self.opt)
+        tensors = found.tensors if found else inner_state.optimizer_template(self.opt)
         self.group.broadcast_tensors([tensors[k] for k in sorted(inner_state.optimizer_template(self.opt))])
         inner_state.restore(self.opt, self.outer.ef if self.group.is_main else None, tensors)
         self.steps_before = steps
         log.info("resumed AdamW and error feedback after %d steps trained before this start", steps)
+        if found and found.unsent and found.nonce and self.client is not None:
+            subs = self.outer.resend(found.tensors, found.unsent, versions, self.opts.learner_id, found.nonce)
+            for sub in subs:
+                self.client.submit(sub)
+            log.info("resending the unsent work of the previous start: %d of %d fragment(s) still at its base "
+                     "version (%d steps)", len(subs), len(found.unsent), sum(s.c_steps for s in subs))
 
     # ------------------------------------------------------------------ the loop
 

@@ -191,3 +191,43 @@ class OuterSync:
         fs.ef_before = None
         fs.sent, fs.sent_steps, fs.sent_tokens = None, 0, 0
         self.adoptions += 1
+
+    # ------------------------------------------------------------------ across a restart
+
+    def unsent_work(self) -> tuple[dict[str, Tensor], list[dict]]:
+        """What a SIGKILL now would lose: each fragment with work no acknowledged Δ covers, as (tensors
+        `base.{p}.{name}` and `theta.{p}.{name}`, [{fragment, version, c_steps, c_tokens}]) for the snapshot."""
+        tensors: dict[str, Tensor] = {}
+        fragments: list[dict] = []
+        if not self.sends:
+            return tensors, fragments
+        for p, fs in enumerate(self.frags):
+            if fs.acked or fs.c_steps == 0:
+                continue
+            fragments.append({"fragment": p, "version": fs.version, "c_steps": fs.c_steps, "c_tokens": fs.c_tokens})
+            for n in self.plan[p]:
+                tensors[f"base.{p}.{n}"] = fs.base[n]
+                tensors[f"theta.{p}.{n}"] = self.params[n].detach()
+        return tensors, fragments
+
+    def resend(self, tensors: dict[str, Tensor], fragments: list[dict], versions_now: dict[int, int],
+               learner_id: str, nonce: str) -> list[Submission]:
+        """Δs of a previous incarnation's unsent work, under that incarnation's ids (`nonce`): a Δ it had sent from
+        the same base already is then a duplicate, never merged twice. Only fragments still at the version that
+        work started from: had a newer version come, adopting it would have dropped the work anyway, and a Δ
+        against a moved base would drag Θ back."""
+        out = []
+        for f in fragments:
+            p, version = int(f["fragment"]), int(f["version"])
+            if versions_now.get(p) != version:
+                continue
+            names = self.plan[p]
+            deltas = {n: tensors[f"base.{p}.{n}"] - tensors[f"theta.{p}.{n}"] for n in names}
+            parts = ErrorFeedback().compress(deltas, self.compression, self.block_size)  # its residual died with it
+            sid = submission_id(learner_id, nonce, p, version)
+            c_steps, c_tokens = int(f["c_steps"]), int(f["c_tokens"])
+            meta = SubmissionMeta(learner_id, sid, p, version, c_steps, c_tokens)
+            body = encode_submission(meta, parts, self.compression, self.block_size,
+                                     {n: tuple(self.params[n].shape) for n in names})
+            out.append(Submission(p, version, sid, body, c_steps, c_tokens, recovered=True))
+        return out

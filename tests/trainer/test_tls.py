@@ -2,7 +2,6 @@
 a learner that verifies it against the CA and trains, and the ways it must fail: a learner without the CA, a
 plain-HTTP client, a certificate for another host, and a syncer given half of its TLS settings."""
 
-import json
 import ssl
 import subprocess
 import sys
@@ -43,7 +42,7 @@ def test_a_learner_trains_over_https_verifying_the_syncer_against_its_ca(tmp_pat
 
 
 def test_without_the_ca_a_learner_refuses_the_syncer_and_sends_nothing(tmp_path, tls_syncer):
-    syncer, _ = tls_syncer
+    syncer, files = tls_syncer
     state, log = tmp_path / "l0", tmp_path / "l0.log"
     learner = start_learner(syncer.url, "l0", state, 5, log_path=log)
     try:
@@ -54,11 +53,7 @@ def test_without_the_ca_a_learner_refuses_the_syncer_and_sends_nothing(tmp_path,
         learner.kill()
         learner.wait()
     assert metrics(state) == []
-    assert StatusClient(syncer.url, TOKEN, ca=_ca(tls_syncer)).status().learners == {}
-
-
-def _ca(tls_syncer):
-    return tls_syncer[1].ca
+    assert StatusClient(syncer.url, TOKEN, ca=files.ca).status().learners == {}
 
 
 def test_plain_http_to_the_tls_port_gets_no_answer_and_a_wrong_host_fails_verification(tmp_path, tls_syncer):

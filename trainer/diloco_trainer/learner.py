@@ -186,8 +186,9 @@ class Learner:
         steps = self.group.broadcast_json(found.steps if found else None)
         if steps is None:
             return
-        tensors = found.tensors if found else inner_state.optimizer_template(self.opt)
-        self.group.broadcast_tensors([tensors[k] for k in sorted(inner_state.optimizer_template(self.opt))])
+        template = inner_state.optimizer_template(self.opt)  # the names every rank broadcasts, in one order
+        tensors = found.tensors if found else template
+        self.group.broadcast_tensors([tensors[k] for k in sorted(template)])
         inner_state.restore(self.opt, self.outer.ef if self.group.is_main else None, tensors)
         self.steps_before = steps
         log.info("resumed AdamW and error feedback after %d steps trained before this start", steps)

@@ -223,3 +223,36 @@ def test_a_crashed_child_the_policy_declines_is_marked_finished_not_restarted(tm
         _wait(lambda: child.exits == [1], sup=sup)
         sup.poll()
         assert child.finished and child.restart_at is None and child.restarts == 0
+
+
+def test_a_restart_hold_keeps_a_killed_child_down_until_it_ends_and_a_lifted_hold_frees_it_early(tmp_path):
+    holds = tmp_path / "holds"
+    holds.mkdir()
+    with Supervisor(tmp_path / "processes.json", hold_dir=holds) as sup:
+        for name in ("learner-0", "learner-1"):
+            sup.add(_child(tmp_path, name, "import time; time.sleep(30)", restart_delay=0.1))
+            sup.start(name)
+        assert json.loads((tmp_path / "processes.json").read_text())["hold_dir"] == str(holds)
+        until = time.time() + 1.5
+        for name in ("learner-0", "learner-1"):
+            (holds / f"{name}.json").write_text(json.dumps({"until": until if name == "learner-0" else until + 60}))
+            os.killpg(sup.children[name].proc.pid, signal.SIGKILL)
+        held0, held1 = sup.children["learner-0"], sup.children["learner-1"]
+        _wait(lambda: held0.restarts == 1, sup=sup)
+        assert time.time() >= until  # not a moment before the hold ended
+        assert held1.restarts == 0 and not held1.alive
+        (holds / "learner-1.json").unlink()  # the tool lifted its hold: the restart follows at once
+        _wait(lambda: held1.restarts == 1, timeout=2.0, sup=sup)
+        assert [e["until"] for e in sup.events if e["event"] == "held" and e["name"] == "learner-0"] == [until]
+
+
+def test_an_unreadable_restart_hold_is_ignored_so_a_broken_tool_cannot_keep_a_child_down(tmp_path):
+    holds = tmp_path / "holds"
+    holds.mkdir()
+    (holds / "learner-0.json").write_text("{not json")
+    with Supervisor(hold_dir=holds) as sup:
+        sup.add(_child(tmp_path, "learner-0", "import time; time.sleep(30)", restart_delay=0.1))
+        sup.start("learner-0")
+        os.killpg(sup.children["learner-0"].proc.pid, signal.SIGKILL)
+        _wait(lambda: sup.children["learner-0"].restarts == 1, timeout=3.0, sup=sup)
+        assert any(e["event"] == "hold-ignored" for e in sup.events)

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
     stop = StopFlag()
     env = procs.child_env()
-    with Supervisor(run_dir / "processes.json", run_dir / "events.jsonl") as sup, stop.installed():
+    with Supervisor(run_dir / "processes.json", run_dir / "events.jsonl", run_dir / "holds") as sup, stop.installed():
         port = _free_port()
         for rank in range(args.learners):
             name = f"learner-{rank}"

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                          eval_batches=args.eval_batches, snapshots=args.snapshots)
 
     stop = StopFlag()
-    with Supervisor(run_dir / "processes.json", run_dir / "events.jsonl") as sup, stop.installed():
+    with Supervisor(run_dir / "processes.json", run_dir / "events.jsonl", run_dir / "holds") as sup, stop.installed():
         syncer_dir = run_dir / "syncer"
         tls = make_authority(run_dir / "tls", ["127.0.0.1", "localhost"]) if args.tls else None
         tls_syncer = ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)] if tls else []

@@ -74,27 +74,42 @@ class HeartbeatRequest(_Request):
 
 
 class FragmentQuery(_Request):
-    """`GET /v1/fragments/{p}?after=v&dtype=fp32|bf16` (query values are strings; see `from_query`)."""
+    """`GET /v1/fragments/{p}?after=v&dtype=fp32|bf16&base=v` (query values are strings; see `from_query`).
+
+    `base`: the version the learner holds exactly (fp32), so a quantized down-link may answer with the updates
+    from it (docs/protocol.md); an unknown or too old base gets the full fragment."""
 
     after: int | None = None
     dtype: Literal["fp32", "bf16"] = "fp32"
+    base: int | None = None
 
     @classmethod
     def from_query(cls, query) -> "FragmentQuery":
         """Validate a request's query mapping; ProtocolError names the parameter."""
-        after = query.get("after")
-        if after is not None:
-            text = after.strip()
-            if not (text.lstrip("-").isascii() and text.lstrip("-").isdigit() and len(text) <= 20
-                    and text.count("-") <= int(text.startswith("-"))):
-                raise ProtocolError(f"after: must be an integer version (got {after[:40]!r})")
-            after = int(text)
-            if not -(2**63) <= after < 2**63:
-                raise ProtocolError(f"after: must be a 64-bit integer version (got {after})")
+        after = _version_param(query, "after")
+        base = _version_param(query, "base")
+        if base is not None and base < 0:
+            raise ProtocolError(f"base: must be a version id >= 0 (got {base})")
         dtype = query.get("dtype", "fp32")
         if dtype not in DOWNLINK_DTYPES:
             raise ProtocolError(f"dtype: must be one of {list(DOWNLINK_DTYPES)} (got {dtype[:40]!r})")
-        return cls(after=after, dtype=dtype)
+        if base is not None and dtype != "fp32":
+            raise ProtocolError("base: updates apply to exact fp32 values; do not combine base with dtype=bf16")
+        return cls(after=after, dtype=dtype, base=base)
+
+
+def _version_param(query, name: str) -> int | None:
+    raw = query.get(name)
+    if raw is None:
+        return None
+    text = raw.strip()
+    if not (text.lstrip("-").isascii() and text.lstrip("-").isdigit() and len(text) <= 20
+            and text.count("-") <= int(text.startswith("-"))):
+        raise ProtocolError(f"{name}: must be an integer version (got {raw[:40]!r})")
+    value = int(text)
+    if not -(2**63) <= value < 2**63:
+        raise ProtocolError(f"{name}: must be a 64-bit integer version (got {value})")
+    return value
 
 
 # ------------------------------------------------------------------------------------------ answers
@@ -277,6 +292,17 @@ class ProcessesDoc(_Document):
     updated: float
     stopping: bool = False
     processes: list[ProcessEntry] = Field(default_factory=list)
+    # Where a tool may ask the supervisor not to restart a child before a time: HOLD_DIR/<name>.json (RestartHold).
+    hold_dir: str | None = None
 
     def process(self, name: str) -> ProcessEntry | None:
         return next((p for p in self.processes if p.name == name), None)
+
+
+class RestartHold(_Document):
+    """HOLD_DIR/<name>.json: the supervisor restarts child `name` no earlier than `until` (wall clock). Written by
+    `diloco chaos` before it kills a victim with a downtime, so the replacement cannot come up early (a warm spare
+    takes over within a second, sooner than any outside tool can stop it); removed when the downtime ends."""
+
+    until: float
+    by: str = ""  # who asked (e.g. the chaos experiment and fault)

@@ -15,7 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from diloco_trainer.protocol import MetricsRecord, ProcessEntry, ProcessesDoc, SyncerSample
+from diloco_trainer.fsutil import atomic_write_json
+from diloco_trainer.protocol import MetricsRecord, ProcessEntry, ProcessesDoc, RestartHold, SyncerSample
 
 from ..experiment import Experiment
 from ..guards import Candidate
@@ -88,6 +89,7 @@ class LocalTarget:
         self.tails: dict[str, _Tail] = {}
         self.syncer_tail = _Tail(self.run_dir / "syncer.jsonl")
         self.stopped: dict[str, set[int]] = {}  # unit -> pids we stopped (pause / downtime hold)
+        self.hold_files: dict[str, list[Path]] = {}  # unit -> restart holds we asked the supervisor for
 
     def describe(self) -> dict:
         return {"kind": "local", "run_dir": str(self.run_dir)}
@@ -164,12 +166,35 @@ class LocalTarget:
                 raise RuntimeError(f"{name} handles {sig.name}, so it would not exit with code {fault.exit_code}; "
                                    f"pick another exitCode")
             pids[name] = pid
+        details = {"signal": sig.name, "pids": pids, "process_group": True}
+        if fault.action != "pause" and fault.back_at > fault.at:
+            held = self._ask_supervisor_to_hold(fault)  # before the kill: a warm spare takes over within a second
+            if held:
+                details["restart_held_until"] = fault.back_at
         for name, pid in pids.items():
             if fault.action == "pause":
                 self._stop(fault.unit, pid, resume_after=fault.back_at - time.time())
             else:
                 _killpg(pid, sig)
-        return {"signal": sig.name, "pids": pids, "process_group": True}
+        return details
+
+    def _ask_supervisor_to_hold(self, fault: Fault) -> bool:
+        """Downtime: ask the run's supervisor not to restart the victim before `back_at` (processes.json names the
+        directory; a supervisor too old to have one gets the SIGSTOP hold of `hold` alone)."""
+        hold_dir = self._doc().hold_dir
+        if hold_dir is None:
+            return False
+        by = f"{fault.experiment} fault #{fault.id}"
+        for name in fault.members:
+            path = Path(hold_dir) / f"{name}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(path, RestartHold(until=fault.back_at, by=by).model_dump(mode="json"))
+            self.hold_files.setdefault(fault.unit, []).append(path)
+        return True
+
+    def _lift_holds(self, unit: str) -> None:
+        for path in self.hold_files.pop(unit, []):
+            path.unlink(missing_ok=True)
 
     def _stop(self, unit: str, pid: int, resume_after: float) -> None:
         _killpg(pid, signal.SIGSTOP)
@@ -180,7 +205,8 @@ class LocalTarget:
                          stderr=subprocess.DEVNULL)
 
     async def hold(self, fault: Fault) -> dict | None:
-        """Downtime: a replacement started by the supervisor is stopped at once until the downtime ends."""
+        """Downtime: a replacement the supervisor started anyway (one without restart holds) is stopped at once
+        until the downtime ends."""
         held = []
         for name in fault.members:
             pid = self._verified_pid(name)
@@ -190,13 +216,16 @@ class LocalTarget:
         return {"held_pids": held} if held else None
 
     async def release(self, fault: Fault) -> dict | None:
+        self._lift_holds(fault.unit)
         pids = sorted(self.stopped.pop(fault.unit, set()))
         for pid in pids:
             _killpg(pid, signal.SIGCONT)
         return {"resumed_pids": pids} if pids else None
 
     async def close(self) -> None:
-        """Never leave a process stopped behind."""
+        """Never leave a process stopped or held behind."""
+        for unit in list(self.hold_files):
+            self._lift_holds(unit)
         for unit in list(self.stopped):
             for pid in self.stopped.pop(unit):
                 _killpg(pid, signal.SIGCONT)

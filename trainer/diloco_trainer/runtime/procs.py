@@ -20,7 +20,7 @@ from pathlib import Path
 
 import diloco_trainer
 from diloco_trainer.fsutil import atomic_write_json
-from diloco_trainer.protocol import ProcessEntry, ProcessesDoc
+from diloco_trainer.protocol import ProcessEntry, ProcessesDoc, RestartHold
 
 from .spares import SparePool
 
@@ -67,6 +67,7 @@ class Child:
     restart_at: float | None = None  # monotonic time of a scheduled restart
     stop_requested: bool = False  # stopped on purpose: an exit now is not a crash to restart
     quick_crashes: int = 0  # consecutive crashes soon after a start (a crash loop backs off)
+    held_until: float | None = None  # the restart hold last seen (Supervisor.held_until), for its event
     # What the running incarnation's command line contains that no other process's does, for tools that check a PID
     # before signalling it (None: the child's own argv; a warm spare that took over still shows its --standby DIR).
     cmdline_tag: str | None = None
@@ -100,8 +101,10 @@ class Child:
 class Supervisor:
     """Owns the children of one run. Use as a context manager: leaving it kills every child."""
 
-    def __init__(self, processes_json: Path | None = None, events_jsonl: Path | None = None):
+    def __init__(self, processes_json: Path | None = None, events_jsonl: Path | None = None,
+                 hold_dir: Path | None = None):
         self.children: dict[str, Child] = {}
+        self.hold_dir = hold_dir  # restart holds asked for by outside tools (protocol.RestartHold)
         # Asked on every crash (non-zero exit) of a restartable child; False marks it finished instead.
         self.should_restart: Callable[[Child], bool] = lambda child: True
         self.processes_json = processes_json
@@ -178,8 +181,30 @@ class Supervisor:
                         child.finished = True
                 self.write_processes_json()
             if child.restart_at is not None and now >= child.restart_at and not self.stopping:
-                self.start(child.name)
+                held_until = self.held_until(child)
+                if held_until is None:
+                    self.start(child.name)
+                else:  # asked to stay down: look again when the hold ends (or is lifted earlier)
+                    if held_until != child.held_until:
+                        self._event(child, "held", until=held_until)
+                    child.held_until = held_until
+                    child.restart_at = now + min(0.2, max(0.0, held_until - time.time()))
         return self.events[before:]
+
+    def held_until(self, child: Child) -> float | None:
+        """The wall-clock time before which `child` may not be restarted, if a tool asked for one that is still on.
+
+        An unreadable hold file is ignored (with an event): a broken outside tool must not keep a learner down."""
+        if self.hold_dir is None:
+            return None
+        try:
+            hold = RestartHold.model_validate_json((self.hold_dir / f"{child.name}.json").read_bytes())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            self._event(child, "hold-ignored", reason=str(exc).splitlines()[0][:200])
+            return None
+        return hold.until if hold.until > time.time() else None
 
     def send(self, name: str, sig: int) -> None:
         """Send a signal to a child's whole process group (a multi-process learner unit included)."""
@@ -241,7 +266,8 @@ class Supervisor:
         """Current PIDs and roles, atomically, so an external chaos tool can pick victims."""
         if self.processes_json is None:
             return
-        doc = ProcessesDoc(supervisor_pid=os.getpid(), updated=time.time(), stopping=self.stopping, processes=[
+        doc = ProcessesDoc(supervisor_pid=os.getpid(), updated=time.time(), stopping=self.stopping,
+                           hold_dir=str(self.hold_dir) if self.hold_dir is not None else None, processes=[
             ProcessEntry(name=c.name, role=c.role, pid=c.pid, alive=c.alive, restarts=c.restarts, finished=c.finished,
                          started=c.starts[-1] if c.starts else None, cmdline_tag=c.cmdline_tag, **c.meta)
             for c in self.children.values()])

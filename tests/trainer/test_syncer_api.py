@@ -179,7 +179,8 @@ async def test_quorum_one_merges_at_once_and_publishes_a_new_version(aiohttp_cli
         torch.testing.assert_close(st.theta[n], want, rtol=1e-5, atol=1e-6)
     r = await client.get("/v1/fragments/0", headers=AUTH)
     tensors, meta = decode_tensors(await r.read())
-    assert meta == {"fragment": "0", "version": "1", "dtype": "fp32"} and set(tensors) == set(st.plan[0])
+    assert meta == {"fragment": "0", "version": "1", "dtype": "fp32", "encoding": "full"}
+    assert set(tensors) == set(st.plan[0])
     assert all(torch.equal(tensors[n], st.theta[n]) for n in tensors)
     # The bf16 down-link (outer.downlink): the same version rounded, in half the bytes; anything else is a 400.
     r16 = await client.get("/v1/fragments/0?dtype=bf16", headers=AUTH)

@@ -19,8 +19,9 @@ from torch import Tensor
 
 from .protocol import (ErrorAnswer, HeartbeatAnswer, HeartbeatRequest, RegisterAnswer, RegisterRequest,
                        SubmitAnswer, VersionsAnswer)
+from .downlink import decode_answer, is_quantized, reconstruct
 from .tls import client_context, warn_if_plain
-from .wire import decode_tensors
+from .wire import WireError, decode_tensors
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,10 @@ class ClientStats:
     stale: int = 0
     bytes_up: int = 0
     bytes_down: int = 0
+    bytes_down_full: int = 0  # of bytes_down: whole fragments and the start-up state
+    versions_rebuilt: int = 0  # fragment versions rebuilt from updates of the quantized down-link
+    versions_full: int = 0  # fragment versions fetched whole
+    digest_mismatches: int = 0  # rebuilt versions whose digest differed from the syncer's (then fetched whole)
     syncer_up: bool = False
     last_error: str = ""
     superseded: int = 0
@@ -104,7 +109,7 @@ class SyncerClient:
 
     def __init__(self, url: str, token: str, learner_id: str, *, unit: int = 0, world_size: int = 1,
                  device: str = "cpu", poll_s: float = 0.25, timeout_s: float = 30.0,
-                 backoff_s: float = 0.2, backoff_max_s: float = 5.0, ca: Path | None = None):
+                 backoff_s: float = 0.2, backoff_max_s: float = 1.0, ca: Path | None = None):
         self.url = url.rstrip("/")
         # https: the syncer's certificate is verified against `ca` (else the system's CAs); see tls.py.
         self._ssl = client_context(ca) if self.url.startswith("https://") else None
@@ -114,7 +119,7 @@ class SyncerClient:
         self._register_body = RegisterRequest(learner_id=learner_id, unit=unit, world_size=world_size,
                                               device=device).model_dump()
         self.poll_s, self.timeout_s = poll_s, timeout_s
-        self.downlink = "fp32"  # dtype of fetched fragment versions (the run's outer.downlink, set after bootstrap)
+        self.downlink = "fp32"  # how fragment versions come (the run's outer.downlink, set after bootstrap)
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self.heartbeat_s = 5.0
         self.stats = ClientStats()
@@ -125,6 +130,7 @@ class SyncerClient:
         self._updates: dict[int, FragmentUpdate] = {}  # fragment -> newest fetched, not yet adopted
         self._answers: list[Answer] = []
         self._have: dict[int, int] = {}  # fragment -> newest version fetched (handed to the learner)
+        self._held: dict[int, dict[str, Tensor]] = {}  # fragment -> exact fp32 values of version _have[p]
         self._report = HeartbeatRequest(learner_id=learner_id, step=0, tokens=0, step_time_s=0.0)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="syncer-client", daemon=True)
@@ -181,7 +187,9 @@ class SyncerClient:
             s = self.stats
             return {"sent": s.sent, "acked": s.acked, "acked_tokens": s.acked_tokens, "acked_steps": s.acked_steps,
                     "rejected": s.rejected, "stale": s.stale, "superseded": s.superseded, "bytes_up": s.bytes_up,
-                    "bytes_down": s.bytes_down, "syncer_up": s.syncer_up, "pending": len(self._outbox)}
+                    "bytes_down": s.bytes_down, "bytes_down_full": s.bytes_down_full,
+                    "versions_rebuilt": s.versions_rebuilt, "versions_full": s.versions_full,
+                    "digest_mismatches": s.digest_mismatches, "syncer_up": s.syncer_up, "pending": len(self._outbox)}
 
     def close(self, drain_s: float = 0.0) -> bool:
         """Wait up to `drain_s` for queued submissions to be answered, then stop; True if nothing was left."""
@@ -234,7 +242,9 @@ class SyncerClient:
             self.stats.syncer_up, self.stats.last_error = up, error
 
     def _delay(self, attempt: int) -> float:
-        """Exponential backoff with full jitter (spreads retries of many learners after a syncer restart)."""
+        """Exponential backoff with full jitter (spreads retries of many learners after a syncer restart). Capped at
+        1 s: a warm standby serves again well within a second or two, and a learner still waiting out a 5 s back-off
+        then would leave its work unmerged that long (a refused connection costs the syncer nothing)."""
         return random.uniform(0.5, 1.0) * min(self.backoff_max_s, self.backoff_s * 2 ** min(attempt, 16))
 
     # ------------------------------------------------------------------ start-up
@@ -257,6 +267,7 @@ class SyncerClient:
         plan = reg.plan_lists()
         with self._lock:
             self._have = dict(versions)
+            self._held = {p: {n: theta[n] for n in names} for p, names in enumerate(plan)}
         if not self._tasks:  # a second bootstrap (re-pull of Θ) must not start a second set of tasks
             self._tasks = [asyncio.create_task(c) for c in (self._sender(), self._poller(), self._heartbeat())]
         return Bootstrap(reg.config, plan, versions, self.heartbeat_s, theta)
@@ -280,6 +291,7 @@ class SyncerClient:
         tensors, meta = decode_tensors(body)
         with self._lock:
             self.stats.bytes_down += len(body)
+            self.stats.bytes_down_full += len(body)
         versions = {int(p): int(v) for p, v in json.loads(meta["versions"]).items()}
         return tensors, versions
 
@@ -391,23 +403,51 @@ class SyncerClient:
             except asyncio.TimeoutError:
                 pass
 
-    async def _fetch_fragment(self, p: int) -> None:
+    async def _fetch_fragment(self, p: int, rebuild: bool = True) -> None:
+        """Fetch the newest version of fragment p: with a quantized down-link, as the updates from the version held
+        (rebuilt here and checked against the syncer's digest; a mismatch falls back to the whole fragment)."""
         after = self._have.get(p)
+        held = self._held.get(p) if rebuild and is_quantized(self.downlink) else None
         params = {} if after is None else {"after": str(after)}
-        if self.downlink != "fp32":
+        if held is not None:
+            params["base"] = str(after)
+        elif self.downlink == "bf16":
             params["dtype"] = self.downlink
         async with self._get_session().get(f"{self.url}/v1/fragments/{p}", params=params) as resp:
             if resp.status == 304:
                 return
             resp.raise_for_status()
             body = await resp.read()
-        tensors, meta = decode_tensors(body)
-        version = int(meta["version"])
+        answer = decode_answer(body)
+        tensors = answer.tensors
+        if answer.encoding == "delta":
+            try:
+                if held is None or answer.base != after or answer.fragment != p:
+                    raise WireError(f"an update from version {answer.base} of fragment {answer.fragment}, "
+                                    f"but version {after} of fragment {p} is held")
+                tensors = await asyncio.to_thread(reconstruct, held, answer)
+            except WireError as exc:
+                log.error("fragment %d: could not rebuild version %d (%s); fetching it whole", p, answer.version,
+                          exc.reason)
+                with self._lock:
+                    self.stats.bytes_down += len(body)
+                    self.stats.digest_mismatches += 1
+                await self._fetch_fragment(p, rebuild=False)
+                return
         with self._lock:
             self.stats.bytes_down += len(body)
-            if version > self._have.get(p, -1):
-                self._have[p] = version
-                self._updates[p] = FragmentUpdate(p, version, tensors)
+            if answer.encoding == "delta":
+                self.stats.versions_rebuilt += 1
+            else:
+                self.stats.versions_full += 1
+                self.stats.bytes_down_full += len(body)
+            if answer.version > self._have.get(p, -1):
+                self._have[p] = answer.version
+                self._updates[p] = FragmentUpdate(p, answer.version, tensors)
+                if answer.encoding == "delta" or self.downlink != "bf16":
+                    self._held[p] = tensors
+                else:  # rounded values: no update can be applied to them
+                    self._held.pop(p, None)
 
     async def _heartbeat(self) -> None:
         """Tell the syncer this learner is alive (and its step time); re-register if the syncer forgot it."""

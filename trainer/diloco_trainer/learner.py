@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 POSITION_EVERY = 10
 # What the metrics record takes from the syncer client's counters (SyncerClient.snapshot()).
 NET_COUNTERS = ("superseded", "sent", "acked", "acked_tokens", "acked_steps", "rejected", "stale", "syncer_up",
-                "pending", "bytes_up", "bytes_down")
+                "pending", "bytes_up", "bytes_down", "bytes_down_full", "versions_rebuilt", "versions_full",
+                "digest_mismatches")
 
 
 @dataclass

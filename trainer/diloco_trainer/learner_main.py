@@ -191,7 +191,11 @@ _COUNTERS = {"tokens": "tokens trained since (re)start", "queued": "outer gradie
              "acked": "outer gradients acknowledged", "acked_tokens": "tokens covered by acknowledged submissions",
              "acked_steps": "steps covered by acknowledged submissions", "rejected": "submissions rejected (4xx)",
              "adoptions": "fragment versions adopted", "bytes_up": "outer-gradient bytes sent",
-             "bytes_down": "fragment/state bytes received"}
+             "bytes_down": "fragment/state bytes received",
+             "bytes_down_full": "of bytes_down: whole fragments and the start-up state",
+             "versions_rebuilt": "fragment versions rebuilt from down-link updates",
+             "versions_full": "fragment versions fetched whole",
+             "digest_mismatches": "rebuilt versions whose digest differed from the syncer's"}
 
 
 def serve_metrics(port: int, snapshot):

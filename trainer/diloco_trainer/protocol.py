@@ -244,6 +244,10 @@ class LearnerRecord(_Document):
     pending: int = 0
     bytes_up: float = 0
     bytes_down: float = 0
+    bytes_down_full: float = 0  # of bytes_down: whole fragments and the start-up state
+    versions_rebuilt: int = 0  # fragment versions rebuilt from updates of the quantized down-link
+    versions_full: int = 0
+    digest_mismatches: int = 0
     epoch: int = 0
     lr: float | None = None
     final: bool = False

@@ -16,6 +16,7 @@ import torch
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from diloco_trainer.downlink import encode_chain, fragment_digest, full_nbytes, is_quantized
 from diloco_trainer.protocol import (FragmentQuery, HeartbeatAnswer, HeartbeatRequest, LearnerStatus, ProtocolError,
                                      RegisterAnswer, RegisterRequest, SubmitAnswer, SyncerStatus, VersionsAnswer,
                                      parse)
@@ -63,6 +64,9 @@ class Syncer:
         for p in range(state.num_fragments):
             self.metrics.fragment_version.labels(str(p)).set(state.versions[p])
             self.metrics.outer_steps.labels(str(p))  # export zero before the first merge
+        for kind in ("delta", "chain", "full"):
+            self.metrics.downlink_bytes.labels(kind)
+            self.metrics.downlink_answers.labels(kind)
 
     # --- background work ---------------------------------------------------------------------------
 
@@ -116,8 +120,8 @@ class Syncer:
             self.merging.discard(p)
         staleness = [st.staleness(c) for c in contribs]
         version = st.commit_merge(result)
-        for dtype in DOWNLINK_DTYPES:
-            self._cache.pop(("fragment", p, dtype), None)
+        for key in [k for k in self._cache if isinstance(k, tuple) and k[1] == p]:  # fragment, delta, digest
+            del self._cache[key]
         self._cache.pop("state", None)
         seconds = time.perf_counter() - t0
         st.policy.observe_sync_time(seconds)
@@ -256,16 +260,53 @@ class Syncer:
             raise Rejected(400, exc.reason, "malformed") from None
         if query.after is not None and st.versions[p] <= query.after:
             return web.Response(status=304)
-        dtype = query.dtype
         version = st.versions[p]
+        if query.base is not None and is_quantized(st.config.outer.downlink):
+            delta = await self._delta_answer(p, query.base, version)
+            if delta is not None:
+                return delta
+        dtype = query.dtype
         cached = self._cache.get(("fragment", p, dtype))
         if cached is None or cached[0] != version:
             cast = DOWNLINK_DTYPES[dtype]
             tensors = {n: t.to(cast) for n, t in st.fragment(p).items()}
             body = await asyncio.to_thread(encode_tensors, tensors, {"fragment": str(p), "version": str(version),
-                                                                     "dtype": dtype})
+                                                                     "dtype": dtype, "encoding": "full"})
             cached = self._cache[("fragment", p, dtype)] = (version, body)
+        self.metrics.downlink_answers.labels("full").inc()
+        self.metrics.downlink_bytes.labels("full").inc(len(cached[1]))
         return self._bytes("fragment", cached[1])
+
+    async def _delta_answer(self, p: int, base: int, version: int) -> web.Response | None:
+        """The updates from `base` to the current version of fragment p, if they are all kept and smaller than
+        the full fragment; None otherwise (the caller answers with the full fragment)."""
+        st = self.state
+        chain = st.updates[p].chain(base, version)
+        if chain is None or sum(u.nbytes for u in chain) >= full_nbytes(st.fragment_shapes(p)):
+            return None
+        key = ("delta", p, base, version)
+        body = self._cache.get(key)
+        if body is None:
+            digest = chain[-1].digest if chain else await self._digest(p, version)
+            out = st.config.outer
+            body = await asyncio.to_thread(encode_chain, p, base, version, chain, out.downlink, out.block_size,
+                                           digest)
+            if st.versions[p] == version:  # a merge meanwhile dropped this fragment's entries: do not resurrect
+                self._cache[key] = body
+        kind = "chain" if len(chain) > 1 else "delta"
+        self.metrics.downlink_answers.labels(kind).inc()
+        self.metrics.downlink_bytes.labels(kind).inc(len(body))
+        return self._bytes("fragment", body)
+
+    async def _digest(self, p: int, version: int) -> str:
+        """fragment_digest of the current Θ_p (version `version`), hashed once per version off the event loop."""
+        key = ("digest", p, version)
+        digest = self._cache.get(key)
+        if digest is None:
+            digest = await asyncio.to_thread(fragment_digest, self.state.fragment(p))
+            if self.state.versions[p] == version:
+                self._cache[key] = digest
+        return digest
 
     async def get_state(self, request: web.Request) -> web.Response:
         st = self.state

@@ -25,6 +25,11 @@ class SyncerMetrics:
         self.bytes_in = Counter("diloco_syncer_bytes_received", "Request body bytes received", ["endpoint"],
                                 registry=r)
         self.bytes_out = Counter("diloco_syncer_bytes_sent", "Response body bytes sent", ["endpoint"], registry=r)
+        self.downlink_bytes = Counter("diloco_syncer_downlink_bytes", "Fragment answer bytes sent, by kind: delta "
+                                      "(one update), chain (several), full (the whole fragment)", ["kind"],
+                                      registry=r)
+        self.downlink_answers = Counter("diloco_syncer_downlink_answers", "Fragment answers sent, by kind",
+                                        ["kind"], registry=r)
         self.live_learners = Gauge("diloco_syncer_live_learners", "Learners seen within the liveness timeout",
                                    registry=r)
         self.grace_window = Gauge("diloco_syncer_grace_window_seconds", "Current adaptive grace window",
@@ -44,6 +49,12 @@ class SyncerMetrics:
         self.checkpoint_seconds = Histogram("diloco_syncer_checkpoint_seconds", "Time to write a checkpoint",
                                             buckets=_SECONDS, registry=r)
         self.checkpoints = Counter("diloco_syncer_checkpoints", "Checkpoints written", registry=r)
+        self.takeover_seconds = Gauge("diloco_syncer_takeover_seconds", "This incarnation: seconds from getting the "
+                                      "state directory's lock (its previous holder gone) to serving", registry=r)
+        self.state_load_seconds = Gauge("diloco_syncer_state_load_seconds", "This incarnation: seconds to load the "
+                                        "checkpoint, spool and merge journal", registry=r)
+        self.standby = Gauge("diloco_syncer_standby", "1 if this incarnation was a warm standby that took over",
+                             registry=r)
 
     def render(self) -> bytes:
         """Prometheus text exposition of this registry."""

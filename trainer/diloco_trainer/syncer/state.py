@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from diloco_trainer.config import TrainConfig
+from diloco_trainer.downlink import Parts, Update, UpdateHistory, fragment_digest, is_quantized, publish, update_nbytes
 from diloco_trainer.fragments import fragment_of, plan_fragments
 from diloco_trainer.merge import NesterovOuter, merge_fragment, reanchor, token_weight
 from diloco_trainer.model import build_model, embedding_names
@@ -98,6 +99,9 @@ class MergeResult:
     outer: NesterovOuter  # new outer state of fragment p (the old one is left untouched)
     contribs: list[Contribution]
     weights: list[float]
+    update: Parts | None = None  # quantized down-link: the published update from the current version
+    residual: dict[str, Tensor] | None = None  # and the down-link residual after it
+    digest: str | None = None  # fragment_digest of the new Θ_p (quantized down-link)
 
 
 @dataclass
@@ -129,6 +133,10 @@ class SyncerState:
         self.outer_steps = [0] * P
         self.outer = [NesterovOuter(out.lr, out.momentum) for _ in range(P)]
         self.history: list[OrderedDict[int, _Version]] = [OrderedDict() for _ in range(P)]
+        # Quantized down-link (outer.downlink int8/int4): the residual of what the published Θ_p lags the exact
+        # outer steps by (checkpointed with Θ), and the recent published updates learners rebuild versions from.
+        self.residual: list[dict[str, Tensor]] = [{} for _ in range(P)]
+        self.updates = [UpdateHistory(out.versions_kept) for _ in range(P)]
         self.pending: list[dict[str, Contribution]] = [{} for _ in range(P)]
         # Merged submission ids -> (fragment, base version), for idempotent retries. Bounded: an id is forgotten
         # once a written checkpoint covers it and its base is more than versions_kept versions behind its fragment
@@ -251,13 +259,21 @@ class SyncerState:
         fresh = NesterovOuter(out.lr, out.momentum)
         fresh.load_state_dict(outer.state_dict())  # clones: the published outer state is never mutated
         theta = dict(current) | fresh.stepped(current, merged)  # new tensors: the published Θ is never mutated
-        return MergeResult(p, theta, fresh, contribs, weights)
+        if not is_quantized(out.downlink):
+            return MergeResult(p, theta, fresh, contribs, weights)
+        # The published version is what learners can rebuild from the current one; the rest waits in the residual.
+        published, update, residual = publish(current, theta, self.residual[p], out.downlink, out.block_size)
+        return MergeResult(p, published, fresh, contribs, weights, update, residual, fragment_digest(published))
 
     def commit_merge(self, r: MergeResult) -> int:
         """Publish a merge: new Θ_p and version, outer state, counters. Returns the new version."""
         p = r.fragment
-        version = max(self.versions[p] + 1, self.reservation.floor[p])
+        prev = self.versions[p]
+        version = max(prev + 1, self.reservation.floor[p])
         self.reservation.ensure(p, version)  # durable before any learner can see the id
+        if r.update is not None:
+            self.updates[p].add(Update(prev, version, r.update, update_nbytes(r.update), r.digest))
+            self.residual[p] = r.residual
         self.theta.update(r.theta)
         self.versions[p] = version
         self.outer[p] = r.outer
@@ -309,7 +325,8 @@ class SyncerState:
             "written_at": time.time(),
         }
         self.dirty = False
-        return CheckpointJob(Checkpoint(dict(self.theta), momentum, state), list(self.merged_spool))
+        residual = {n: t for res in self.residual for n, t in res.items()}
+        return CheckpointJob(Checkpoint(dict(self.theta), momentum, state, residual), list(self.merged_spool))
 
     def write(self, job: CheckpointJob) -> None:
         """Write a checkpoint, then drop the spool files it covers (I/O: call from a worker thread)."""
@@ -381,6 +398,8 @@ class SyncerState:
         self.outer_steps = [int(s["outer_steps"][str(p)]) for p in range(self.num_fragments)]
         for p, names in enumerate(self.plan):
             self.outer[p].load_state_dict({n: ckpt.momentum[n] for n in names if n in ckpt.momentum})
+            if is_quantized(self.config.outer.downlink):
+                self.residual[p] = {n: ckpt.residual[n].float() for n in names if n in ckpt.residual}
         self.last_checkpoint = s.get("written_at")
         self.tokens_merged = int(s["tokens_merged"])
         self.contributions_merged = int(s.get("contributions_merged", 0))

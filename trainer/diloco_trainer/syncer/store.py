@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -94,6 +94,7 @@ class Checkpoint:
     theta: dict[str, torch.Tensor]
     momentum: dict[str, torch.Tensor]
     state: dict  # state.json
+    residual: dict[str, torch.Tensor] = field(default_factory=dict)  # the quantized down-link's (downlink.py)
 
 
 def write_checkpoint(root: Path, ckpt: Checkpoint) -> None:
@@ -106,6 +107,8 @@ def write_checkpoint(root: Path, ckpt: Checkpoint) -> None:
     tmp.mkdir(parents=True)
     write_synced(tmp / "theta.safetensors", tensors_to_bytes(ckpt.theta))
     write_synced(tmp / "momentum.safetensors", tensors_to_bytes(ckpt.momentum))
+    if ckpt.residual:
+        write_synced(tmp / "downlink-residual.safetensors", tensors_to_bytes(ckpt.residual))
     write_synced(tmp / "state.json", json.dumps({"format": CHECKPOINT_FORMAT, **ckpt.state}).encode())
     fsync_dir(tmp)
     if final.exists():
@@ -126,7 +129,9 @@ def read_checkpoint(root: Path) -> Checkpoint | None:
                                  f"this syncer reads format {CHECKPOINT_FORMAT}")
             theta, _ = read_safetensors(d / "theta.safetensors")
             momentum, _ = read_safetensors(d / "momentum.safetensors")
-            return Checkpoint(theta, momentum, state)
+            residual_path = d / "downlink-residual.safetensors"
+            residual = read_safetensors(residual_path)[0] if residual_path.exists() else {}
+            return Checkpoint(theta, momentum, state, residual)
     return None
 
 

@@ -40,6 +40,7 @@ AcceleratorType = Literal[
     "tpu-v5-lite-podslice", "tpu-v5p-slice", "tpu-v6e-slice",
 ]
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 MAX_STEPS = 10**9
 # Kubernetes's quantity grammar (resource.Quantity, as upstream CRDs write it) without the minus sign: requests,
 # limits and volume sizes are never negative. Go's regexp (the apiserver's) and pydantic's agree on it.
@@ -129,6 +130,31 @@ class Checkpoint(_Api):
         return v
 
 
+class SyncerTls(_Api):
+    """TLS between the learners and the syncer (docs/operator.md "TLS")."""
+
+    mode: Literal["Auto", "Secret", "Disabled"] | None = Field(
+        None, description="Auto (the default without secretName): the operator issues a CA and the syncer's "
+                          "certificate and renews it. Secret (the default with secretName): the syncer serves "
+                          "secretName's certificate. Disabled: plain HTTP, with a Warning Event and the condition "
+                          "LinkEncrypted=False.")
+    secretName: str | None = Field(None, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+                                   description="A Secret in the job's namespace with the keys tls.crt, tls.key "
+                                               "and ca.crt (what cert-manager writes).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SyncerTls":
+        if self.secretName and self.mode not in (None, "Secret"):
+            raise ValueError(f"syncer.tls.secretName applies only with mode Secret, not {self.mode}")
+        if self.mode == "Secret" and not self.secretName:
+            raise ValueError("syncer.tls.mode Secret needs syncer.tls.secretName")
+        return self
+
+    @property
+    def effective_mode(self) -> str:
+        return self.mode or ("Secret" if self.secretName else "Auto")
+
+
 class SyncerSpec(_Api):
     """Where and how big the syncer runs."""
 
@@ -137,6 +163,7 @@ class SyncerSpec(_Api):
     tolerations: list[Toleration] = Field(default_factory=list)
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     maxBodyMb: int = Field(256, ge=1, le=4096)
+    tls: SyncerTls = Field(default_factory=SyncerTls)
 
 
 class RestartPolicy(_Api):
@@ -246,6 +273,8 @@ class LearnerUnitSpec(_Api):
     steps: int | None = Field(None, ge=1, le=MAX_STEPS)
     stateVolume: Checkpoint | None = None
     restartPolicy: RestartPolicy = Field(default_factory=RestartPolicy)
+    # https to the syncer, verified against the job's CA (ConfigMap <job>-syncer-ca); false: plain http
+    syncerTls: bool = True
 
 
 JobPhase = Literal["Pending", "Running", "Succeeded", "Failed"]

@@ -14,6 +14,7 @@ SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 PODS_SCHEDULED = "PodsScheduled"  # LearnerUnit only
 SCALING_LIMITED = "ScalingLimited"  # DilocoJob with spec.autoscaling
+LINK_ENCRYPTED = "LinkEncrypted"  # DilocoJob: TLS between learners and the syncer (spec.syncer.tls)
 
 
 class Reason:
@@ -44,6 +45,12 @@ class Reason:
     UNITS_PARKED = "UnitsParked"
     RETRYING_TEMPLATE = "RetryingTemplate"
     CAPACITY_APPEARED = "CapacityAppeared"
+    # LinkEncrypted (spec.syncer.tls) and the certificate's Events
+    AUTO_CERTIFICATE = "AutoCertificate"
+    SECRET_CERTIFICATE = "SecretCertificate"
+    TLS_DISABLED = "TLSDisabled"
+    TLS_SECRET_INVALID = "TLSSecretInvalid"
+    CERTIFICATE_ISSUED = "CertificateIssued"
     # Events of the job's own actions
     UNIT_CREATED = "UnitCreated"
     UNIT_REMOVED = "UnitRemoved"

@@ -9,11 +9,12 @@ import base64
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from pydantic import ValidationError
 
-from diloco_operator import api, autoscale, metrics
+from diloco_operator import api, autoscale, certs, metrics
 from diloco_operator import conditions as C
 from diloco_operator import jobplan
 from diloco_operator import objects as O
@@ -41,6 +42,17 @@ async def _bounded(coros: list) -> None:
             raise r
 
 
+@dataclass
+class SyncerTls:
+    """The syncer's certificate as the operator last saw it (spec.syncer.tls)."""
+
+    secret: str | None = None  # the Secret the syncer serves from (None: plain HTTP)
+    ca: str | None = None  # ca.crt (PEM): what learners and the operator verify the syncer against
+    cert_hash: str | None = None  # of tls.crt: a new certificate rolls the syncer
+    problem: str | None = None  # what is wrong with the user's Secret, naming the field
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+
+
 class Controller:
     """Reconciles DilocoJobs and LearnerUnits from a queue fed by watch events and a periodic resync."""
 
@@ -53,6 +65,8 @@ class Controller:
         self.ensured: dict[tuple[str, str, str], tuple[str, float]] = {}
         self.ensure_ttl_s = ensure_ttl_s
         self.tokens: dict[tuple[str, str, str], str] = {}  # (ns, job, job uid) -> the syncer's bearer token
+        # (ns, job, uid, mode, secret) -> (the syncer's TLS as last read, when): Secrets are not watched
+        self.tls: dict[tuple, tuple[SyncerTls, float]] = {}
         self.workers = workers
         self.resync_s = resync_s
         self.queue: asyncio.Queue[Key] = asyncio.Queue()
@@ -188,6 +202,8 @@ class Controller:
             self.syncer_info.pop((ns, name), None)
             for key in [k for k in self.syncer_polled if k[:2] == (ns, name)]:
                 del self.syncer_polled[key]
+            for key in [k for k in self.tls if k[:2] == (ns, name)]:
+                del self.tls[key]
             return  # the garbage collector removes everything the job owns
         now = datetime.now(timezone.utc)
         old_status = job.get("status") or {}
@@ -208,12 +224,14 @@ class Controller:
                            update=False)
         await self._ensure(CONFIGMAPS, O.config_map(job, spec))
         await self._ensure(PVCS, O.checkpoint_pvc(job, spec), update=False)
-        deployment = await self._ensure(DEPLOYMENTS, O.syncer_deployment(job, spec, replicas=0 if finished else 1),
+        tls = await self._syncer_tls(job, spec, now)
+        deployment = await self._ensure(DEPLOYMENTS, O.syncer_deployment(job, spec, replicas=0 if finished else 1,
+                                                                         tls_hash=tls.cert_hash),
                                         cached=self.cache.syncer_deployment(ns, name, O.syncer_name(name)))
         await self._ensure(SERVICES, O.syncer_service(job), update=False)
         syncer_ready = (deployment.get("status") or {}).get("readyReplicas", 0) >= 1
         if syncer_ready and not finished:
-            self._poll_syncer(job)
+            self._poll_syncer(job, tls)
         info = self.syncer_info.get((ns, name))
 
         lus = self.cache.units_of_job(ns, name)
@@ -264,6 +282,11 @@ class Controller:
                                                    now, job["metadata"].get("generation"))
             if decision.requeue_after is not None:
                 self.enqueue(("job", ns, name), decision.requeue_after)
+        if status.get("phase") not in jobplan.TERMINAL_JOB:
+            status["conditions"], tls_events = jobplan.link_encrypted(
+                status["conditions"], spec.syncer.tls, tls.secret, tls.problem, now, job["metadata"].get("generation"))
+            events += tls.events + tls_events
+            tls.events = []
         if (patch := status_patch(old_status, status)) is not None:
             self.cache.wrote(DILOCOJOBS.plural,
                              await self.kube.merge_patch(DILOCOJOBS, ns, name, {"status": patch}, "status"))
@@ -277,28 +300,63 @@ class Controller:
                 if unit in seen and seen[unit] != last:
                     self.enqueue(("unit", ns, unit))
 
-    def _poll_syncer(self, job: dict) -> None:
+    async def _syncer_tls(self, job: dict, spec: api.DilocoJobSpec, now: datetime) -> SyncerTls:
+        """Read (at most every ensure_ttl_s) the Secret the syncer serves; in Auto mode issue or renew it
+        (certs.auto_secret_data); publish its ca.crt in the ConfigMap learners mount."""
+        ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+        secret = O.tls_secret_name(name, spec.syncer.tls)
+        if secret is None:
+            return SyncerTls()
+        key = (ns, name, job["metadata"].get("uid"), spec.syncer.tls.effective_mode, secret)
+        cached = self.tls.get(key)
+        # A broken user Secret is looked at again soon: the user is fixing it.
+        if cached and time.monotonic() - cached[1] < (self.ensure_ttl_s if not cached[0].problem else 5.0):
+            return cached[0]
+        obj = await self.kube.get(SECRETS, ns, secret)
+        data = None if obj is None else {k: base64.b64decode(v).decode(errors="replace")
+                                         for k, v in (obj.get("data") or {}).items()}
+        state = SyncerTls(secret=secret)
+        if spec.syncer.tls.effective_mode == "Auto":
+            hosts = certs.service_hosts(O.syncer_name(name), ns)
+            data, why = certs.auto_secret_data(data, hosts, now, ca_name=f"diloco {ns}/{name} CA")
+            if why:
+                if obj is None:
+                    await self.kube.create(SECRETS, O.auto_tls_secret(job, data))
+                else:
+                    await self.kube.merge_patch(SECRETS, ns, secret, {"stringData": data})
+                state.events.append(("Normal", C.Reason.CERTIFICATE_ISSUED, f"Secret {secret}: {why}"))
+        else:
+            state.problem = certs.secret_problem(data, secret, O.syncer_name(name))
+        if data and not state.problem:
+            state.ca, state.cert_hash = data[certs.CA_CRT], O.spec_hash(data[certs.TLS_CRT])
+            await self._ensure(CONFIGMAPS, O.ca_config_map(job, state.ca))
+        for old in [k for k in self.tls if k[:2] == (ns, name)]:  # the spec or the job changed: one entry per job
+            del self.tls[old]
+        self.tls[key] = (state, time.monotonic())
+        return state
+
+    def _poll_syncer(self, job: dict, tls: SyncerTls) -> None:
         """Start a background poll of the job's syncer (at most one in flight, at most every syncer_poll_s);
         reconciles read the cached answer, so a slow or unreachable syncer never delays healing."""
         ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
-        url = syncer_status.syncer_address(job, api.SYNCER_PORT)
+        url = syncer_status.syncer_address(job, api.SYNCER_PORT, tls=tls.secret is not None)
         key = (ns, name, url)
         last = self.syncer_polled.get(key)
         if last is not None and time.monotonic() - last < self.syncer_poll_s:
             return
         self.syncer_polled[key] = time.monotonic()
-        task = asyncio.create_task(self._fetch_syncer(ns, name, job["metadata"].get("uid", ""), url))
+        task = asyncio.create_task(self._fetch_syncer(ns, name, job["metadata"].get("uid", ""), url, tls.ca))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    async def _fetch_syncer(self, ns: str, name: str, uid: str, url: str) -> None:
+    async def _fetch_syncer(self, ns: str, name: str, uid: str, url: str, ca: str | None = None) -> None:
         try:
             if (token := self.tokens.get((ns, name, uid))) is None:  # created once, never changed
                 secret = await self.kube.get(SECRETS, ns, O.secret_name(name))
                 token = base64.b64decode((secret or {}).get("data", {}).get(O.TOKEN_KEY, "")).decode()
                 if token:
                     self.tokens[(ns, name, uid)] = token
-            info = await syncer_status.fetch(url, token)
+            info = await syncer_status.fetch(url, token, ca_pem=ca, server_hostname=O.syncer_name(name))
         except ApiError as exc:
             log.warning("cannot read the token of job %s/%s: %s", ns, name, exc)
             return

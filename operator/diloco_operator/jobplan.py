@@ -219,3 +219,26 @@ def _summary(st: dict, conds: list[dict]) -> str:
         if C.is_true(conds, ctype):
             return C.get_condition(conds, ctype)["message"]
     return f"{st.get('unitsReady', 0)}/{st.get('unitsDesired', 0)} units ready"
+
+
+def link_encrypted(conds: list[dict], tls: api.SyncerTls, secret: str | None, problem: str | None, now: datetime,
+                   generation: int | None) -> tuple[list[dict], list[Event]]:
+    """The LinkEncrypted condition for spec.syncer.tls (`problem`: what is wrong with the Secret) and the Warning
+    Event it deserves when it turns (or first is) False."""
+    mode = tls.effective_mode
+    if mode == "Disabled":
+        status, reason = False, C.Reason.TLS_DISABLED
+        message = ("spec.syncer.tls.mode is Disabled: learners reach the syncer over plain HTTP; the token and the "
+                   "model travel unencrypted")
+    elif problem:
+        status, reason, message = False, C.Reason.TLS_SECRET_INVALID, problem
+    else:
+        status = True
+        reason = C.Reason.AUTO_CERTIFICATE if mode == "Auto" else C.Reason.SECRET_CERTIFICATE
+        message = f"learners reach the syncer over HTTPS with the certificate of Secret {secret}"
+    before = C.get_condition(conds, C.LINK_ENCRYPTED)
+    conds = C.set_condition(conds, C.LINK_ENCRYPTED, status, reason, message, now, generation)
+    events: list[Event] = []
+    if not status and (before is None or before.get("reason") != reason or before.get("message") != message):
+        events.append(("Warning", reason, message))
+    return conds, events

@@ -22,6 +22,10 @@ ANNOTATION_SPEC_HASH = "diloco.dev/spec-hash"
 MANAGED_BY = {"app.kubernetes.io/name": "diloco", "app.kubernetes.io/managed-by": "diloco-operator"}
 TOKEN_KEY = "token"
 CONFIG_KEY = "config.yaml"
+CA_KEY = "ca.crt"
+SYNCER_TLS_DIR = "/etc/diloco/tls"
+LEARNER_CA_DIR = "/etc/diloco/ca"
+ANNOTATION_TLS_HASH = "diloco.dev/tls-cert-hash"  # a renewed certificate rolls the syncer onto it
 SYNCER_STATE_DIR = "/var/lib/diloco"
 LEARNER_STATE_DIR = "/var/lib/diloco-learner"
 NODE_LOSS_GRACE_S = 30
@@ -52,9 +56,20 @@ def pod_name(unit: str, incarnation: int, rank: int) -> str:
     return f"{unit}-{incarnation}-{rank}"
 
 
-def syncer_url(job: str) -> str:
+def tls_secret_name(job: str, tls: api.SyncerTls) -> str | None:
+    """The Secret whose tls.crt/tls.key the syncer serves: the user's (Secret), the operator's (Auto), or None."""
+    mode = tls.effective_mode
+    return tls.secretName if mode == "Secret" else f"{syncer_name(job)}-tls" if mode == "Auto" else None
+
+
+def ca_config_name(job: str) -> str:
+    """The ConfigMap holding only ca.crt: what learners mount to verify the syncer (never the syncer's key)."""
+    return f"{syncer_name(job)}-ca"
+
+
+def syncer_url(job: str, tls: bool = True) -> str:
     """The in-cluster address learners use (same namespace, through the syncer Service)."""
-    return f"http://{syncer_name(job)}:{api.SYNCER_PORT}"
+    return f"{'https' if tls else 'http'}://{syncer_name(job)}:{api.SYNCER_PORT}"
 
 
 def spec_hash(obj: dict) -> str:
@@ -107,6 +122,21 @@ def token_secret(job: dict, token: str) -> dict:
             "metadata": _meta(secret_name(name), job, {LABEL_JOB: name}), "stringData": {TOKEN_KEY: token}}
 
 
+def auto_tls_secret(job: dict, data: dict[str, str]) -> dict:
+    """The operator's own CA and syncer certificate (spec.syncer.tls.mode Auto), as kubernetes.io/tls."""
+    name = job["metadata"]["name"]
+    return {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+            "metadata": _meta(f"{syncer_name(name)}-tls", job, {LABEL_JOB: name, LABEL_COMPONENT: "syncer"}),
+            "stringData": dict(data)}
+
+
+def ca_config_map(job: dict, ca_pem: str) -> dict:
+    """The CA learners verify the syncer against (a public certificate, so a ConfigMap)."""
+    name = job["metadata"]["name"]
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(ca_config_name(name), job, {LABEL_JOB: name}),
+            "data": {CA_KEY: ca_pem}}
+
+
 def config_map(job: dict, spec: api.DilocoJobSpec) -> dict:
     """The run config file the syncer reads (learners get it from the syncer at registration)."""
     name = job["metadata"]["name"]
@@ -128,28 +158,39 @@ def _token_env() -> dict:
     return {"name": "DILOCO_TOKEN", "valueFrom": {"secretKeyRef": {"name": "", "key": TOKEN_KEY}}}
 
 
-def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1) -> dict:
-    """One syncer pod (Recreate: the checkpoint volume is ReadWriteOnce); a replaced pod resumes from the PVC."""
+def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1, tls_hash: str | None = None) -> dict:
+    """One syncer pod (Recreate: the checkpoint volume is ReadWriteOnce); a replaced pod resumes from the PVC.
+    With TLS it serves the certificate of tls_secret_name; `tls_hash` (of that certificate) rolls it on renewal."""
     name = job["metadata"]["name"]
+    tls_secret = tls_secret_name(name, spec.syncer.tls)
     labels = {LABEL_JOB: name, LABEL_COMPONENT: "syncer"}
     token_env = _token_env()
     token_env["valueFrom"]["secretKeyRef"]["name"] = secret_name(name)
     command = ["diloco", "syncer", "--config", f"/etc/diloco/{CONFIG_KEY}", "--host", "0.0.0.0",
                "--port", str(api.SYNCER_PORT), "--state-dir", SYNCER_STATE_DIR, "--token-env", "DILOCO_TOKEN",
                "--max-body-mb", str(spec.syncer.maxBodyMb)]
+    mounts = [{"name": "config", "mountPath": "/etc/diloco", "readOnly": True},
+              {"name": "state", "mountPath": SYNCER_STATE_DIR}]
+    volumes = [{"name": "config", "configMap": {"name": config_name(name)}},
+               {"name": "state", "persistentVolumeClaim": {"claimName": pvc_name(name)}}]
+    if tls_secret:
+        command += ["--tls-cert", f"{SYNCER_TLS_DIR}/tls.crt", "--tls-key", f"{SYNCER_TLS_DIR}/tls.key"]
+        mounts.append({"name": "tls", "mountPath": SYNCER_TLS_DIR, "readOnly": True})
+        # Only the serving pair: ca.key (Auto) stays in the Secret, never in the syncer's filesystem.
+        volumes.append({"name": "tls", "secret": {"secretName": tls_secret, "defaultMode": 0o440, "items": [
+            {"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}]}})
     pod_spec = {
         "automountServiceAccountToken": False,
         "securityContext": {"fsGroup": IMAGE_GID},  # the image runs as UID/GID 10001: let it write the PVC
         "containers": [{
             "name": "syncer", "image": spec.image, "imagePullPolicy": spec.imagePullPolicy, "command": command,
             "env": [token_env], "ports": [{"name": "api", "containerPort": api.SYNCER_PORT}],
-            "readinessProbe": {"httpGet": {"path": "/healthz", "port": api.SYNCER_PORT}, "periodSeconds": 5},
+            "readinessProbe": {"httpGet": {"path": "/healthz", "port": api.SYNCER_PORT,
+                                           "scheme": "HTTPS" if tls_secret else "HTTP"}, "periodSeconds": 5},
             "resources": _resources(spec.syncer.resources),
-            "volumeMounts": [{"name": "config", "mountPath": "/etc/diloco", "readOnly": True},
-                             {"name": "state", "mountPath": SYNCER_STATE_DIR}],
+            "volumeMounts": mounts,
         }],
-        "volumes": [{"name": "config", "configMap": {"name": config_name(name)}},
-                    {"name": "state", "persistentVolumeClaim": {"claimName": pvc_name(name)}}],
+        "volumes": volumes,
     }
     if spec.syncer.nodeSelector:
         pod_spec["nodeSelector"] = dict(spec.syncer.nodeSelector)
@@ -158,14 +199,19 @@ def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1) -> 
     if spec.syncer.tolerations:
         pod_spec["tolerations"] = _tolerations(spec.syncer.tolerations)
     config_hash = spec_hash(spec.config.model_dump(mode="json"))
+    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(api.SYNCER_PORT),
+                   "diloco.dev/config-hash": config_hash}
+    if tls_secret:
+        annotations["prometheus.io/scheme"] = "https"
+        if tls_hash:
+            annotations[ANNOTATION_TLS_HASH] = tls_hash
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(syncer_name(name), job, labels),
         "spec": {
             "replicas": replicas, "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": {**MANAGED_BY, **labels}, "annotations": {
-                "prometheus.io/scrape": "true", "prometheus.io/port": str(api.SYNCER_PORT),
-                "diloco.dev/config-hash": config_hash}}, "spec": pod_spec},
+            "template": {"metadata": {"labels": {**MANAGED_BY, **labels}, "annotations": annotations},
+                         "spec": pod_spec},
         },
     }
 
@@ -187,6 +233,7 @@ def unit_spec(job_name: str, spec: api.DilocoJobSpec, template: api.UnitTemplate
         imagePullPolicy=spec.imagePullPolicy, podsPerUnit=template.podsPerUnit, accelerator=template.accelerator,
         nodeSelector=template.nodeSelector, tolerations=template.tolerations, resources=template.resources,
         steps=template.steps, stateVolume=template.stateVolume, restartPolicy=spec.restartPolicy,
+        syncerTls=spec.syncer.tls.effective_mode != "Disabled",
     )
 
 
@@ -253,17 +300,25 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
         extra[resource] = spec.accelerator.count
     if spec.accelerator.topology:
         node_selector[api.TPU_TOPOLOGY_LABEL] = spec.accelerator.topology
-    command = ["diloco", "learner", "--syncer", syncer_url(spec.jobName), "--learner-id", name,
+    url = syncer_url(spec.jobName, spec.syncerTls)
+    command = ["diloco", "learner", "--syncer", url, "--learner-id", name,
                "--unit", str(spec.unitIndex), "--units", str(spec.shards or spec.unitIndex + 1), "--device", device, "--state-dir", LEARNER_STATE_DIR,
                "--metrics-port", str(api.METRICS_PORT)]
     if spec.steps:
         command += ["--steps", str(spec.steps)]
+    mounts = [{"name": "state", "mountPath": LEARNER_STATE_DIR}]
+    volumes = [{"name": "state", "persistentVolumeClaim": {"claimName": state_pvc_name(name, rank)}}
+               if spec.stateVolume else {"name": "state", "emptyDir": {}}]
+    if spec.syncerTls:
+        command += ["--ca", f"{LEARNER_CA_DIR}/{CA_KEY}"]
+        mounts.append({"name": "syncer-ca", "mountPath": LEARNER_CA_DIR, "readOnly": True})
+        volumes.append({"name": "syncer-ca", "configMap": {"name": ca_config_name(spec.jobName)}})
     token_env = _token_env()
     token_env["valueFrom"]["secretKeyRef"]["name"] = secret_name(spec.jobName)
     master = f"rank-0.{name}"
     env = [
         token_env,
-        {"name": "DILOCO_SYNCER_URL", "value": syncer_url(spec.jobName)},
+        {"name": "DILOCO_SYNCER_URL", "value": url},
         {"name": "DILOCO_UNIT", "value": str(spec.unitIndex)},
         {"name": "DILOCO_LEARNER_ID", "value": name},
         {"name": "RANK", "value": str(rank)},
@@ -285,10 +340,9 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
             "name": "learner", "image": spec.image, "imagePullPolicy": spec.imagePullPolicy, "command": command,
             "env": env, "ports": [{"name": "metrics", "containerPort": api.METRICS_PORT}],
             "resources": _resources(spec.resources, extra),
-            "volumeMounts": [{"name": "state", "mountPath": LEARNER_STATE_DIR}],
+            "volumeMounts": mounts,
         }],
-        "volumes": [{"name": "state", "persistentVolumeClaim": {"claimName": state_pvc_name(name, rank)}}
-                    if spec.stateVolume else {"name": "state", "emptyDir": {}}],
+        "volumes": volumes,
     }
     if spec.stateVolume:
         pod_spec["securityContext"] = {"fsGroup": IMAGE_GID}

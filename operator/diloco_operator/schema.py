@@ -133,6 +133,12 @@ VOLUME_RULES = [
     _rule("!has(self.size) || !isQuantity(self.size) || quantity(self.size).isGreaterThan(quantity('0'))",
           "size must be greater than zero", ".size"),
 ]
+TLS_RULES = [
+    _rule("!has(self.secretName) || !has(self.mode) || self.mode == 'Secret'",
+          "secretName applies only with mode Secret (or no mode)", ".secretName"),
+    _rule("!has(self.mode) || self.mode != 'Secret' || has(self.secretName)",
+          "mode Secret needs secretName", ".secretName"),
+]
 TEMPLATE_RULES = [
     _rule("(has(self.minCount) ? self.minCount : 0) <= (has(self.count) ? self.count : 1)",
           "minCount must be <= count", ".minCount"),
@@ -203,6 +209,7 @@ def dilocojob_crd() -> dict:
     template["properties"]["accelerator"]["x-kubernetes-validations"] = ACCELERATOR_RULES
     template["properties"]["stateVolume"]["x-kubernetes-validations"] = VOLUME_RULES
     spec["properties"]["syncer"]["properties"]["checkpoint"]["x-kubernetes-validations"] = VOLUME_RULES
+    spec["properties"]["syncer"]["properties"]["tls"]["x-kubernetes-validations"] = TLS_RULES
     config = spec["properties"]["config"]
     config["x-kubernetes-validations"] = CONFIG_RULES
     config["properties"]["outer"]["x-kubernetes-validations"] = OUTER_RULES

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 from datetime import datetime, timezone
 
 import aiohttp
@@ -13,11 +14,13 @@ from diloco_operator import conditions as C
 URL_ANNOTATION = "diloco.dev/syncer-url"  # overrides the in-cluster address (an operator outside the cluster)
 
 
-def syncer_address(job: dict, port: int) -> str:
-    """Where the operator reaches a job's syncer: the annotation if set, else its in-cluster Service."""
+def syncer_address(job: dict, port: int, tls: bool = False) -> str:
+    """Where the operator reaches a job's syncer: the annotation if set, else its in-cluster Service (https with
+    TLS)."""
     meta = job["metadata"]
     override = (meta.get("annotations") or {}).get(URL_ANNOTATION)
-    return override.rstrip("/") if override else f"http://{meta['name']}-syncer.{meta['namespace']}.svc:{port}"
+    scheme = "https" if tls else "http"
+    return override.rstrip("/") if override else f"{scheme}://{meta['name']}-syncer.{meta['namespace']}.svc:{port}"
 
 
 def summarize(doc: dict | SyncerStatus) -> dict:
@@ -32,13 +35,21 @@ def summarize(doc: dict | SyncerStatus) -> dict:
     return out
 
 
-async def fetch(url: str, token: str, timeout_s: float = 3.0) -> dict | None:
-    """The summarized status, or None if the syncer cannot be reached or answers badly (it may be restarting)."""
+async def fetch(url: str, token: str, timeout_s: float = 3.0, ca_pem: str | None = None,
+                server_hostname: str | None = None) -> dict | None:
+    """The summarized status, or None if the syncer cannot be reached or answers badly (it may be restarting).
+    An https syncer is verified against `ca_pem` under the name `server_hostname` (the Service's, whatever
+    address `url` dials)."""
+    tls: dict = {}
+    if url.startswith("https://"):
+        tls = {"ssl": ssl.create_default_context(cadata=ca_pem) if ca_pem else True}
+        if server_hostname:
+            tls["server_hostname"] = server_hostname
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-            async with session.get(f"{url}/v1/status", headers={"Authorization": f"Bearer {token}"}) as resp:
+            async with session.get(f"{url}/v1/status", headers={"Authorization": f"Bearer {token}"}, **tls) as resp:
                 if resp.status != 200:
                     return None
                 return summarize(await resp.json())
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError):
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError, ssl.SSLError):
         return None

@@ -201,7 +201,7 @@ def test_pods_are_placed_on_their_accelerator_pool_with_rendezvous_env():
     assert p["spec"]["nodeSelector"]["cloud.google.com/gke-accelerator"] == "nvidia-h100-80gb"
     assert p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert env["RANK"] == "1" and env["WORLD_SIZE"] == "2" and env["MASTER_ADDR"] == "rank-0.demo-gpu-1"
-    assert env["DILOCO_SYNCER_URL"] == "http://demo-syncer:8470" and env["DILOCO_UNIT"] == "4"
+    assert env["DILOCO_SYNCER_URL"] == "https://demo-syncer:8470" and env["DILOCO_UNIT"] == "4"
     cmd = p["spec"]["containers"][0]["command"]
     assert cmd[:2] == ["diloco", "learner"] and cmd[cmd.index("--device") + 1] == "cuda"
     assert p["metadata"]["ownerReferences"][0]["uid"] == "lu-1" and p["spec"]["restartPolicy"] == "Never"
@@ -227,14 +227,14 @@ def test_a_unit_with_a_state_volume_mounts_one_claim_per_rank():
     pvc = objects.unit_state_pvc(unit, 1)
     assert pvc["metadata"]["name"] == "demo-gpu-0-state-1" and pvc["metadata"]["ownerReferences"][0]["uid"] == "lu-1"
     vols = objects.unit_pod(unit, 3, 1)["spec"]["volumes"]
-    assert vols == [{"name": "state", "persistentVolumeClaim": {"claimName": "demo-gpu-0-state-1"}}]
+    assert vols[0] == {"name": "state", "persistentVolumeClaim": {"claimName": "demo-gpu-0-state-1"}}
     plain = objects.learner_unit(JOB, objects.unit_spec("demo", job_spec(), job_spec().units[0], 0, 0))
     plain["metadata"]["uid"] = "lu-2"
     assert objects.unit_state_pvc(plain, 0) is None
-    assert objects.unit_pod(plain, 0, 0)["spec"]["volumes"] == [{"name": "state", "emptyDir": {}}]
+    assert objects.unit_pod(plain, 0, 0)["spec"]["volumes"][0] == {"name": "state", "emptyDir": {}}
 
 
-def test_every_learner_pod_command_is_accepted_by_the_learner_itself(monkeypatch):
+def test_every_learner_pod_command_is_accepted_by_the_learner_itself(monkeypatch, tmp_path):
     """The pods' command lines go through the learner's own parser and checks: distinct, in-range data shards
     for every unit (also after scaling past the templates' counts), metrics served on the declared port."""
     import argparse
@@ -253,7 +253,12 @@ def test_every_learner_pod_command_is_accepted_by_the_learner_itself(monkeypatch
         assert container["command"][:2] == ["diloco", "learner"]
         parser = argparse.ArgumentParser()
         learner_main.configure(parser)
-        opts = learner_main.options_from_args(parser.parse_args(container["command"][2:]))
+        args = container["command"][2:]
+        ca = args.index("--ca") + 1  # the CA the pod mounts from its ConfigMap: a file here
+        assert args[ca] == f"{objects.LEARNER_CA_DIR}/ca.crt"
+        args[ca] = str(tmp_path / "ca.crt")
+        (tmp_path / "ca.crt").write_text("a CA")
+        opts = learner_main.options_from_args(parser.parse_args(args))
         assert opts.metrics_port == container["ports"][0]["containerPort"] == api.METRICS_PORT
         shards.add((opts.unit, opts.units))
     assert {u for u, _ in shards} == {0, 1, 2, 3, 7}

@@ -1,0 +1,156 @@
+"""spec.syncer.tls on a real control plane, the operator running for real: the Auto certificate Secret (its names
+are the syncer Service's, a real syncer serves it and the operator reads its status over verified TLS), a
+cert-manager style Secret mounted as given, plain HTTP only when asked for (Warning and condition), and a
+manifest mixing the modes refused by the apiserver naming the field."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from datetime import datetime, timezone
+
+import pytest
+
+from diloco_operator import certs
+from diloco_operator.pools import POOL_LABEL
+
+from cluster_kit import PYTHONPATH, wait_for
+from test_operator_cluster import condition, cpu_units, events, job, pods, wait_job_ready
+
+pytestmark = pytest.mark.cluster
+
+
+def secret_data(kubectl, ns: str, name: str) -> dict[str, str] | None:
+    obj = kubectl.get("secret", name, ns=ns)
+    return None if obj is None else {k: base64.b64decode(v).decode() for k, v in obj.get("data", {}).items()}
+
+
+def syncer_pod_spec(kubectl, ns: str, name: str) -> dict:
+    return kubectl.get("deployment", f"{name}-syncer", ns=ns)["spec"]["template"]["spec"]
+
+
+def learner_containers(kubectl, ns: str, name: str) -> list[dict]:
+    return [p["spec"]["containers"][0] for p in pods(kubectl, ns, f"diloco.dev/job={name},diloco.dev/component=learner")]
+
+
+def arg(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+def test_auto_mode_issues_a_certificate_for_the_syncer_service_that_the_syncer_serves(kubectl, operator, ns,
+                                                                                      tmp_path):
+    tiny = {"model": {"seq_len": 16, "d_model": 16, "n_layers": 1, "n_heads": 2}, "outer": {"fragments": 2}}
+    kubectl.apply(job("tls", cpu_units(2), config=tiny), "-n", ns)
+    dj = wait_job_ready(kubectl, ns, "tls", 2)
+    link = condition(dj, "LinkEncrypted")
+    assert link["status"] == "True" and link["reason"] == "AutoCertificate" and "tls-syncer-tls" in link["message"]
+    secret = kubectl.get("secret", "tls-syncer-tls", ns=ns)
+    assert secret["type"] == "kubernetes.io/tls"
+    assert secret["metadata"]["ownerReferences"][0]["name"] == "tls"  # deleted with the job
+    data = secret_data(kubectl, ns, "tls-syncer-tls")
+    assert set(certs.inspect(data["tls.crt"]).hosts) == {
+        "tls-syncer", f"tls-syncer.{ns}", f"tls-syncer.{ns}.svc", f"tls-syncer.{ns}.svc.cluster.local"}
+    assert kubectl.get("services", "tls-syncer", ns=ns)["metadata"]["name"] == "tls-syncer"
+    assert kubectl.get("configmap", "tls-syncer-ca", ns=ns)["data"] == {"ca.crt": data["ca.crt"]}
+    assert [e for e in events(kubectl, ns, "CertificateIssued") if e["involvedObject"]["name"] == "tls"]
+
+    spec = syncer_pod_spec(kubectl, ns, "tls")
+    syncer = spec["containers"][0]
+    assert arg(syncer["command"], "--tls-cert") == "/etc/diloco/tls/tls.crt"
+    assert arg(syncer["command"], "--tls-key") == "/etc/diloco/tls/tls.key"
+    assert next(v for v in spec["volumes"] if v["name"] == "tls")["secret"]["secretName"] == "tls-syncer-tls"
+    assert syncer["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    syncer_pods = pods(kubectl, ns, "diloco.dev/job=tls,diloco.dev/component=syncer")
+    assert syncer_pods and all(any(v.get("secret", {}).get("secretName") == "tls-syncer-tls"
+                                   for v in p["spec"]["volumes"]) for p in syncer_pods)
+
+    learners = learner_containers(kubectl, ns, "tls")
+    assert len(learners) == 2
+    for c in learners:
+        assert arg(c["command"], "--syncer") == "https://tls-syncer:8470"
+        assert arg(c["command"], "--ca") == "/etc/diloco/ca/ca.crt"
+        assert {"name": "syncer-ca", "mountPath": "/etc/diloco/ca", "readOnly": True} in c["volumeMounts"]
+
+    # A real syncer serving that Secret's pair (kwok runs no containers); the operator reads its status over
+    # TLS verified against the CA under the Service's name, whatever address it dials.
+    for key in ("tls.crt", "tls.key"):
+        (tmp_path / key).write_text(data[key])
+    (tmp_path / "config.yaml").write_text(kubectl.get("configmap", "tls-config", ns=ns)["data"]["config.yaml"])
+    token = secret_data(kubectl, ns, "tls-token")["token"]
+    state = tmp_path / "state"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diloco_trainer.cli", "syncer", "--config", str(tmp_path / "config.yaml"),
+         "--host", "127.0.0.1", "--port", "0", "--state-dir", str(state), "--tls-cert", str(tmp_path / "tls.crt"),
+         "--tls-key", str(tmp_path / "tls.key")],
+        env={**os.environ, "DILOCO_TOKEN": token, "PYTHONPATH": PYTHONPATH},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = wait_for(lambda: (state / "endpoint.json").exists() and
+                       json.loads((state / "endpoint.json").read_text())["url"], 60, 0.2, "the syncer to listen")
+        assert url.startswith("https://127.0.0.1:")
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):  # no system CA vouches for it
+            urllib.request.urlopen(f"{url}/healthz", timeout=10)
+        kubectl.run("annotate", "dj", "tls", "-n", ns, f"diloco.dev/syncer-url={url}")
+        dj = wait_for(lambda: (d := kubectl.get("dj", "tls", ns=ns))["status"].get("outerSteps") is not None and d,
+                      30, 0.2, "outerSteps read by the operator over TLS")
+        assert dj["status"]["outerSteps"] == 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_secret_mode_mounts_the_given_secret_and_says_what_is_wrong_until_it_is_usable(kubectl, operator, ns):
+    kubectl.apply(job("byo", cpu_units(1), syncer={"nodeSelector": {POOL_LABEL: "cpu"},
+                                                   "tls": {"secretName": "byo-cert"}}), "-n", ns)
+    dj = wait_for(lambda: (d := kubectl.get("dj", "byo", ns=ns)) and condition(d, "LinkEncrypted").get("reason")
+                  == "TLSSecretInvalid" and d, 30, 0.2, "LinkEncrypted=False/TLSSecretInvalid")
+    message = condition(dj, "LinkEncrypted")["message"]
+    assert message.startswith("spec.syncer.tls.secretName: Secret byo-cert") and "does not exist" in message
+    assert [e for e in events(kubectl, ns, "TLSSecretInvalid") if e["involvedObject"]["name"] == "byo"]
+    assert kubectl.get("secret", "byo-syncer-tls", ns=ns) is None  # the operator issues nothing in this mode
+    # What cert-manager would write for a Certificate with dnsNames [byo-syncer, ...] and a CA issuer.
+    issued, _ = certs.auto_secret_data(None, certs.service_hosts("byo-syncer", ns), datetime.now(timezone.utc),
+                                       "cert-manager CA")
+    kubectl.apply({"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+                   "metadata": {"name": "byo-cert"},
+                   "stringData": {k: issued[k] for k in ("tls.crt", "tls.key", "ca.crt")}}, "-n", ns)
+    dj = wait_for(lambda: (d := kubectl.get("dj", "byo", ns=ns)) and condition(d, "LinkEncrypted").get("status")
+                  == "True" and d, 60, 0.2, "LinkEncrypted=True once the Secret is usable")
+    assert condition(dj, "LinkEncrypted")["reason"] == "SecretCertificate"
+    spec = syncer_pod_spec(kubectl, ns, "byo")
+    assert next(v for v in spec["volumes"] if v["name"] == "tls")["secret"]["secretName"] == "byo-cert"
+    assert "--tls-cert" in spec["containers"][0]["command"]
+    assert kubectl.get("configmap", "byo-syncer-ca", ns=ns)["data"] == {"ca.crt": issued["ca.crt"]}
+    wait_job_ready(kubectl, ns, "byo", 1)
+    (learner,) = learner_containers(kubectl, ns, "byo")
+    assert arg(learner["command"], "--syncer") == "https://byo-syncer:8470" and "--ca" in learner["command"]
+
+
+def test_plain_http_only_when_asked_for_with_a_warning_and_a_condition(kubectl, operator, ns):
+    kubectl.apply(job("plain", cpu_units(1), syncer={"nodeSelector": {POOL_LABEL: "cpu"},
+                                                     "tls": {"mode": "Disabled"}}), "-n", ns)
+    dj = wait_job_ready(kubectl, ns, "plain", 1)
+    link = condition(dj, "LinkEncrypted")
+    assert link["status"] == "False" and link["reason"] == "TLSDisabled" and "unencrypted" in link["message"]
+    warned = wait_for(lambda: [e for e in events(kubectl, ns, "TLSDisabled") if e["involvedObject"]["name"] == "plain"],
+                      30, 0.2, "the TLSDisabled Warning")
+    assert warned[0]["type"] == "Warning" and len(warned) == 1
+    assert "--tls-cert" not in syncer_pod_spec(kubectl, ns, "plain")["containers"][0]["command"]
+    assert kubectl.get("secret", "plain-syncer-tls", ns=ns) is None
+    (learner,) = learner_containers(kubectl, ns, "plain")
+    assert arg(learner["command"], "--syncer") == "http://plain-syncer:8470" and "--ca" not in learner["command"]
+
+
+def test_a_secret_name_with_tls_disabled_is_refused_by_the_apiserver_naming_the_field(kubectl, operator, ns):
+    bad = job("mixed", cpu_units(1), syncer={"tls": {"mode": "Disabled", "secretName": "some-cert"}})
+    out = kubectl.apply(bad, "-n", ns, check=False)
+    assert out.returncode != 0
+    assert "spec.syncer.tls.secretName" in out.stderr and "applies only with mode Secret" in out.stderr
+    out = kubectl.apply(job("half", cpu_units(1), syncer={"tls": {"mode": "Secret"}}), "-n", ns, check=False)
+    assert out.returncode != 0 and "spec.syncer.tls.secretName" in out.stderr and "needs secretName" in out.stderr
+    assert kubectl.get("dj", "mixed", ns=ns) is None and kubectl.get("dj", "half", ns=ns) is None

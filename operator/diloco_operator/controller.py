@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from diloco_trainer.tokens import learner_token
 from pydantic import ValidationError
 
 from diloco_operator import api, autoscale, certs, metrics
@@ -349,13 +350,36 @@ class Controller:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
+    async def _job_token(self, ns: str, name: str, uid: str) -> str:
+        """The job's token (the syncer's), read once: created once, never changed ("" while it does not exist)."""
+        if (token := self.tokens.get((ns, name, uid))) is None:
+            secret = await self.kube.get(SECRETS, ns, O.secret_name(name))
+            token = base64.b64decode((secret or {}).get("data", {}).get(O.TOKEN_KEY, "")).decode()
+            if token:
+                self.tokens[(ns, name, uid)] = token
+        return token
+
+    async def _ensure_unit_token(self, unit: dict, job: dict) -> None:
+        """The unit's own learner token Secret (created once). A Secret of that name owned by anything else is
+        never used: the reconcile fails, saying so, rather than hand the unit someone else's credential."""
+        ns, name = unit["metadata"]["namespace"], unit["metadata"]["name"]
+        secret_name = O.unit_token_secret_name(name)
+        key = (SECRETS.plural, ns, secret_name)
+        if (done := self.ensured.get(key)) and time.monotonic() - done[1] < self.ensure_ttl_s:
+            return
+        job_token = await self._job_token(ns, job["metadata"]["name"], job["metadata"].get("uid", ""))
+        if not job_token:
+            raise RuntimeError(f"the token Secret of job {job['metadata']['name']} is not there yet")
+        if await self.kube.create(SECRETS, O.unit_token_secret(unit, learner_token(job_token, name))) is None:
+            current = await self.kube.get(SECRETS, ns, secret_name) or {"metadata": {}}
+            owners = {o.get("uid") for o in current["metadata"].get("ownerReferences") or []}
+            if unit["metadata"].get("uid") not in owners:
+                raise RuntimeError(f"Secret {ns}/{secret_name} exists and is not unit {name}'s: not using it")
+        self.ensured[key] = ("", time.monotonic())
+
     async def _fetch_syncer(self, ns: str, name: str, uid: str, url: str, ca: str | None = None) -> None:
         try:
-            if (token := self.tokens.get((ns, name, uid))) is None:  # created once, never changed
-                secret = await self.kube.get(SECRETS, ns, O.secret_name(name))
-                token = base64.b64decode((secret or {}).get("data", {}).get(O.TOKEN_KEY, "")).decode()
-                if token:
-                    self.tokens[(ns, name, uid)] = token
+            token = await self._job_token(ns, name, uid)
             info = await syncer_status.fetch(url, token, ca_pem=ca, server_hostname=O.syncer_name(name))
         except ApiError as exc:
             log.warning("cannot read the token of job %s/%s: %s", ns, name, exc)
@@ -402,6 +426,7 @@ class Controller:
         await _bounded([delete(p) for p in plan.delete])
         if plan.create:
             await self._ensure(SERVICES, O.unit_service(unit), update=False)
+            await self._ensure_unit_token(unit, job)
         await _bounded([create(rank) for rank in plan.create])
         if (patch := status_patch(old_status, plan.status)) is not None:
             self.cache.wrote(LEARNERUNITS.plural,

@@ -36,6 +36,11 @@ def secret_name(job: str) -> str:
     return f"{job}-token"
 
 
+def unit_token_secret_name(unit: str) -> str:
+    """The Secret of one unit's own learner token (tokens.py), which its pods read instead of the job's."""
+    return f"{unit}-learner-token"
+
+
 def config_name(job: str) -> str:
     return f"{job}-config"
 
@@ -120,6 +125,14 @@ def token_secret(job: dict, token: str) -> dict:
     name = job["metadata"]["name"]
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": _meta(secret_name(name), job, {LABEL_JOB: name}), "stringData": {TOKEN_KEY: token}}
+
+
+def unit_token_secret(unit: dict, token: str) -> dict:
+    """A unit's learner token, owned by the unit: a leaked one acts only as that unit (the syncer checks)."""
+    name = unit["metadata"]["name"]
+    labels = {LABEL_JOB: unit["spec"]["jobName"], LABEL_UNIT: name}
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(unit_token_secret_name(name), unit, labels), "stringData": {TOKEN_KEY: token}}
 
 
 def auto_tls_secret(job: dict, data: dict[str, str]) -> dict:
@@ -314,7 +327,7 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
         mounts.append({"name": "syncer-ca", "mountPath": LEARNER_CA_DIR, "readOnly": True})
         volumes.append({"name": "syncer-ca", "configMap": {"name": ca_config_name(spec.jobName)}})
     token_env = _token_env()
-    token_env["valueFrom"]["secretKeyRef"]["name"] = secret_name(spec.jobName)
+    token_env["valueFrom"]["secretKeyRef"]["name"] = unit_token_secret_name(name)
     master = f"rank-0.{name}"
     env = [
         token_env,

@@ -5,15 +5,18 @@ manifest mixing the modes refused by the apiserver naming the field."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
+import ssl
 import subprocess
 import sys
 import urllib.error
 import urllib.request
 from datetime import datetime, timezone
 
+import aiohttp
 import pytest
 
 from diloco_operator import certs
@@ -38,6 +41,15 @@ def learner_containers(kubectl, ns: str, name: str) -> list[dict]:
     return [p["spec"]["containers"][0] for p in pods(kubectl, ns, f"diloco.dev/job={name},diloco.dev/component=learner")]
 
 
+async def register(url: str, ca: str, token: str, learner: str) -> tuple[int, str | None]:
+    """POST /v1/register over TLS verified against `ca` as the Service's name: (status, error)."""
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/register", ssl=ssl.create_default_context(cadata=ca),
+                                server_hostname="tls-syncer", headers={"Authorization": f"Bearer {token}"},
+                                json={"learner_id": learner, "unit": 0, "world_size": 1, "device": "cpu"}) as r:
+            return r.status, None if r.status == 200 else (await r.json())["error"]
+
+
 def arg(command: list[str], flag: str) -> str:
     return command[command.index(flag) + 1]
 
@@ -57,7 +69,8 @@ def test_auto_mode_issues_a_certificate_for_the_syncer_service_that_the_syncer_s
         "tls-syncer", f"tls-syncer.{ns}", f"tls-syncer.{ns}.svc", f"tls-syncer.{ns}.svc.cluster.local"}
     assert kubectl.get("services", "tls-syncer", ns=ns)["metadata"]["name"] == "tls-syncer"
     assert kubectl.get("configmap", "tls-syncer-ca", ns=ns)["data"] == {"ca.crt": data["ca.crt"]}
-    assert [e for e in events(kubectl, ns, "CertificateIssued") if e["involvedObject"]["name"] == "tls"]
+    wait_for(lambda: [e for e in events(kubectl, ns, "CertificateIssued") if e["involvedObject"]["name"] == "tls"],
+             30, 0.2, "the CertificateIssued Event")
 
     spec = syncer_pod_spec(kubectl, ns, "tls")
     syncer = spec["containers"][0]
@@ -71,6 +84,13 @@ def test_auto_mode_issues_a_certificate_for_the_syncer_service_that_the_syncer_s
 
     learners = learner_containers(kubectl, ns, "tls")
     assert len(learners) == 2
+    units = {p["metadata"]["labels"]["diloco.dev/unit"]: p for p in pods(kubectl, ns, "diloco.dev/component=learner")}
+    assert sorted(units) == ["tls-cpu-0", "tls-cpu-1"]
+    for unit, pod in units.items():  # the unit's own token, never the job's
+        (token_env,) = [e for e in pod["spec"]["containers"][0]["env"] if e["name"] == "DILOCO_TOKEN"]
+        assert token_env["valueFrom"]["secretKeyRef"]["name"] == f"{unit}-learner-token"
+        owner = kubectl.get("secret", f"{unit}-learner-token", ns=ns)["metadata"]["ownerReferences"][0]
+        assert owner["kind"] == "LearnerUnit" and owner["name"] == unit
     for c in learners:
         assert arg(c["command"], "--syncer") == "https://tls-syncer:8470"
         assert arg(c["command"], "--ca") == "/etc/diloco/ca/ca.crt"
@@ -99,6 +119,12 @@ def test_auto_mode_issues_a_certificate_for_the_syncer_service_that_the_syncer_s
         dj = wait_for(lambda: (d := kubectl.get("dj", "tls", ns=ns))["status"].get("outerSteps") is not None and d,
                       30, 0.2, "outerSteps read by the operator over TLS")
         assert dj["status"]["outerSteps"] == 0
+        # Each unit's pods read the unit's own token: over this TLS link it acts as that unit and no other.
+        for unit, other in (("tls-cpu-0", "tls-cpu-1"), ("tls-cpu-1", "tls-cpu-0")):
+            mine = secret_data(kubectl, ns, f"{unit}-learner-token")["token"]
+            assert asyncio.run(register(url, data["ca.crt"], mine, unit)) == (200, None)
+            status, error = asyncio.run(register(url, data["ca.crt"], mine, other))
+            assert status == 403 and error == f"the token of learner {unit!r} cannot act as learner {other!r}"
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -111,7 +137,9 @@ def test_secret_mode_mounts_the_given_secret_and_says_what_is_wrong_until_it_is_
                   == "TLSSecretInvalid" and d, 30, 0.2, "LinkEncrypted=False/TLSSecretInvalid")
     message = condition(dj, "LinkEncrypted")["message"]
     assert message.startswith("spec.syncer.tls.secretName: Secret byo-cert") and "does not exist" in message
-    assert [e for e in events(kubectl, ns, "TLSSecretInvalid") if e["involvedObject"]["name"] == "byo"]
+    warned = wait_for(lambda: [e for e in events(kubectl, ns, "TLSSecretInvalid") if e["involvedObject"]["name"]
+                               == "byo"], 30, 0.2, "the TLSSecretInvalid Warning")  # posted after the status
+    assert warned[0]["type"] == "Warning" and warned[0]["message"] == message
     assert kubectl.get("secret", "byo-syncer-tls", ns=ns) is None  # the operator issues nothing in this mode
     # What cert-manager would write for a Certificate with dnsNames [byo-syncer, ...] and a CA issuer.
     issued, _ = certs.auto_secret_data(None, certs.service_hosts("byo-syncer", ns), datetime.now(timezone.utc),

@@ -3,10 +3,8 @@ certificate for a syncer (what `diloco local --tls` and the tests use; in a clus
 
 Files are named as cert-manager names a Secret's keys: `ca.crt`, `tls.crt`, `tls.key`. Torch-free.
 
-Decision: one shared bearer token per job, carried inside TLS. Per-learner tokens would stop a leaked learner
-credential from submitting as another learner, but every learner's submissions are equally trusted into the merge
-anyway (a malicious learner can poison the model under its own name), so they would buy little against the cost
-of issuing and rotating one credential per unit; TLS is what keeps the token and the model private on the way.
+Tokens travel inside TLS. Learners started by the operator hold per-learner tokens (tokens.py), so a leaked
+learner credential acts only as that learner; the job's token stays with the syncer and the operator.
 """
 
 from __future__ import annotations

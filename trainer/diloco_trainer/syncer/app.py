@@ -20,6 +20,7 @@ from diloco_trainer.downlink import encode_chain, fragment_digest, full_nbytes, 
 from diloco_trainer.protocol import (FragmentQuery, HeartbeatAnswer, HeartbeatRequest, LearnerStatus, ProtocolError,
                                      RegisterAnswer, RegisterRequest, SubmitAnswer, SyncerStatus, VersionsAnswer,
                                      parse)
+from diloco_trainer.tokens import token_learner
 from diloco_trainer.wire import WireError, decode_submission, encode_tensors
 
 from .metrics import SyncerMetrics
@@ -199,10 +200,18 @@ class Syncer:
         except ProtocolError as exc:
             raise Rejected(400, exc.reason, "malformed") from None
 
+    @staticmethod
+    def _as_learner(request: web.Request, learner_id: str) -> None:
+        """A per-learner token acts only as its own learner (403 otherwise); the job's token acts as anyone."""
+        holder = request.get(AUTH_LEARNER)
+        if holder is not None and holder != learner_id:
+            raise Rejected(403, f"the token of learner {holder!r} cannot act as learner {learner_id!r}", "forbidden")
+
     # --- handlers ----------------------------------------------------------------------------------
 
     async def register(self, request: web.Request) -> web.Response:
         req: RegisterRequest = await self._json_body(request, RegisterRequest)
+        self._as_learner(request, req.learner_id)
         info = self.state.seen(req.learner_id)
         info.unit, info.world_size, info.device = req.unit, req.world_size, req.device
         log.info("learner %s registered (unit %s, world size %s, device %s)", req.learner_id, req.unit,
@@ -214,6 +223,7 @@ class Syncer:
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         req: HeartbeatRequest = await self._json_body(request, HeartbeatRequest)
+        self._as_learner(request, req.learner_id)
         self.state.heartbeat(req.learner_id, req.step, req.step_time_s, req.tokens)
         return _json(HeartbeatAnswer(versions=self._versions()))
 
@@ -228,6 +238,7 @@ class Syncer:
             meta, deltas = await asyncio.to_thread(decode_submission, body, st.fragment_shapes(p))
         except WireError as exc:
             raise Rejected(400, exc.reason, "malformed") from None
+        self._as_learner(request, meta.learner_id)
         sid = meta.submission_id
         while sid in self._inflight:  # the same id is being spooled by a concurrent request
             await self._inflight[sid].wait()
@@ -397,6 +408,7 @@ class ServerLog(logging.LoggerAdapter):
 
 
 SYNCER = web.AppKey("syncer", Syncer)
+AUTH_LEARNER = web.RequestKey("learner", str)  # the learner a per-learner token belongs to (absent: the job's token)
 
 
 def make_app(syncer: Syncer) -> web.Application:
@@ -407,9 +419,12 @@ def make_app(syncer: Syncer) -> web.Application:
     async def guard(request: web.Request, handler):
         try:
             if request.path.startswith("/v1/"):
-                given = request.headers.get("Authorization", "").encode()
-                if not hmac.compare_digest(given, expected):
-                    raise Rejected(401, "missing or wrong bearer token", "unauthorized")
+                given = request.headers.get("Authorization", "")
+                if not hmac.compare_digest(given.encode(), expected):
+                    learner = given.startswith("Bearer ") and token_learner(syncer.opt.token, given[7:])
+                    if not learner:
+                        raise Rejected(401, "missing or wrong bearer token", "unauthorized")
+                    request[AUTH_LEARNER] = learner
             return await handler(request)
         except Rejected as r:
             if request.path.endswith("/outer-gradient"):

@@ -6,6 +6,8 @@ import torch
 
 from diloco_trainer.downlink import decode_answer, fragment_digest, reconstruct
 from diloco_trainer.syncer.state import SyncerState
+from diloco_trainer.syncer.store import read_checkpoint
+from diloco_trainer.wire import WireError
 from syncer_kit import AUTH, body, deltas_for, make_syncer, snapshot, assert_unchanged, start, tiny_config, wait_for
 
 
@@ -99,7 +101,7 @@ async def test_without_a_quantized_downlink_a_base_gets_the_full_fragment(aiohtt
     assert a.encoding == "full" and all(torch.equal(a.tensors[n], st.theta[n]) for n in a.tensors)
 
 
-async def test_a_restart_keeps_the_residual_and_serves_updates_from_the_checkpointed_version_only(
+async def test_after_a_restart_a_learner_rebuilds_the_syncers_values_or_is_told_to_fetch_them_whole(
         aiohttp_client, tmp_path):
     cfg = tiny_config(downlink="int4", block_size=16)
     syncer = make_syncer(tmp_path, cfg)
@@ -107,22 +109,32 @@ async def test_a_restart_keeps_the_residual_and_serves_updates_from_the_checkpoi
     st = syncer.state
     await _merge(client, st, 0, 1)
     await syncer.checkpoint()
-    checkpointed = st.fragment(0)
+    held = {1: st.fragment(0)}
     residual = {n: t.clone() for n, t in st.residual[0].items()}
     assert residual and any(bool(t.abs().sum() > 0) for t in residual.values())
-    await _merge(client, st, 0, 2)  # version 2: published, never checkpointed
-    lost = st.fragment(0)
+    saved = read_checkpoint(tmp_path).residual
+    assert all(torch.equal(saved[n], residual[n]) for n in residual)  # the residual is checkpointed with Θ
+    await _merge(client, st, 0, 2)  # version 2: published, acknowledged work, not in the checkpoint
+    held[2] = st.fragment(0)
 
-    resumed = make_syncer(tmp_path, cfg)  # what a crash now leaves: the checkpoint (and the spool)
+    resumed = make_syncer(tmp_path, cfg)  # what a crash now leaves: the checkpoint, the spool (and journal)
     rst = resumed.state
-    assert all(torch.equal(rst.residual[0][n], residual[n]) for n in residual)
     client2 = await start(aiohttp_client, resumed)
-    await wait_for(lambda: rst.versions[0] > 2, what="the spooled submission merged again")
-    fresh = decode_answer((await _get(client2, 0, "?base=2"))[1])  # a learner holding the lost version 2
-    assert fresh.encoding == "full" and not all(torch.equal(fresh.tensors[n], lost[n]) for n in lost)
-    a = decode_answer((await _get(client2, 0, "?base=1"))[1])  # a learner holding the checkpointed version 1
+    await wait_for(lambda: rst.versions[0] >= 2 and not rst.pending[0], what="the acknowledged work merged again")
+    a = decode_answer((await _get(client2, 0, "?base=1"))[1])  # a learner holding the checkpointed version
     assert a.encoding == "delta" and a.base == 1
-    rebuilt = reconstruct(checkpointed, a)
+    rebuilt = reconstruct(held[1], a)
+    assert all(torch.equal(rebuilt[n], rst.theta[n]) for n in rebuilt)
+    # A learner holding version 2 of the crashed incarnation gets the full fragment or updates checked against the
+    # digest of the syncer's values: it never ends up with anything else.
+    a = decode_answer((await _get(client2, 0, "?base=2"))[1])
+    if a.encoding == "full":
+        rebuilt = a.tensors
+    else:
+        try:
+            rebuilt = reconstruct(held[2], a)
+        except WireError:
+            rebuilt = decode_answer((await _get(client2, 0))[1]).tensors
     assert all(torch.equal(rebuilt[n], rst.theta[n]) for n in rebuilt)
 
 

@@ -19,7 +19,8 @@ from torch import Tensor
 
 from .protocol import (ErrorAnswer, HeartbeatAnswer, HeartbeatRequest, RegisterAnswer, RegisterRequest,
                        SubmitAnswer, VersionsAnswer)
-from .downlink import decode_answer, is_quantized, reconstruct
+from .config import TrainConfig
+from .downlink import decode_answer, initial_theta, is_quantized, reconstruct
 from .tls import client_context, warn_if_plain
 from .wire import WireError, decode_tensors
 
@@ -256,7 +257,7 @@ class SyncerClient:
                 raise InterruptedError("stopped while waiting for the syncer")
             try:
                 reg = await self._register()
-                theta, versions = await self._fetch_state()
+                theta, versions = await self._fetch_state(reg)
                 break
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 self._set_up(False, str(exc) or type(exc).__name__)
@@ -284,7 +285,11 @@ class SyncerClient:
         self.heartbeat_s = reg.heartbeat_s or self.heartbeat_s
         return reg
 
-    async def _fetch_state(self) -> tuple[dict[str, Tensor], dict[int, int]]:
+    async def _fetch_state(self, reg: RegisterAnswer) -> tuple[dict[str, Tensor], dict[int, int]]:
+        """All of Θ and its versions. With a quantized down-link, each fragment as the updates from the initial
+        version 0 (built here from the run's seed) while the syncer keeps them all, else whole."""
+        if is_quantized(reg.config.get("outer", {}).get("downlink", "fp32")):
+            return await self._fetch_from_initial(reg)
         async with self._get_session().get(f"{self.url}/v1/state") as resp:
             resp.raise_for_status()
             body = await resp.read()
@@ -294,6 +299,17 @@ class SyncerClient:
             self.stats.bytes_down_full += len(body)
         versions = {int(p): int(v) for p, v in json.loads(meta["versions"]).items()}
         return tensors, versions
+
+    async def _fetch_from_initial(self, reg: RegisterAnswer) -> tuple[dict[str, Tensor], dict[int, int]]:
+        cfg = TrainConfig.model_validate(reg.config)
+        initial = await asyncio.to_thread(initial_theta, cfg)
+        theta: dict[str, Tensor] = {}
+        versions: dict[int, int] = {}
+        for p, names in enumerate(reg.plan_lists()):
+            version, tensors = await self._download(p, None, 0, {n: initial[n] for n in names})
+            theta |= tensors
+            versions[p] = version
+        return theta, versions
 
     # ------------------------------------------------------------------ background tasks
 
@@ -403,51 +419,59 @@ class SyncerClient:
             except asyncio.TimeoutError:
                 pass
 
-    async def _fetch_fragment(self, p: int, rebuild: bool = True) -> None:
-        """Fetch the newest version of fragment p: with a quantized down-link, as the updates from the version held
-        (rebuilt here and checked against the syncer's digest; a mismatch falls back to the whole fragment)."""
+    async def _fetch_fragment(self, p: int) -> None:
+        """Fetch the newest version of fragment p, if newer than the one held, for the learner to adopt."""
         after = self._have.get(p)
-        held = self._held.get(p) if rebuild and is_quantized(self.downlink) else None
+        got = await self._download(p, after, after if is_quantized(self.downlink) else None, self._held.get(p))
+        if got is None:
+            return
+        version, tensors = got
+        with self._lock:
+            if version > self._have.get(p, -1):
+                self._have[p] = version
+                self._updates[p] = FragmentUpdate(p, version, tensors)
+                if self.downlink != "bf16":
+                    self._held[p] = tensors
+                else:  # rounded values: no update can be applied to them
+                    self._held.pop(p, None)
+
+    async def _download(self, p: int, after: int | None, base: int | None,
+                        held: dict[str, Tensor] | None) -> tuple[int, dict[str, Tensor]] | None:
+        """GET fragment p (None: nothing newer than `after`). With `base` and `held` (its exact values) the syncer
+        may answer with the updates from it: rebuilt here and checked against the syncer's digest, and on any
+        mismatch fetched again whole. Counts the bytes; returns (version, values)."""
         params = {} if after is None else {"after": str(after)}
-        if held is not None:
-            params["base"] = str(after)
+        if base is not None and held is not None:
+            params["base"] = str(base)
         elif self.downlink == "bf16":
             params["dtype"] = self.downlink
         async with self._get_session().get(f"{self.url}/v1/fragments/{p}", params=params) as resp:
             if resp.status == 304:
-                return
+                return None
             resp.raise_for_status()
             body = await resp.read()
-        answer = decode_answer(body)
-        tensors = answer.tensors
-        if answer.encoding == "delta":
-            try:
-                if held is None or answer.base != after or answer.fragment != p:
-                    raise WireError(f"an update from version {answer.base} of fragment {answer.fragment}, "
-                                    f"but version {after} of fragment {p} is held")
-                tensors = await asyncio.to_thread(reconstruct, held, answer)
-            except WireError as exc:
-                log.error("fragment %d: could not rebuild version %d (%s); fetching it whole", p, answer.version,
-                          exc.reason)
-                with self._lock:
-                    self.stats.bytes_down += len(body)
-                    self.stats.digest_mismatches += 1
-                await self._fetch_fragment(p, rebuild=False)
-                return
         with self._lock:
             self.stats.bytes_down += len(body)
-            if answer.encoding == "delta":
-                self.stats.versions_rebuilt += 1
-            else:
+        answer = decode_answer(body)
+        if answer.encoding == "full":
+            with self._lock:
                 self.stats.versions_full += 1
                 self.stats.bytes_down_full += len(body)
-            if answer.version > self._have.get(p, -1):
-                self._have[p] = answer.version
-                self._updates[p] = FragmentUpdate(p, answer.version, tensors)
-                if answer.encoding == "delta" or self.downlink != "bf16":
-                    self._held[p] = tensors
-                else:  # rounded values: no update can be applied to them
-                    self._held.pop(p, None)
+            return answer.version, answer.tensors
+        try:
+            if "base" not in params or answer.base != base or answer.fragment != p:
+                raise WireError(f"an update from version {answer.base} of fragment {answer.fragment}, but version "
+                                f"{base} of fragment {p} is held")
+            tensors = await asyncio.to_thread(reconstruct, held, answer)
+        except WireError as exc:
+            log.error("fragment %d: could not rebuild version %d (%s); fetching it whole", p, answer.version,
+                      exc.reason)
+            with self._lock:
+                self.stats.digest_mismatches += 1
+            return await self._download(p, after, None, None)
+        with self._lock:
+            self.stats.versions_rebuilt += 1
+        return answer.version, tensors
 
     async def _heartbeat(self) -> None:
         """Tell the syncer this learner is alive (and its step time); re-register if the syncer forgot it."""

@@ -104,10 +104,10 @@ class OuterConfig(_Strict):
     # Older bases are rejected; the learner re-adopts.
     versions_kept: int = Field(8, ge=1, le=1024, description="Versions of each fragment kept (1 to 1024).")
     # How learners fetch new fragment versions. fp32: whole versions. bf16: whole versions rounded (half the
-    # bytes; learners train from rounded values). int8/int4: the syncer publishes each version as a blockwise
-    # quantized update with its own error feedback, and a learner holding the previous version rebuilds the
-    # new one bit-identically from it (see downlink.py); a new or far-behind learner gets the full fragment.
-    downlink: Literal["fp32", "bf16", "int8", "int4"] = "fp32"
+    # bytes; learners train from rounded values). int8/int4/int2: the syncer publishes each version as a
+    # blockwise quantized update with its own error feedback, and a learner holding the previous version rebuilds
+    # the new one bit-identically from it (see downlink.py); a new or far-behind learner gets the full fragment.
+    downlink: Literal["fp32", "bf16", "int8", "int4", "int2"] = "fp32"
     # What a learner does with its own progress on a fragment when it adopts a newer global version of it:
     # "overwrite" drops what it trained since its last send (the paper), "keep" carries it on top of the new
     # version into its next send (see outer_sync.py; the benchmark that chose the default: docs/benchmarks.md).

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .model import build_model
 from .wire import WireError, decode_tensors, dequantize, encode_tensors, quantize
 
-DOWNLINKS = ("fp32", "bf16", "int8", "int4")
-QUANTIZED = ("int8", "int4")
+DOWNLINKS = ("fp32", "bf16", "int8", "int4", "int2")
+QUANTIZED = ("int8", "int4", "int2")
 Parts = dict[str, dict[str, Tensor]]  # parameter name -> {"q", "scale"}
 
 
@@ -39,13 +40,58 @@ def fragment_digest(tensors: dict[str, Tensor]) -> str:
     return h.hexdigest()
 
 
+def initial_theta(config) -> dict[str, Tensor]:
+    """Version 0 of every fragment: the run's initial parameters, as the syncer builds them (fp32)."""
+    model = build_model(config.model, config.seed)
+    return {n: p.detach().clone().float() for n, p in model.named_parameters()}
+
+
+def quantize_update(x: Tensor, scheme: str, block_size: int) -> dict[str, Tensor]:
+    """wire.quantize for int8/int4; int2 here: four levels {-3, -1, 1, 3}·absmax/3 per block, four codes per byte
+    (the up-link never uses int2: without the syncer's error feedback it collapses, see algorithm.md)."""
+    if scheme != "int2":
+        return quantize(x, scheme, block_size)
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("cannot compress a tensor with non-finite values")
+    flat = x.detach().reshape(-1).to(torch.float32)
+    blocks = -(-flat.numel() // block_size)
+    padded = torch.nn.functional.pad(flat, (0, blocks * block_size - flat.numel())).view(blocks, block_size)
+    scale = padded.abs().amax(dim=1) / 3
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    # The nearest odd level: code c in 0..3 stands for 2c - 3.
+    code = torch.floor(padded / safe[:, None] / 2 + 2).clamp_(0, 3).to(torch.uint8).reshape(-1)
+    code = torch.nn.functional.pad(code, (0, -code.numel() % 4)).view(-1, 4)
+    q = code[:, 0] | (code[:, 1] << 2) | (code[:, 2] << 4) | (code[:, 3] << 6)
+    return {"q": q.contiguous(), "scale": scale.contiguous()}
+
+
+def dequantize_update(parts: dict[str, Tensor], scheme: str, shape: tuple[int, ...], block_size: int) -> Tensor:
+    """Inverse of `quantize_update` (WireError if the parts do not fit `shape`)."""
+    if scheme != "int2":
+        return dequantize(parts, scheme, shape, block_size)
+    numel = math.prod(shape)
+    blocks = -(-numel // block_size)
+    if set(parts) != {"q", "scale"}:
+        raise WireError(f"int2 update: expected parts ['q', 'scale'], got {sorted(parts)}")
+    q, scale = parts["q"], parts["scale"]
+    if q.dtype != torch.uint8 or q.numel() != -(-blocks * block_size // 4):
+        raise WireError(f"int2 update: q must be {-(-blocks * block_size // 4)} uint8 values")
+    if scale.dtype != torch.float32 or scale.numel() != blocks or not bool(torch.isfinite(scale).all()) \
+            or bool((scale < 0).any()):
+        raise WireError(f"int2 update: scale must be {blocks} finite non-negative float32 values")
+    codes = torch.stack([(q >> s) & 3 for s in (0, 2, 4, 6)], dim=1).reshape(-1)[: blocks * block_size]
+    levels = codes.to(torch.float32) * 2 - 3  # exact small integers
+    values = levels.view(blocks, block_size) * scale[:, None]
+    return values.reshape(-1)[:numel].reshape(shape)
+
+
 def apply_update(held: dict[str, Tensor], parts: Parts, scheme: str, block_size: int) -> dict[str, Tensor]:
     """Θ(prev) + dequantize(parts): new fp32 tensors (never mutates `held`). Raises WireError on bad parts."""
     if set(parts) != set(held):
         raise WireError(f"update names {sorted(set(parts) ^ set(held))[:5]} do not match the fragment")
     out = {}
     for name, base in held.items():
-        step = dequantize(parts[name], scheme, tuple(base.shape), block_size)
+        step = dequantize_update(parts[name], scheme, tuple(base.shape), block_size)
         out[name] = torch.add(base.to(torch.float32), step)
     return out
 
@@ -59,8 +105,8 @@ def publish(current: dict[str, Tensor], exact: dict[str, Tensor], residual: dict
         x = exact[name] - base
         if name in residual:
             x = x + residual[name]
-        parts[name] = quantize(x, scheme, block_size)
-        new_residual[name] = x - dequantize(parts[name], scheme, tuple(x.shape), block_size)
+        parts[name] = quantize_update(x, scheme, block_size)
+        new_residual[name] = x - dequantize_update(parts[name], scheme, tuple(x.shape), block_size)
     return apply_update(current, parts, scheme, block_size), parts, new_residual
 
 

@@ -182,9 +182,55 @@ def _run_bandwidth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_syncer_memory(args: argparse.Namespace) -> int:
+    from .syncer_plan import GIB, Machine, SyncerPlanInputs, fit, shard_plan
+
+    inputs = [SyncerPlanInputs(params=p, fragments=args.fragments, learners=args.learners, sync_every=args.sync_every,
+                               step_time_s=args.step_time, versions_kept=args.versions_kept,
+                               pending_bits=args.pending_bits, downlink_bits=args.downlink_bits,
+                               merge_threads=args.merge_threads, standby=args.standby) for p in args.params]
+    machines = [Machine(ram, cores) for ram in args.ram_gib for cores in args.cores]
+    whole = [shard_plan(x, 1) for x in inputs]
+    fits = [[fit(x, m) for m in machines] for x in inputs]
+    if args.json:
+        print(json.dumps({"inputs": [asdict(x) for x in inputs], "one_shard": [w.as_dict() for w in whole],
+                          "fits": [[{**asdict(f), "machine": asdict(f.machine)} for f in row] for row in fits]},
+                         indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    x0 = inputs[0]
+    table = Table(title=f"Syncer memory (GiB) and CPU of the whole model in one shard: P={x0.fragments}, "
+                        f"M={x0.learners} learners, H={x0.sync_every}, {x0.step_time_s:g} s/step, "
+                        f"{x0.versions_kept} versions kept, pending at {x0.pending_bits} bits")
+    for col in ("params", "Θ", "momentum", "versions", "pending", "merge", "ckpt buffer", "down-link", "processes",
+                "total", "cores"):
+        table.add_column(col, justify="right")
+    for x, w in zip(inputs, whole):
+        table.add_row(f"{x.params:.3g}", *(f"{v / GIB:.1f}" for v in (
+            w.theta, w.momentum, w.versions, w.pending, w.merge_workspace, w.checkpoint_buffer, w.downlink,
+            w.process, w.total)), f"{w.cores:.2f}")
+    fit_table = Table(title="Fewest shards (dividing P) each fitting a machine (80% of its RAM, its cores): "
+                            "shards × GiB and cores per shard; machines (m) for all of them")
+    fit_table.add_column("params")
+    for m in machines:
+        fit_table.add_column(f"{m.ram_gib:g} GiB, {m.cores} cores", justify="right")
+    for x, row in zip(inputs, fits):
+        fit_table.add_row(f"{x.params:.3g}", *(
+            "does not fit" if f.shards is None else
+            f"{f.shards} × {f.per_shard_gib:.0f} GiB, {f.per_shard_cores:.1f} c; {f.machines} m" for f in row))
+    console = Console(width=max(120, 12 + 30 * len(machines)))
+    console.print(table)
+    console.print(fit_table)
+    console.print(f"merge time scaled from the measured {0.395:g} s for a 100M-parameter fragment with 16 "
+                  "submissions (bench syncer_speed); assumptions: docs/simulator.md, \"Syncer memory plan\"")
+    return 0
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    """Add the `goodput` and `bandwidth` subcommands."""
-    sub = parser.add_subparsers(dest="what", required=True, metavar="{goodput,bandwidth}")
+    """Add the `goodput`, `bandwidth` and `syncer-memory` subcommands."""
+    sub = parser.add_subparsers(dest="what", required=True, metavar="{goodput,bandwidth,syncer-memory}")
     g = sub.add_parser("goodput", help="simulate goodput vs chips for data-parallel, elastic, decoupled")
     g.add_argument("--paper-table", action="store_true",
                    help="the paper's cells: chips 150k..2.4M, M = 2, 4, 8, 16, MTBI 1 year")
@@ -214,6 +260,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--link-gbps", type=float, default=None, help="compare step times on this WAN link")
     b.add_argument("--json", action="store_true", help="print the result as JSON")
     b.set_defaults(handler=_run_bandwidth)
+    m = sub.add_parser("syncer-memory", help="syncer memory and CPU per shard, and shards per machine size")
+    m.add_argument("--params", type=float, nargs="+", default=[1e9, 12e9, 100e9], help="model sizes")
+    m.add_argument("--fragments", type=int, default=24, help="P")
+    m.add_argument("--learners", type=int, default=8, help="M: submissions per fragment per round")
+    m.add_argument("--sync-every", type=int, default=24, help="H")
+    m.add_argument("--step-time", type=float, default=1.0, help="seconds per inner step")
+    m.add_argument("--versions-kept", type=int, default=8, help="outer.versions_kept")
+    m.add_argument("--pending-bits", type=int, default=32,
+                   help="bits per element of a pending submission in memory (32: as the syncer holds them today; 4: "
+                        "if kept at an int4 wire compression)")
+    m.add_argument("--downlink-bits", type=int, default=32, help="outer.downlink bits (32: fp32, no residual)")
+    m.add_argument("--merge-threads", type=int, default=1, help="merges running at once in one shard")
+    m.add_argument("--no-standby", dest="standby", action="store_false", help="no warm standby per shard")
+    m.add_argument("--ram-gib", type=float, nargs="+", default=[64, 256, 1024], help="machine RAM sizes")
+    m.add_argument("--cores", type=int, nargs="+", default=[16, 64], help="machine core counts")
+    m.add_argument("--json", action="store_true", help="print the result as JSON")
+    m.set_defaults(handler=_run_syncer_memory)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,6 +31,8 @@ async def test_an_acknowledged_submission_is_merged_exactly_once_after_a_crash(a
     await wait_for(lambda: st.versions[0] == 1)
     assert not (live / "checkpoint").exists() and len(_spooled(live)) == 1
     shutil.copytree(live, crashed)  # the disk as a crash (kill -9) would leave it: no checkpoint yet
+    # ... by a syncer without the merge journal (journal.py; or with it lost): version 1 is lost with it.
+    (crashed / "merges.jsonl").unlink()
 
     revived = make_syncer(crashed, cfg)
     assert [len(p) for p in revived.state.pending] == [1, 0], "the spooled submission is pending again"
@@ -139,6 +141,8 @@ async def test_checkpoints_and_spool_hold_only_safetensors_and_json(aiohttp_clie
         if rel.endswith(".safetensors"):
             with safe_open(str(path), "pt") as f:  # parses as safetensors, nothing else
                 assert list(f.keys())
+        elif rel.endswith(".jsonl"):  # the merge journal: one JSON document a line
+            assert all(json.loads(line) for line in path.read_text().splitlines())
         else:
             assert rel.endswith(".json"), rel
             json.loads(path.read_text())

@@ -19,6 +19,7 @@ from .runtime.rundir import make_run_dir, write_config
 from .runtime.session import (DEFAULT_CONFIG, DEFAULT_MINUTES, DEFAULT_STEPS, RunSession, load_config,
                               parse_slowdown)
 from .runtime.spares import SparePool
+from .runtime.standby import SyncerStandby
 from .tls import make_authority
 
 
@@ -46,8 +47,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "so a refill costs no import): a restarted learner takes one over instead of starting "
                              "from scratch (default 2; 0 = cold restarts)")
     parser.add_argument("--no-fork-spares", dest="fork_spares", action="store_false",
-                        help="start every spare as a process of its own (each imports torch) instead of forking "
-                             "them from one warm process")
+                        help="start every spare (and every standby syncer) as a process of its own (each imports "
+                             "torch) instead of forking them from a warm process")
+    parser.add_argument("--no-syncer-standby", dest="syncer_standby", action="store_false",
+                        help="no warm standby syncer: a syncer that dies is restarted from scratch (~5-10 s on a busy "
+                             "machine instead of well under 1 s; see runtime/standby.py)")
     parser.add_argument("--no-restart", action="store_true", help="do not restart processes that die")
     parser.add_argument("--checkpoint-every-s", type=float, default=5.0,
                         help="the syncer checkpoints at most this often (what a syncer crash can cost)")
@@ -106,6 +110,13 @@ def run(args: argparse.Namespace) -> int:
         argv = sup.children["syncer"].argv
         argv[argv.index("--port") + 1] = str(endpoint["port"])
         sup.children["syncer"].meta["url"] = endpoint["url"]
+        if args.syncer_standby and not args.no_restart:
+            # Waits on the state directory's lock and serves the moment the syncer dies; the supervisor then only
+            # books it (hence the tiny restart delay) and starts the next standby. First started by the next poll.
+            syncer = sup.children["syncer"]
+            sup.syncer_standby = SyncerStandby(argv, env, syncer.log_path, sup.spawn, syncer_dir,
+                                               fork=args.fork_spares)
+            syncer.restart_delay = min(syncer.restart_delay, 0.05)
 
         for i in range(args.learners):
             name = f"learner-{i}"

@@ -23,6 +23,7 @@ from diloco_trainer.fsutil import atomic_write_json
 from diloco_trainer.protocol import ProcessEntry, ProcessesDoc, RestartHold
 
 from .spares import SparePool
+from .standby import SyncerStandby
 
 PACKAGE_ROOT = str(Path(diloco_trainer.__file__).resolve().parent.parent)
 
@@ -112,6 +113,7 @@ class Supervisor:
         self.stopping = False
         self.events: list[dict] = []  # start / exit / restart records, for the run directory
         self.spares: SparePool | None = None  # warm spares that restarted learners take over (optional)
+        self.syncer_standby: SyncerStandby | None = None  # a warm syncer that takes over a dead one (optional)
 
     def __enter__(self) -> "Supervisor":
         return self
@@ -133,18 +135,27 @@ class Supervisor:
         spare = None
         if self.spares is not None and child.starts and child.role == "learner":
             spare = self.spares.take(child.argv, child.env, child.log_path)
+        # A restarted syncer is the warm standby, which took over the state directory by itself (runtime/standby.py).
+        standby = None
+        if self.syncer_standby is not None and child.starts and child.role == "syncer":
+            standby = self.syncer_standby.take(child.argv)
         with open(child.log_path, "ab") as log:
             how = f"warm spare pid {spare[0].pid} takes over" if spare is not None else " ".join(child.argv)
+            if standby is not None:
+                how = f"warm standby pid {standby.pid} took over"
             log.write(f"\n=== {time.strftime('%H:%M:%S')} start #{len(child.starts) + 1}: {how}\n".encode())
             log.flush()
         if spare is not None:
             child.proc, child.cmdline_tag = spare
+        elif standby is not None:
+            child.proc, child.cmdline_tag = standby, None
         else:
             child.proc, child.cmdline_tag = self.spawn(child.argv, child.env, child.log_path), None
         child.starts.append(time.time())
         child.restart_at = None
         child.stop_requested = False
-        self._event(child, "start", pid=child.proc.pid, **({"spare": True} if spare is not None else {}))
+        self._event(child, "start", pid=child.proc.pid, **({"spare": True} if spare is not None else {}),
+                    **({"standby": True} if standby is not None else {}))
         self.write_processes_json()
         return child
 
@@ -167,6 +178,8 @@ class Supervisor:
         now = time.monotonic()
         if self.spares is not None and not self.stopping:
             self.spares.refill()  # a spare that died waiting is replaced; forked ones are adopted
+        if self.syncer_standby is not None and not self.stopping:
+            self.syncer_standby.refill()
         for child in self.children.values():
             if child.proc is not None and child.proc.poll() is not None and len(child.exits) < len(child.starts):
                 code = child.proc.returncode
@@ -217,6 +230,8 @@ class Supervisor:
 
     def stop(self, names: list[str], timeout: float, sig: int = signal.SIGTERM) -> None:
         """Ask the children to stop, wait up to `timeout` seconds, then SIGKILL what is left."""
+        if self.syncer_standby is not None and any(self.children[n].role == "syncer" for n in names):
+            self.syncer_standby.close()  # else it takes the state directory over from the syncer's clean stop
         for name in names:
             self.children[name].restart_at = None
             self.children[name].stop_requested = True
@@ -240,6 +255,8 @@ class Supervisor:
         self.stopping = True
         if self.spares is not None:
             self.spares.close()
+        if self.syncer_standby is not None:  # first: it would take over from the syncer's clean stop below
+            self.syncer_standby.close()
         for syncer_last in (False, True):  # learners first: they may still hand their last updates over
             names = [c.name for c in self.children.values() if c.alive and (c.role == "syncer") == syncer_last]
             if names:

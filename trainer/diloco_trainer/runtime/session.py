@@ -5,6 +5,7 @@ Used by `diloco local` (with a syncer) and `diloco baseline` (without one), so b
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -82,6 +83,8 @@ class RunSession:
         self.eval_batches, self.n_snapshots = eval_batches, snapshots
         self.learners: dict[str, dict] = {}
         self.client: SyncerClient | None = None
+        self.endpoint_path: Path | None = None
+        self.serving_pid: int | None = None  # the syncer process endpoint.json named last
         self.status: SyncerStatus | None = None
         self.goodput: float | None = None  # live, from the run directory and the syncer's merged steps
         self.messages: list[str] = []
@@ -119,6 +122,7 @@ class RunSession:
         except RuntimeError as exc:
             raise SystemExit(f"{exc}; see {sup.children['syncer'].log_path}") from None
         self.client = SyncerClient(endpoint["url"], token, ca=ca)
+        self.endpoint_path, self.serving_pid = endpoint_path, endpoint.get("pid")
         self.message(f"syncer listening on {endpoint['url']}")
         self._snapshot(force=True)  # Θ₀: the first point of the global model's validation curve
         return endpoint
@@ -212,6 +216,7 @@ class RunSession:
                 self.message(f"{name} had trained all its steps before it failed; not restarted")
         elif kind == "start" and len(sup.children[name].starts) > 1:
             how = "a warm spare took over, " if event.get("spare") else ""
+            how = "a warm standby takes over, " if event.get("standby") else how
             self.message(f"{name} restarted ({how}pid {event['pid']}, restart #{sup.children[name].restarts})")
 
     def _sample(self, sup: Supervisor) -> None:
@@ -222,11 +227,27 @@ class RunSession:
         sample = SyncerSample(time=time.time(), elapsed_s=time.monotonic() - self.started,
                               up=self.status is not None, status=self.status)
         append_jsonl(self.run_dir / "syncer.jsonl", sample.to_line())
+        self._note_new_syncer()
         if self.status is not None:
             self.goodput = self._live_goodput()
             if int(sample.elapsed_s) % 5 == 0:
                 self._scrape_bytes(sup)
         self._snapshot()
+
+    def _note_new_syncer(self) -> None:
+        """One progress line when another syncer process serves (endpoint.json names it), with its takeover time."""
+        try:
+            endpoint = json.loads(self.endpoint_path.read_text())
+        except (OSError, ValueError):  # being replaced, or gone at shutdown
+            return
+        pid = endpoint.get("pid")
+        if pid is None or pid == self.serving_pid:
+            return
+        self.serving_pid = pid
+        how = "warm standby" if endpoint.get("standby") else "cold start"
+        takeover = endpoint.get("takeover_s")
+        self.message(f"syncer pid {pid} serving ({how}" +
+                     (f"; {takeover:.2f} s from the state lock to serving)" if takeover is not None else ")"))
 
     def _scrape_bytes(self, sup: Supervisor) -> None:
         text = self.client.metrics_text() if self.client else None

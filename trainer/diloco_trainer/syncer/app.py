@@ -117,6 +117,7 @@ class Syncer:
         self.merging.add(p)
         try:
             result = await asyncio.to_thread(st.compute_merge, p, contribs, current, outer)
+            await asyncio.to_thread(st.journal_merge, result)  # durable before any learner can see the version
         finally:
             self.merging.discard(p)
         staleness = [st.staleness(c) for c in contribs]

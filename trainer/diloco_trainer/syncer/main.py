@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -12,6 +13,8 @@ from pathlib import Path
 
 from diloco_trainer.config import TrainConfig
 from diloco_trainer.fsutil import atomic_write_json
+
+from .takeover import Incarnation, StateLock, fork_successor, record_incarnation
 
 log = logging.getLogger("diloco.syncer")
 
@@ -30,6 +33,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", default=None, metavar="FILE",
                         help="serve HTTPS with this certificate (PEM, e.g. a Secret's tls.crt); needs --tls-key")
     parser.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's private key (tls.key)")
+    parser.add_argument("--standby", action="store_true",
+                        help="start as a warm standby: import and warm up now, then take over the state directory "
+                             "the moment the syncer serving it dies (any syncer waits while another one holds "
+                             "STATE_DIR/serve.lock; see syncer/takeover.py)")
+    parser.add_argument("--no-fork-successor", dest="fork_successor", action="store_false",
+                        help="with --standby: do not fork the next standby on taking over (the supervisor then starts "
+                             "one from scratch; forking needs the supervisor to be a child subreaper, as diloco local)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -64,11 +74,40 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"diloco syncer: cannot load --config {args.config}: {exc}", flush=True)
         return 2
+    supervisor = os.getppid()
+    args.started_at = time.time()
+    t0 = time.monotonic()
+    _warm_up(config)
+    args.warm_s = time.monotonic() - t0
+    while True:
+        lock = StateLock(Path(args.state_dir))
+        args.previous_pid = lock.holder()
+        if not lock.try_acquire():
+            log.info("%s: syncer pid %s serves %s; taking over when it stops", "standing by" if args.standby else
+                     "waiting", lock.holder(), args.state_dir)
+            lock.acquire()  # returns the moment the holder dies: the kernel releases its lock
+            log.info("took over %s from pid %s", args.state_dir, args.previous_pid)
+        args.locked_at = time.time()
+        if not (args.standby and args.fork_successor and fork_successor(Path(args.state_dir), lock, supervisor)):
+            break
+        # This is the successor: already warm, it waits for the lock the new syncer holds.
+        args.started_at, args.warm_s = time.time(), 0.0
     try:
         return asyncio.run(_serve(args, config, token))
     except ValueError as exc:  # e.g. a checkpoint written for another model
         print(f"diloco syncer: {exc}", flush=True)
         return 2
+
+
+def _warm_up(config: TrainConfig) -> None:
+    """What a restart would otherwise pay before it can load state: the imports and a first model build."""
+    from aiohttp import web  # noqa: F401
+
+    from diloco_trainer.model import build_model
+
+    from . import app, state  # noqa: F401
+
+    build_model(config.model, config.seed)
 
 
 async def _serve(args: argparse.Namespace, config: TrainConfig, token: str) -> int:
@@ -80,21 +119,31 @@ async def _serve(args: argparse.Namespace, config: TrainConfig, token: str) -> i
     state_dir = Path(args.state_dir)
     t0 = time.perf_counter()
     state = await asyncio.to_thread(SyncerState, config, state_dir)
-    log.info("state loaded from %s in %.2f s: versions %s, %d pending", state_dir, time.perf_counter() - t0,
+    load_s = time.perf_counter() - t0
+    log.info("state loaded from %s in %.2f s: versions %s, %d pending", state_dir, load_s,
              state.versions, sum(len(p) for p in state.pending))
     syncer = Syncer(state, SyncerOptions(token=token, max_body_bytes=int(args.max_body_mb * 2**20),
                                          checkpoint_every_s=args.checkpoint_every_s, heartbeat_s=args.heartbeat_s))
     runner = web.AppRunner(make_app(syncer), handle_signals=False, access_log=None, logger=ServerLog())
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, ssl_context=args.ssl_context)
-    await site.start()
+    await _bind(site)
     port = runner.addresses[0][1]
     connect = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
     scheme = "https" if args.ssl_context is not None else "http"
     endpoint = state_dir / "endpoint.json"
+    incarnation = Incarnation(pid=os.getpid(), standby=args.standby, started_at=args.started_at, warm_s=args.warm_s,
+                              locked_at=args.locked_at, load_s=load_s, serving_at=time.time(),
+                              previous_pid=args.previous_pid)
+    syncer.metrics.takeover_seconds.set(incarnation.takeover_s)
+    syncer.metrics.state_load_seconds.set(load_s)
+    syncer.metrics.standby.set(int(args.standby))
+    record_incarnation(state_dir, incarnation)
     atomic_write_json(endpoint, {"host": args.host, "port": port, "url": f"{scheme}://{connect}:{port}",
-                                 "pid": os.getpid()})
-    print(f"diloco syncer listening on {scheme}://{connect}:{port} (state in {state_dir})", flush=True)
+                                 "pid": os.getpid(), "serving_at": incarnation.serving_at,
+                                 "takeover_s": incarnation.takeover_s, "standby": args.standby})
+    print(f"diloco syncer listening on {scheme}://{connect}:{port} (state in {state_dir}; "
+          f"{incarnation.takeover_s:.2f} s from the state lock to serving)", flush=True)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -110,6 +159,20 @@ async def _serve(args: argparse.Namespace, config: TrainConfig, token: str) -> i
     log.info("stopped: versions %s, %d outer steps, %d tokens merged", state.versions, sum(state.outer_steps),
              state.tokens_merged)
     return 0
+
+
+async def _bind(site, patience_s: float = 5.0) -> None:
+    """Listen; a port still held for a moment by a syncer that just died (its socket closes after its lock) is
+    tried again for up to `patience_s`."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            await site.start()
+            return
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.02)
 
 
 async def _progress(syncer, every_s: float) -> None:

@@ -22,7 +22,8 @@ from diloco_trainer.model import build_model, embedding_names
 from diloco_trainer.quorum import MergePolicy
 from diloco_trainer.wire import SubmissionMeta
 
-from .store import Checkpoint, Spool, VersionReservation, read_checkpoint, write_checkpoint
+from .journal import JournalEntry, MergeJournal
+from .store import Checkpoint, Spool, SpoolEntry, VersionReservation, read_checkpoint, write_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,7 @@ class SyncerState:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.spool = Spool(self.dir / "spool")
         self.reservation = VersionReservation(self.dir, P)
+        self.journal = MergeJournal(self.dir)
         self._load()
 
     # --- queries -----------------------------------------------------------------------------------
@@ -297,6 +299,12 @@ class SyncerState:
         self.dirty = True
         return version
 
+    def journal_merge(self, r: MergeResult) -> None:
+        """Make a computed merge durable under the version `commit_merge` will give it, before anyone can see that
+        version (I/O: call from a worker thread, right before the commit)."""
+        version = max(self.versions[r.fragment] + 1, self.reservation.floor[r.fragment])
+        self.journal.append(JournalEntry(r.fragment, version, tuple(c.spool_name for c in r.contribs)))
+
     def staleness(self, c: Contribution) -> int:
         """Outer steps of c's fragment published since its base (0 = merged into the next version)."""
         return max(0, self.outer_steps[c.fragment] - c.base_step)
@@ -332,6 +340,7 @@ class SyncerState:
         """Write a checkpoint, then drop the spool files it covers (I/O: call from a worker thread)."""
         write_checkpoint(self.dir, job.checkpoint)
         self.spool.remove(job.spool_names)
+        self.journal.covered([int(job.checkpoint.state["versions"][str(p)]) for p in range(self.num_fragments)])
 
     def checkpoint_written(self, job: CheckpointJob) -> None:
         covered = set(job.spool_names)
@@ -362,7 +371,11 @@ class SyncerState:
             self._remember(p, self.versions[p], self.fragment(p))
         self.reservation.floor = [max(f, v + 1) for f, v in zip(self.reservation.floor, self.versions)]
         replayed = 0
-        for e in self.spool.load_all():
+        entries = self.spool.load_all()
+        journaled = self._replay_journal(entries)
+        for e in entries:
+            if e.name in journaled:
+                continue  # merged again above; its file goes with the next checkpoint
             m = e.meta
             p = int(m["fragment"])
             if m["submission_id"] in self.merged_ids or (
@@ -377,8 +390,46 @@ class SyncerState:
             if not self.is_known(c.submission_id):
                 self.add_pending(c)
                 replayed += 1
-        if ckpt is not None or replayed:
+        if ckpt is not None or replayed or journaled:
             log.info("syncer state: versions %s, %d contributions replayed from the spool", self.versions, replayed)
+
+    def _spooled(self, e: SpoolEntry) -> Contribution:
+        m = e.meta
+        return Contribution(m["submission_id"], m["learner_id"], int(m["fragment"]), int(m["base_version"]),
+                            int(m["base_step"]), int(m["c_steps"]), int(m["c_tokens"]), e.tensors, None, self.clock(),
+                            e.name)
+
+    def _replay_journal(self, entries: list[SpoolEntry]) -> set[str]:
+        """Redo the journaled merges the checkpoint does not cover, under their own versions, from the spooled
+        contributions (θ_m, so each Δ is re-anchored as Θ − θ_m: equal to the live merge up to float rounding).
+        Returns the spool files merged."""
+        by_name = {e.name: e for e in entries}
+        done: set[str] = set()
+        broken: set[int] = set()  # fragments whose journal cannot be followed further
+        floor = list(self.reservation.floor)
+        merges = 0
+        for j in self.journal.entries():
+            p = j.fragment
+            if not 0 <= p < self.num_fragments or j.version <= self.versions[p] or p in broken:
+                continue
+            missing = [n for n in j.spool if n not in by_name]
+            if missing:
+                log.error("merge journal: version %d of fragment %d needs spool files %s that are gone; its later "
+                          "merges are not replayed (their contributions merge anew)", j.version, p, missing)
+                broken.add(p)
+                continue
+            for n in j.spool:
+                self.add_pending(self._spooled(by_name[n]))
+            r = self.compute_merge(p, list(self.pending[p].values()), self.fragment(p), self.outer[p])
+            self.reservation.floor[p] = j.version  # commit_merge publishes at max(current + 1, floor): this version
+            self.commit_merge(r)
+            done.update(j.spool)
+            merges += 1
+        if merges:
+            log.info("merge journal: %d merges published before the last checkpoint redone (%d contributions)",
+                     merges, len(done))
+        self.reservation.floor = [max(f, v + 1) for f, v in zip(floor, self.versions)]
+        return done
 
     def _load_checkpoint(self, ckpt: Checkpoint) -> None:
         saved = ckpt.state["config"]

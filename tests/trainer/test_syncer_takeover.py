@@ -1,0 +1,239 @@
+"""Fast syncer recovery: one serving syncer per state directory (a kernel lock), a warm standby that takes over a
+syncer killed with -9 during merges, and the merge journal that publishes every version again after a crash."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from diloco_trainer.runtime.procs import Child, Supervisor, child_env, diloco_argv
+from diloco_trainer.runtime.standby import SyncerStandby
+from diloco_trainer.syncer.journal import JournalEntry, MergeJournal
+from diloco_trainer.syncer.takeover import StateLock, read_incarnations
+from diloco_trainer.wire import SubmissionMeta, decode_tensors, encode_submission, quantize
+from syncer_kit import AUTH, TOKEN, body, deltas_for, make_syncer, start, tiny_config, wait_for
+
+
+def _wait(predicate, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# --------------------------------------------------------------------------- the lock
+
+
+def test_two_syncers_never_hold_one_state_directory_at_once(tmp_path):
+    first, second = StateLock(tmp_path), StateLock(tmp_path)
+    assert first.try_acquire()
+    assert not second.try_acquire(), "a second holder while the first still holds the lock"
+    assert first.holder() == os.getpid()
+    first.release()
+    assert second.try_acquire()
+    second.release()
+
+
+def test_the_lock_of_a_holder_killed_with_sigkill_is_free_at_once(tmp_path):
+    trainer = Path(__file__).resolve().parents[2] / "trainer"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from diloco_trainer.syncer.takeover import StateLock; "
+         f"assert StateLock(Path({str(tmp_path)!r})).try_acquire(); print('held', flush=True); time.sleep(600)"],
+        env={**os.environ, "PYTHONPATH": str(trainer)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        waiter = StateLock(tmp_path)
+        assert not waiter.try_acquire() and waiter.holder() == holder.pid
+        got = threading.Event()
+        threading.Thread(target=lambda: (waiter.acquire(), got.set()), daemon=True).start()
+        assert not got.wait(0.5), "acquired while the holder lives"
+        holder.kill()
+        assert got.wait(30), "the lock stayed taken after its holder died"
+        assert waiter.holder() == os.getpid()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+# --------------------------------------------------------------------------- the merge journal
+
+
+def test_a_torn_last_journal_line_is_dropped_and_the_next_merge_starts_a_line_of_its_own(tmp_path):
+    journal = MergeJournal(tmp_path)
+    journal.append(JournalEntry(0, 1, ("000000000001.safetensors",)))
+    with open(journal.path, "a") as f:
+        f.write('{"fragment": 1, "versi')  # a crash in the middle of an append
+    again = MergeJournal(tmp_path)
+    assert again.entries() == [JournalEntry(0, 1, ("000000000001.safetensors",))]
+    again.append(JournalEntry(1, 1, ("000000000002.safetensors",)))
+    assert [json.loads(line)["fragment"] for line in journal.path.read_text().splitlines()] == [0, 1]
+    again.covered([1, 0])  # a checkpoint with fragment 0 at version 1: only fragment 1's merge is left
+    assert MergeJournal(tmp_path).entries() == [JournalEntry(1, 1, ("000000000002.safetensors",))]
+
+
+async def test_versions_published_before_a_crash_are_published_again_under_their_own_ids(aiohttp_client, tmp_path):
+    cfg = tiny_config(quorum=1)
+    live, crashed = tmp_path / "live", tmp_path / "crashed"
+    syncer = make_syncer(live, cfg)
+    client = await start(aiohttp_client, syncer)
+    st = syncer.state
+    for i, learner in enumerate(["learner-a", "learner-b"]):
+        r = await client.post("/v1/fragments/0/outer-gradient", headers=AUTH,
+                              data=body(st, 0, deltas_for(st, 0, seed=i), learner=learner, sid=f"s{i}", base=i,
+                                        c_tokens=100 + i))
+        assert r.status == 202
+        await wait_for(lambda: st.versions[0] == i + 1)
+    assert not (live / "checkpoint").exists()
+    shutil.copytree(live, crashed)  # the disk as kill -9 leaves it: two merges published, no checkpoint
+
+    revived = make_syncer(crashed, cfg)
+    st2 = revived.state
+    assert st2.versions == [2, 0] and st2.pending == [{}, {}]
+    assert st2.tokens_merged == 201 and st2.contributions_merged == 2
+    for n in st.plan[0]:  # redone from the spooled θ_m: the same version up to float rounding
+        torch.testing.assert_close(st2.theta[n], st.theta[n], rtol=1e-5, atol=1e-6)
+    client2 = await start(aiohttp_client, revived)
+    for base in (1, 2):  # learners holding either published version keep their work (no 409 "base lost")
+        r = await client2.post("/v1/fragments/0/outer-gradient", headers=AUTH,
+                               data=body(st2, 0, deltas_for(st2, 0, seed=5 + base), learner="learner-c",
+                                         sid=f"after-{base}", base=base))
+        assert r.status == 202, await r.text()
+        await wait_for(lambda: st2.pending[0] == {})
+    retry = await client2.post("/v1/fragments/0/outer-gradient", headers=AUTH,
+                               data=body(st, 0, deltas_for(st, 0, seed=0), learner="learner-a", sid="s0", base=0))
+    assert (await retry.json())["duplicate"] is True  # merged once, before the crash; not again
+    await client2.close()  # final checkpoint: it covers every journaled merge and spooled file
+    assert MergeJournal(crashed).entries() == []
+    assert list((crashed / "spool").glob("*.safetensors")) == []
+
+
+# --------------------------------------------------------------------------- the warm standby, for real
+
+
+def _http(method: str, url: str, data: bytes | None = None, json_body=None, timeout: float = 10.0):
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    if json_body is not None:
+        data, headers["Content-Type"] = json.dumps(json_body).encode(), "application/json"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+class _Learner(threading.Thread):
+    """Sends outer gradients in a loop, as a learner does: each on the fragment's current version, retried through
+    connection errors until the syncer answers; remembers every id acknowledged (202) and its body."""
+
+    def __init__(self, url: str, plan: dict[str, list[str]], shapes: dict[str, tuple[int, ...]]):
+        super().__init__(daemon=True)
+        self.url, self.plan, self.shapes = url, plan, shapes
+        self.acked: dict[str, tuple[int, bytes]] = {}  # id -> (fragment, body)
+        self.stop = threading.Event()
+        self.errors = 0
+
+    def _body(self, i: int, p: int, base: int) -> bytes:
+        g = torch.Generator().manual_seed(i)
+        names = self.plan[str(p)]
+        parts = {n: quantize(torch.randn(self.shapes[n], generator=g) * 1e-3, "int8", 64) for n in names}
+        return encode_submission(SubmissionMeta("learner-0", f"learner-0:{i}", p, base, 2, 100), parts, "int8", 64,
+                                 {n: self.shapes[n] for n in names})
+
+    def run(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            p = i % 2
+            try:
+                status, raw = _http("GET", f"{self.url}/v1/versions")
+                payload = self._body(i, p, json.loads(raw)["versions"][str(p)])
+                while not self.stop.is_set():
+                    try:
+                        status, _ = _http("POST", f"{self.url}/v1/fragments/{p}/outer-gradient", data=payload)
+                        break
+                    except OSError:  # the syncer is down: the same body again, as the learner's outbox does
+                        self.errors += 1
+                        time.sleep(0.05)
+                if status == 202:
+                    self.acked[f"learner-0:{i}"] = (p, payload)
+            except OSError:
+                self.errors += 1
+                time.sleep(0.05)
+                continue
+            i += 1
+
+
+def test_a_warm_standby_takes_over_a_syncer_killed_during_merges_and_nothing_acknowledged_is_lost(tmp_path):
+    config, state_dir = tmp_path / "run.yaml", tmp_path / "syncer"
+    config.write_text("model: tiny\nseed: 1\nouter:\n  fragments: 2\n  compression: int8\n  quorum: 1\n")
+    argv = diloco_argv("syncer", "--config", str(config), "--host", "127.0.0.1", "--port", "0", "--state-dir",
+                       str(state_dir), "--checkpoint-every-s", "3600", "--log-every-s", "0")
+    env = child_env({"DILOCO_TOKEN": TOKEN})
+    log = tmp_path / "syncer.log"
+    with Supervisor(tmp_path / "processes.json", tmp_path / "events.jsonl") as sup:
+        syncer = sup.add(Child("syncer", "syncer", argv, env, log, restart_delay=0.05))
+        sup.start("syncer")
+        endpoint = _wait(lambda: (state_dir / "endpoint.json").exists() and json.loads(
+            (state_dir / "endpoint.json").read_text()), "the syncer to listen", timeout=120)
+        url, first_pid = endpoint["url"], syncer.proc.pid
+        argv[argv.index("--port") + 1] = str(endpoint["port"])
+        sup.syncer_standby = SyncerStandby(argv, env, log, sup.spawn, state_dir, respawn_after_s=30.0)
+        sup.poll()
+        standby_pid = sup.syncer_standby.proc.pid
+        _wait(lambda: f"syncer pid {first_pid} serves" in log.read_text(), "the standby to wait", timeout=120)
+        assert json.loads((state_dir / "endpoint.json").read_text())["pid"] == first_pid, "the standby serves too"
+
+        status, reply = _http("POST", f"{url}/v1/register", json_body={"learner_id": "learner-0", "unit": 0,
+                                                                       "world_size": 1, "device": "cpu"})
+        assert status == 200
+        shapes = {n: tuple(t.shape) for p in (0, 1)
+                  for n, t in decode_tensors(_http("GET", f"{url}/v1/fragments/{p}")[1])[0].items()}
+        learner = _Learner(url, json.loads(reply)["plan"], shapes)
+        learner.start()
+        _wait(lambda: len(learner.acked) >= 6, "acknowledged submissions before the kill")
+        os.kill(first_pid, signal.SIGKILL)  # in the middle of merging: a merge follows every submission
+        _wait(lambda: [e for e in sup.poll() if e["event"] == "start"] or syncer.restarts, "the restart")
+        assert syncer.proc.pid == standby_pid and sup.events[-1].get("standby") is True
+        _wait(lambda: json.loads((state_dir / "endpoint.json").read_text())["pid"] == standby_pid,
+              "the standby to serve")
+        acked_before = len(learner.acked)
+        _wait(lambda: len(learner.acked) >= acked_before + 6, "acknowledged submissions after the takeover")
+        learner.stop.set()
+        learner.join(timeout=60)
+
+        def settled():
+            s = json.loads(_http("GET", f"{url}/v1/status")[1])
+            return s if s["pending"] == {"0": 0, "1": 0} else None
+
+        s = _wait(settled, "the last merges")
+        assert s["contributions_merged"] == len(learner.acked), "an acknowledged submission was lost or doubled"
+        assert s["learners"]["learner-0"]["submissions_merged"] == len(learner.acked)
+        for p, payload in list(learner.acked.values())[-8:]:  # merged exactly once: a retry is only a duplicate
+            status, reply = _http("POST", f"{url}/v1/fragments/{p}/outer-gradient", data=payload)
+            assert status == 202 and json.loads(reply)["duplicate"] is True
+        incarnations = read_incarnations(state_dir)
+        assert [i["pid"] for i in incarnations] == [first_pid, standby_pid]
+        assert incarnations[-1]["standby"] is True and incarnations[-1]["previous_pid"] == first_pid
+
+        # The standby that took over forked the next one (no Python start, no import): adopted, not started anew.
+        _wait(lambda: (sup.poll(), sup.syncer_standby.proc is not None)[1], "the next standby")
+        next_standby = sup.syncer_standby.proc
+        assert sup.syncer_standby.adopted == 1 and sup.syncer_standby.started == 1
+        assert next_standby.pid == json.loads((state_dir / "standby.json").read_text())["pid"]
+        assert os.getpgid(next_standby.pid) == next_standby.pid, "the successor shares the serving syncer's group"
+    assert syncer.proc.poll() is not None and next_standby.poll() is not None, "a syncer outlived the supervisor"

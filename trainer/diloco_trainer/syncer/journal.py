@@ -1,0 +1,83 @@
+"""The merge journal: one fsynced JSON line per merge (fragment, version, the spool files merged, in order), written
+before any learner can see the version. A restarted syncer replays the lines its checkpoint does not cover from the
+spool, so every version a learner may hold is known again: a crash between two checkpoints costs no learner its work
+(without it, a submission based on a version published after the last checkpoint was refused with 409, "base lost").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from diloco_trainer.fsutil import atomic_write
+
+log = logging.getLogger(__name__)
+
+JOURNAL_FILE = "merges.jsonl"
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    fragment: int
+    version: int
+    spool: tuple[str, ...]  # spool file names of the merged contributions, in merge order
+
+    def to_line(self) -> str:
+        return json.dumps({"fragment": self.fragment, "version": self.version, "spool": list(self.spool)})
+
+
+class MergeJournal:
+    """STATE_DIR/merges.jsonl; appends and truncations may come from several worker threads."""
+
+    def __init__(self, root: Path):
+        self.path = root / JOURNAL_FILE
+        self._lock = threading.Lock()
+        self._entries = self._read()
+
+    def _read(self) -> list[JournalEntry]:
+        entries = []
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return entries
+        if raw and not raw.endswith(b"\n"):
+            # Only a crash mid-append tears the last line, and that merge was never published (the append returns
+            # before the version is): drop it, so the next append starts on a line of its own.
+            raw = raw[: raw.rfind(b"\n") + 1]
+            atomic_write(self.path, raw)
+        for i, line in enumerate(raw.decode().splitlines()):
+            try:
+                d = json.loads(line)
+                entries.append(JournalEntry(int(d["fragment"]), int(d["version"]), tuple(d["spool"])))
+            except (ValueError, KeyError, TypeError):
+                log.error("merge journal %s line %d is unreadable; skipped", self.path, i + 1)
+        return entries
+
+    def entries(self) -> list[JournalEntry]:
+        """Every journaled merge not yet covered by a checkpoint (as far as this file knows), oldest first."""
+        with self._lock:
+            return list(self._entries)
+
+    def append(self, entry: JournalEntry) -> None:
+        """Durably record one merge (write, fsync) before it is published."""
+        with self._lock:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, (entry.to_line() + "\n").encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._entries.append(entry)
+
+    def covered(self, versions: list[int]) -> None:
+        """A checkpoint holding fragment p at `versions[p]` is written: drop the lines it covers (atomic rewrite)."""
+        with self._lock:
+            keep = [e for e in self._entries if e.version > versions[e.fragment]]
+            if len(keep) == len(self._entries):
+                return
+            atomic_write(self.path, "".join(e.to_line() + "\n" for e in keep).encode())
+            self._entries = keep

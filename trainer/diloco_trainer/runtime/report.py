@@ -6,7 +6,8 @@ Communication formulas (per learner, per inner step, fp32 = 4 bytes per paramete
 - Decoupled DiLoCo: measured — outer-gradient bytes the learners sent (their `bytes_up`, or the syncer's
   Prometheus counter) divided by the inner steps trained; each fragment goes out once per H steps, so about
   params/H values per step at the compression's bits (int4: 4 bits + a 4-byte scale per block). Received
-  bytes (`bytes_down`: every new fp32 fragment version the learner fetched) are reported next to it.
+  bytes (`bytes_down`: every new fragment version the learner fetched, whole or as down-link updates, and the
+  start-up state) are reported next to it, with their ratio to the bytes sent.
 """
 
 from __future__ import annotations
@@ -120,9 +121,11 @@ def summary_lines(s: dict) -> list[str]:
                      f"({b.get('source', '')}) vs DDP {format_bytes(b.get('ddp_per_learner_step'))}"
                      + (f" → {ratio:,.0f}× less" if ratio and ratio > 1 else ""))
         if b.get("received_per_learner_step") is not None:
-            what = "new global fragment versions, fp32" if s["mode"] == "decoupled" else b.get("source", "")
-            lines.append(f"received per learner per step: {format_bytes(b['received_per_learner_step'])} ({what}) "
-                         f"vs DDP {format_bytes(b.get('ddp_per_learner_step'))} (a ring all-reduce receives what "
-                         "it sends)")
+            what = (f"new global fragment versions, outer.downlink={b.get('downlink') or 'fp32'}"
+                    if s["mode"] == "decoupled" else b.get("source", ""))
+            per_sent = f", {b['received_over_sent']:.2f}× what it sent" if b.get("received_over_sent") else ""
+            lines.append(f"received per learner per step: {format_bytes(b['received_per_learner_step'])} ({what}"
+                         f"{per_sent}) vs DDP {format_bytes(b.get('ddp_per_learner_step'))} (a ring all-reduce "
+                         "receives what it sends)")
         lines.append(f"  DDP formula: {b.get('ddp_formula')}")
     return lines

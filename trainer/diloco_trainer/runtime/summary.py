@@ -127,6 +127,8 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
     summary["bytes"] = {
         "sent_per_learner_step": sent / steps if sent and steps else None,
         "received_per_learner_step": received / steps if received and steps else None,
+        "received_over_sent": received / sent if received and sent else None,
+        "downlink": cfg.outer.downlink if mode == "decoupled" else None,
         "source": source,
         "ddp_per_learner_step": ddp,
         "ddp_formula": f"2·(N−1)/N · 4 B · params = 2·{n_learners - 1}/{n_learners} · 4 · {params:,} "

@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from ..syncer.takeover import SUCCESSOR
+from ..syncer.takeover import SUCCESSOR, StateLock
 from .zygote import Adopted, become_subreaper
 
 RESPAWN_AFTER_S = 2.0  # after a takeover: how long to wait for the forked successor before starting one from scratch
@@ -75,16 +75,39 @@ class SyncerStandby:
         return proc
 
     def close(self) -> None:
-        """Stop the waiting standby (before the syncer is stopped: it would take over from a clean stop too)."""
-        proc, self.proc = self.proc, None
+        """Stop the waiting standby (before the syncer is stopped: it would take over from a clean stop too), and a
+        successor forked so recently that it was not adopted yet."""
         self.due = float("inf")
+        if self.proc is None and self.fork:
+            self.proc = self._successor()
+        proc, self.proc = self.proc, None
+        stray = self._unadopted_successor()
+        if stray is not None:
+            _kill_group(stray)
         if proc is None or proc.poll() is not None:
             return
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # its own session, as every supervised child; it holds no state
-        except (ProcessLookupError, PermissionError):
-            proc.kill()
+        _kill_group(proc.pid)
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+
+    def _unadopted_successor(self) -> int | None:
+        """The PID in standby.json if it is a waiting standby of this state directory this pool never had (not the
+        serving syncer, which holds the lock; not a reused PID: its command line is checked)."""
+        try:
+            pid = int(json.loads((self.state_dir / SUCCESSOR).read_text())["pid"])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if pid in self.known or pid == StateLock(self.state_dir).holder():
+            return None
+        ours = b"--standby" in cmdline and str(self.state_dir).encode() in cmdline
+        return pid if ours else None
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)  # its own session, as every supervised child; a standby holds no state
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -114,8 +114,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _assert_no_orphans(run: LocalRun) -> None:
-    pids = run.all_pids()
+def _assert_no_orphans(run: LocalRun, also: tuple[int, ...] = ()) -> None:
+    pids = run.all_pids() + list(also)
     assert len(pids) >= 1 + len(LEARNERS)
     deadline = time.monotonic() + 5
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
@@ -207,7 +207,9 @@ def test_a_sigkilled_learner_is_restarted_resumes_its_shard_and_adopts_current_v
 
 
 def test_a_sigkilled_syncer_is_restarted_and_no_acknowledged_update_is_lost(local_run):
-    run = local_run("--steps", "2000", "--minutes", "4", "--restart-delay", "6", "--checkpoint-every-s", "2")
+    # A cold restart (no warm standby), so the outage is long enough to see: the standby has its own test below.
+    run = local_run("--steps", "2000", "--minutes", "4", "--restart-delay", "6", "--checkpoint-every-s", "2",
+                    "--no-syncer-standby")
     run.wait(lambda: all(run.step(n) >= 20 and run.last(n).get("acked", 0) > 5 for n in LEARNERS)
              and sum(run.versions().values()) > 0, "the learners to sync a few times")
     syncer_pid = run.processes()["syncer"]["pid"]
@@ -244,6 +246,39 @@ def test_a_sigkilled_syncer_is_restarted_and_no_acknowledged_update_is_lost(loca
     during = [r for n in LEARNERS for r in read_jsonl(run.dir / "learners" / n / "metrics.jsonl")
               if t_kill < r["time"] < t_restart]
     assert during and any(not r["syncer_up"] for r in during)
+
+
+def test_a_sigkilled_syncer_is_replaced_by_its_warm_standby_and_learners_lose_no_acknowledged_update(local_run):
+    run = local_run("--steps", "2000", "--minutes", "4", "--checkpoint-every-s", "30")
+    run.wait(lambda: all(run.step(n) >= 20 and run.last(n).get("acked", 0) > 5 for n in LEARNERS)
+             and sum(run.versions().values()) > 0, "the learners to sync a few times")
+    state_dir = run.dir / "syncer"
+    run.wait(lambda: "standing by" in (run.dir / "logs" / "syncer.log").read_text(), "the standby to wait")
+    syncer_pid = run.processes()["syncer"]["pid"]
+    os.kill(syncer_pid, signal.SIGKILL)  # merges come every few steps: some are published after the last checkpoint
+    run.wait(lambda: run.processes()["syncer"]["alive"] and run.processes()["syncer"]["pid"] != syncer_pid,
+             "the supervisor to book the standby as the syncer")
+    new_pid = run.processes()["syncer"]["pid"]
+    taken = [e for e in read_jsonl(run.dir / "events.jsonl") if e["name"] == "syncer" and e["event"] == "start"][-1]
+    assert taken["pid"] == new_pid and taken.get("standby") is True
+    run.wait(lambda: json.loads((state_dir / "endpoint.json").read_text())["pid"] == new_pid, "the standby to serve")
+    restarted = run.versions()
+    acked_at_takeover = {n: run.last(n).get("acked", 0) for n in LEARNERS}
+    run.wait(lambda: all(run.last(n).get("acked", 0) > acked_at_takeover[n] + 2 for n in LEARNERS)
+             and sum(run.versions().values()) > sum(restarted.values()) + 8, "syncing to resume")
+
+    assert run.interrupt() == 0, run.log_tail()
+    successor = int(json.loads((state_dir / "standby.json").read_text())["pid"])  # forked at the takeover
+    _assert_no_orphans(run, also=(successor,))
+    merged = _merged_tokens(run)
+    for name in LEARNERS:
+        acked, clean = _acked_tokens(run, name)
+        assert clean, f"{name} did not write its final metrics line\n{_why(run, name)}"
+        assert merged[name] == acked, f"{name}: syncer merged {merged[name]}, learner acked {acked}\n{_why(run, name)}"
+    # No learner's work was refused for a base version lost with the killed syncer (the merge journal kept them all).
+    for name in LEARNERS:
+        assert "not known to this syncer" not in (run.dir / "logs" / f"{name}.log").read_text()
+    assert run.summary()["restarts"] == {"syncer": 1}
 
 
 def test_a_short_run_finishes_on_its_own_with_a_complete_run_directory(local_run):

@@ -12,7 +12,7 @@ from pathlib import Path
 from .report import REPO
 
 # Cheapest first: a failure in a long benchmark should not hide the figures of the quick ones.
-BENCHMARKS = ("syncer_speed", "bandwidth", "downlink", "quality", "resilience", "heterogeneity")
+BENCHMARKS = ("syncer_speed", "bandwidth", "downlink", "quality", "resilience", "syncer_recovery", "heterogeneity")
 RESULTS = REPO / "bench" / "results"
 LATEST = REPO / "bench" / "latest"
 

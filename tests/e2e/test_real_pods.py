@@ -1,5 +1,5 @@
-"""A DilocoJob trains in real containers on a real kubelet: the syncer and learner pods run the trainer image,
-a killed learner pod (deleted, or by spec.chaos) restarts its unit while the others train on, a SIGKILLed syncer
+"""A DilocoJob trains in real containers on a real kubelet: the syncer and learner pods run the trainer image and
+talk over TLS with the certificate the operator issued (spec.syncer.tls Auto, the default), a killed learner pod (deleted, or by spec.chaos) restarts its unit while the others train on, a SIGKILLed syncer
 resumes from its checkpoint on the PVC losing no acknowledged update, the job succeeds with a final checkpoint
 that beats the unigram baseline, and deleting the job removes everything it owned.
 
@@ -8,7 +8,9 @@ The tests run in file order on one job (each step builds on the one before, as a
 from __future__ import annotations
 
 import base64
+import http.client
 import json
+import ssl
 import statistics
 import subprocess
 import sys
@@ -50,6 +52,18 @@ def job_manifest(image: str) -> dict:
     }
 
 
+class PinnedHTTPS(http.client.HTTPSConnection):
+    """HTTPS to an address (a pod IP) verifying the certificate as `server_name` against `ca` only."""
+
+    def __init__(self, host: str, port: int, server_name: str, ca: str):
+        super().__init__(host, port, timeout=3, context=ssl.create_default_context(cadata=ca))
+        self.server_name = server_name
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)
+        self.sock = self._context.wrap_socket(self.sock, server_hostname=self.server_name)
+
+
 class Job:
     """Reads of the job under test: its objects through the API, its syncer and learners over the pod network."""
 
@@ -82,17 +96,25 @@ class Job:
             self._token = base64.b64decode(secret["data"]["token"]).decode()
         return self._token
 
+    def ca(self) -> str:
+        """The CA the operator issued for the syncer (what the learners mount)."""
+        return self.kubectl.get("configmap", f"{JOB}-syncer-ca", ns=self.ns)["data"]["ca.crt"]
+
     def syncer_status(self) -> dict | None:
-        """The syncer's /v1/status, straight from its pod (None while it is not answering)."""
+        """The syncer's /v1/status, straight from its pod over TLS verified against the job's CA under the
+        Service's name (None while it is not answering)."""
         pods = self.running("syncer")
         if not pods or not pods[0]["status"].get("podIP"):
             return None
-        req = urllib.request.Request(f"http://{pods[0]['status']['podIP']}:{SYNCER_PORT}/v1/status",
-                                     headers={"Authorization": f"Bearer {self.token()}"})
+        conn = PinnedHTTPS(pods[0]["status"]["podIP"], SYNCER_PORT, f"{JOB}-syncer", self.ca())
         try:
-            return json.loads(urllib.request.urlopen(req, timeout=3).read())
-        except (urllib.error.URLError, OSError, ValueError):
+            conn.request("GET", "/v1/status", headers={"Authorization": f"Bearer {self.token()}"})
+            resp = conn.getresponse()
+            return json.loads(resp.read()) if resp.status == 200 else None
+        except (OSError, ValueError, http.client.HTTPException):
             return None
+        finally:
+            conn.close()
 
     def outer_steps(self) -> int:
         return (self.syncer_status() or {}).get("outer_steps", -1)
@@ -177,6 +199,35 @@ def test_the_syncer_and_every_learner_run_as_real_containers_and_outer_steps_adv
     # The operator reads the same progress from the syncer into the job's status.
     wait_for(lambda: job.status().get("outerSteps", 0) > 0, 60, 1.0, what="status.outerSteps from the syncer")
     assert job.status().get("phase") == "Running"
+
+
+def test_learners_train_over_tls_with_the_operators_certificate_and_their_own_tokens(job, kubectl):
+    link = next(c for c in job.status()["conditions"] if c["type"] == "LinkEncrypted")
+    assert link["status"] == "True" and link["reason"] == "AutoCertificate", link
+    for pod in job.running("learner"):  # they trained above: over https, verifying the job's CA
+        container = pod["spec"]["containers"][0]
+        command = container["command"]
+        assert command[command.index("--syncer") + 1] == f"https://{JOB}-syncer:{SYNCER_PORT}"
+        assert command[command.index("--ca") + 1] == "/etc/diloco/ca/ca.crt"
+        unit = pod["metadata"]["labels"]["diloco.dev/unit"]
+        token_ref = next(e for e in container["env"] if e["name"] == "DILOCO_TOKEN")["valueFrom"]["secretKeyRef"]
+        assert token_ref["name"] == f"{unit}-learner-token"
+    syncer = job.running("syncer")[0]
+    assert syncer["spec"]["containers"][0]["command"][-4:] == ["--tls-cert", "/etc/diloco/tls/tls.crt",
+                                                               "--tls-key", "/etc/diloco/tls/tls.key"]
+    ip = syncer["status"]["podIP"]
+    # The syncer speaks only TLS: plain HTTP gets no answer, and a client trusting only the system's CAs refuses it.
+    try:
+        urllib.request.urlopen(f"http://{ip}:{SYNCER_PORT}/healthz", timeout=5)
+        raise AssertionError("the syncer answered plain HTTP")
+    except (urllib.error.URLError, http.client.HTTPException, ConnectionError):
+        pass
+    try:
+        urllib.request.urlopen(f"https://{ip}:{SYNCER_PORT}/healthz", timeout=5)
+        raise AssertionError("the syncer's certificate passed without the job's CA")
+    except urllib.error.URLError as exc:
+        assert "CERTIFICATE_VERIFY_FAILED" in str(exc), exc
+    assert job.syncer_status() is not None  # verified against the CA under the Service's name
 
 
 def test_a_deleted_learner_pod_restarts_its_unit_while_the_others_keep_training(job, kubectl):

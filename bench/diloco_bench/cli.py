@@ -13,6 +13,8 @@ from .report import REPO
 
 # Cheapest first: a failure in a long benchmark should not hide the figures of the quick ones.
 BENCHMARKS = ("syncer_speed", "bandwidth", "downlink", "quality", "resilience", "syncer_recovery", "heterogeneity")
+# Only on request (--only): wan makes network namespaces, so it needs root and iproute2.
+ON_REQUEST = ("wan",)
 RESULTS = REPO / "bench" / "results"
 LATEST = REPO / "bench" / "latest"
 
@@ -20,7 +22,8 @@ LATEST = REPO / "bench" / "latest"
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes: the whole suite in a few minutes")
     parser.add_argument("--only", default="", metavar="NAME,...",
-                        help=f"run only these benchmarks (of: {', '.join(BENCHMARKS)})")
+                        help=f"run only these benchmarks (of: {', '.join(BENCHMARKS + ON_REQUEST)}; "
+                             f"{', '.join(ON_REQUEST)} only when named here)")
     parser.add_argument("--out", default=None, help="results directory (default bench/results/<timestamp>-<mode>/)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per quality configuration (default 2)")
     parser.add_argument("--latest", action=argparse.BooleanOptionalAction, default=None,
@@ -35,10 +38,11 @@ def selected(only: str) -> list[str]:
     if not only.strip():
         return list(BENCHMARKS)
     names = [n.strip().replace("-", "_") for n in only.split(",") if n.strip()]
-    unknown = [n for n in names if n not in BENCHMARKS]
+    known = BENCHMARKS + ON_REQUEST
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"--only: unknown benchmark(s) {unknown}; choose from {', '.join(BENCHMARKS)}")
-    return [n for n in BENCHMARKS if n in names]
+        raise ValueError(f"--only: unknown benchmark(s) {unknown}; choose from {', '.join(known)}")
+    return [n for n in known if n in names]
 
 
 def run(args: argparse.Namespace) -> int:

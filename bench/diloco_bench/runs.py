@@ -57,6 +57,7 @@ class RunSpec:
     snapshots: int = 3
     extra: tuple[str, ...] = ()  # further command-line flags (e.g. a baseline's --max-restarts)
     chaos_seed: int | None = None  # the failure schedule's seed (a run of its own per seed; not a command flag)
+    network: str = ""  # the emulated links the run trains over (wan.py; not a command flag: see `Launch`)
     label: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -69,6 +70,8 @@ class RunSpec:
         d.pop("label")
         if d["chaos_seed"] is None:  # keys of runs without one stay what they were
             d.pop("chaos_seed")
+        if not d["network"]:
+            d.pop("network")
         digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
         return f"{self.method}-s{self.seed}-{digest}"
 
@@ -95,6 +98,16 @@ class RunSpec:
         if self.method == "decoupled":
             return procs.diloco_argv("local", *common)
         return procs.diloco_argv("baseline", self.method, *common)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a run's command starts inside an emulated network (wan.py): a prefix for the whole command (e.g. `ip netns
+    exec NS`), flags appended to it (per-child prefixes, addresses) and environment variables for it."""
+
+    prefix: tuple[str, ...] = ()
+    flags: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def standard_steps(ctx: report.Context) -> int:
@@ -134,12 +147,14 @@ def steps_done(run_dir: Path) -> int:
     return total
 
 
-def ensure(ctx: report.Context, spec: RunSpec, companion=None, allow_failure: bool = False) -> dict:
+def ensure(ctx: report.Context, spec: RunSpec, companion=None, allow_failure: bool = False,
+           launch: Launch | None = None) -> dict:
     """The run's summary.json, running the command first unless this results directory already has it.
 
     `companion` (optional) has `tick(run_dir)`, called about once a second while the run is live, and `close()`
-    (the resilience benchmark injects failures through it). A run that fails raises RuntimeError with its log's
-    tail, unless `allow_failure` and it still wrote a summary (a synchronous job stopped by a failure does).
+    (the resilience benchmark injects failures through it); `launch` starts the command inside an emulated network.
+    A run that fails raises RuntimeError with its log's tail, unless `allow_failure` and it still wrote a summary (a
+    synchronous job stopped by a failure does).
     """
     root = ctx.out_dir / "runs"
     run_dir = root / spec.key
@@ -158,8 +173,10 @@ def ensure(ctx: report.Context, spec: RunSpec, companion=None, allow_failure: bo
     task = ctx.task(f"  {spec.label or spec.key}", total)
     started = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(spec.argv(run_dir, config_path), stdout=log, stderr=subprocess.STDOUT,
-                                env=procs.child_env(), cwd=report.REPO, start_new_session=True)
+        launch = launch or Launch()
+        argv = [*launch.prefix, *spec.argv(run_dir, config_path), *launch.flags]
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=procs.child_env(dict(launch.env)),
+                                cwd=report.REPO, start_new_session=True)
         load_before = os.getloadavg()
         try:
             while (usage := _reap(proc)) is None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from . import checkpoint
 from .fsutil import atomic_write
-from .runtime import elastic, procs
+from .runtime import elastic, launch, procs
 from .runtime.procs import Child, StopFlag, Supervisor
 from .runtime.rundir import append_jsonl, make_run_dir, read_jsonl, write_config, write_json
 from .runtime.session import (DEFAULT_CONFIG, DEFAULT_MINUTES, DEFAULT_STEPS, RunSession, load_config,
@@ -57,6 +57,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=None, metavar="S",
                         help="inner steps between checkpoints when --max-restarts > 0 (default: the outer period H "
                              f"for sync-diloco, which S must be a multiple of; {DDP_CHECKPOINT_EVERY} for ddp)")
+    parser.add_argument("--master-addr", default="127.0.0.1",
+                        help="address of rank 0, where the workers meet (default loopback; the WAN benchmark gives "
+                             "rank 0's network-namespace address and GLOO_SOCKET_IFNAME)")
+    launch.add_arguments(parser)
     # Internal: how the supervisor starts each worker.
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--master-port", type=int, default=None, help=argparse.SUPPRESS)
@@ -74,6 +78,10 @@ def run(args: argparse.Namespace) -> int:
     checkpoint_every = checkpoint_period(args.mode, args.checkpoint_every, cfg.outer.sync_every)
     slowdown = parse_slowdown(args.slowdown, args.learners)
     try:
+        prefixes = launch.parse_exec_prefixes(args.exec_prefix, [f"learner-{r}" for r in range(args.learners)])
+    except ValueError as exc:
+        raise SystemExit(f"diloco baseline: {exc}") from None
+    try:
         run_dir = make_run_dir(args.run_dir)
     except ValueError as exc:
         raise SystemExit(f"diloco baseline: {exc}") from None
@@ -84,9 +92,10 @@ def run(args: argparse.Namespace) -> int:
     deadline = time.time() + args.minutes * 60 - (time.monotonic() - started)  # the workers agree on it
 
     def worker_argv(rank: int, port: int, resume: bool) -> list[str]:
-        return procs.diloco_argv(
+        return prefixes.get(f"learner-{rank}", []) + procs.diloco_argv(
             "baseline", args.mode, "--config", str(config_path), "--learners", str(args.learners),
-            "--rank", str(rank), "--master-port", str(port), "--run-dir", str(run_dir),
+            "--rank", str(rank), "--master-addr", args.master_addr, "--master-port", str(port),
+            "--run-dir", str(run_dir),
             "--steps", str(args.steps), "--deadline", f"{deadline:.3f}", "--slowdown", f"{slowdown[rank]:g}",
             "--jitter", f"{args.jitter:g}", "--log-every", str(args.log_every), "--snapshots", str(args.snapshots),
             # No restarts, no use for checkpoints: the plain baseline pays nothing for them.
@@ -208,7 +217,7 @@ def _worker(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.update(flag=True))
     signal.signal(signal.SIGINT, lambda *_: stopping.update(flag=True))
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.master_port}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master_addr}:{args.master_port}", rank=rank,
                             world_size=world)
     corpus = load_corpus(cfg.data)
     sampler = ShardSampler(corpus.train, rank, world, cfg.inner.batch_size, cfg.model.seq_len, cfg.seed)

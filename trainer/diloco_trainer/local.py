@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from .runtime import procs
+from .runtime import launch, procs
 from .runtime.procs import Child, StopFlag, Supervisor
 from .runtime.rundir import make_run_dir, write_config
 from .runtime.session import (DEFAULT_CONFIG, DEFAULT_MINUTES, DEFAULT_STEPS, RunSession, load_config,
@@ -65,6 +65,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls", action="store_true",
                         help="HTTPS between learners and syncer, with a CA and certificate made for this run "
                              "(RUN_DIR/tls); loopback traffic never leaves the machine, so plain HTTP is the default")
+    parser.add_argument("--syncer-host", default="127.0.0.1",
+                        help="address the syncer listens on and the learners connect to (default loopback; the WAN "
+                             "benchmark gives the syncer's network-namespace address)")
+    launch.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,6 +85,16 @@ def run(args: argparse.Namespace) -> int:
                          "--spares >= 0")
 
     try:
+        children = ["syncer"] + [f"learner-{i}" for i in range(args.learners)]
+        prefixes = launch.parse_exec_prefixes(args.exec_prefix, children)
+    except ValueError as exc:
+        raise SystemExit(f"diloco local: {exc}") from None
+    if prefixes and args.spares and not args.no_restart:
+        raise SystemExit("diloco local: --exec-prefix needs --spares 0 (a warm spare runs without the prefix)")
+    if "syncer" in prefixes and args.syncer_standby and args.fork_spares and not args.no_restart:
+        raise SystemExit("diloco local: --exec-prefix syncer=... needs --no-syncer-standby or --no-fork-spares (a "
+                         "forked standby syncer runs without the prefix)")
+    try:
         run_dir = make_run_dir(args.run_dir)
     except ValueError as exc:
         raise SystemExit(f"diloco local: {exc}") from None
@@ -93,10 +107,11 @@ def run(args: argparse.Namespace) -> int:
     stop = StopFlag()
     with Supervisor(run_dir / "processes.json", run_dir / "events.jsonl", run_dir / "holds") as sup, stop.installed():
         syncer_dir = run_dir / "syncer"
-        tls = make_authority(run_dir / "tls", ["127.0.0.1", "localhost"]) if args.tls else None
+        hosts = sorted({args.syncer_host, "127.0.0.1", "localhost"})
+        tls = make_authority(run_dir / "tls", hosts) if args.tls else None
         tls_syncer = ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)] if tls else []
-        sup.add(Child("syncer", "syncer", procs.diloco_argv(
-            "syncer", "--config", str(config_path), "--host", "127.0.0.1", "--port", "0",
+        sup.add(Child("syncer", "syncer", prefixes.get("syncer", []) + procs.diloco_argv(
+            "syncer", "--config", str(config_path), "--host", args.syncer_host, "--port", "0",
             "--state-dir", str(syncer_dir), "--token-env", "DILOCO_TOKEN",
             "--checkpoint-every-s", f"{args.checkpoint_every_s:g}", *tls_syncer),
             env, run_dir / "logs" / "syncer.log", restart=not args.no_restart,
@@ -121,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         for i in range(args.learners):
             name = f"learner-{i}"
             state_dir = run_dir / "learners" / name
-            learner_argv = procs.diloco_argv(
+            learner_argv = prefixes.get(name, []) + procs.diloco_argv(
                 "learner", "--syncer", endpoint["url"], "--learner-id", name,
                 "--unit", str(i), "--units", str(args.learners), "--state-dir", str(state_dir),
                 "--steps", str(steps), "--slowdown", f"{slowdown[i]:g}", "--log-every", str(args.log_every),

@@ -124,6 +124,13 @@ class OuterConfig(_Strict):
         return self
 
 
+class SyncerConfig(_Strict):
+    """How the syncer is run: the global model's fragments split across `shards` syncer processes (shardmap.py)."""
+
+    shards: int = Field(1, ge=1, le=1024, description="N: syncer shards; shard i owns fragments p with p mod N = i "
+                                                      "(1 to 1024, and at most outer.fragments).")
+
+
 class TrainConfig(_Strict):
     """Everything one training run needs; the syncer hands it to every learner that registers."""
 
@@ -131,6 +138,7 @@ class TrainConfig(_Strict):
     data: DataConfig = Field(default_factory=DataConfig)
     inner: InnerConfig = Field(default_factory=InnerConfig)
     outer: OuterConfig = Field(default_factory=OuterConfig)
+    syncer: SyncerConfig = Field(default_factory=SyncerConfig)
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the initial parameters and data order (0 to 2^32-1).")
 
     @model_validator(mode="after")
@@ -140,6 +148,9 @@ class TrainConfig(_Strict):
             raise ValueError(f"outer.fragments ({self.outer.fragments}) must not exceed the model's {tensors} "
                              f"parameter tensors ({TENSORS_FIXED} + {TENSORS_PER_LAYER} x model.n_layers): "
                              "every fragment holds at least one tensor")
+        if self.syncer.shards > self.outer.fragments:
+            raise ValueError(f"syncer.shards ({self.syncer.shards}) must not exceed outer.fragments "
+                             f"({self.outer.fragments}): every shard owns at least one fragment")
         return self
 
     @classmethod

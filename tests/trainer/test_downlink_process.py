@@ -43,7 +43,6 @@ def test_every_version_a_learner_rebuilds_is_bit_identical_to_the_syncers_across
     syncer = SyncerProcess(write_config(tmp_path / "run.yaml", downlink="int4", grace=0.0), tmp_path / "syncer",
                            tmp_path / "syncer.log").start()
     client = SyncerClient(syncer.url, TOKEN, "learner-0", poll_s=0.05)
-    client.downlink = "int4"
     try:
         boot = client.bootstrap()
         start = client.snapshot()

@@ -126,8 +126,11 @@ class RegisterAnswer(_Document):
 
     config: dict
     plan: dict[str, list[str]]
-    versions: Versions
+    versions: Versions  # of the fragments this shard owns
     heartbeat_s: float
+    shard: int = 0  # which syncer shard answered, of `shards`; it owns the fragments in `owned` (shardmap.py)
+    shards: int = 1
+    owned: list[int] | None = None  # None from a syncer older than sharding: every fragment
 
     def plan_lists(self) -> list[list[str]]:
         return [list(self.plan[str(p)]) for p in range(len(self.plan))]
@@ -183,6 +186,9 @@ class SyncerStatus(_Document):
     grace_s: float = 0.0
     quorum: int = 1
     fragments: int = 0
+    shard: int = 0  # this syncer's shard index of `shards`, owning the fragments `owned` (the maps above cover them)
+    shards: int = 1
+    owned: list[int] = Field(default_factory=list)
     uptime_s: float | None = None
     last_checkpoint: float | None = None
 

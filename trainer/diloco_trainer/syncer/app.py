@@ -62,7 +62,9 @@ class Syncer:
         self._cache: dict[object, bytes] = {}
         self._tasks: list[asyncio.Task] = []
         self.merging: set[int] = set()
-        for p in range(state.num_fragments):
+        self.metrics.shard.labels(str(state.shard), str(state.shards)).set(1)
+        self.metrics.owned_fragments.set(len(state.owned))
+        for p in state.owned:
             self.metrics.fragment_version.labels(str(p)).set(state.versions[p])
             self.metrics.outer_steps.labels(str(p))  # export zero before the first merge
         for kind in ("delta", "chain", "full"):
@@ -72,8 +74,7 @@ class Syncer:
     # --- background work ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._fragment_loop(p), name=f"merge-{p}")
-                       for p in range(self.state.num_fragments)]
+        self._tasks = [asyncio.create_task(self._fragment_loop(p), name=f"merge-{p}") for p in self.state.owned]
         self._tasks.append(asyncio.create_task(self._checkpoint_loop(), name="checkpoint"))
 
     async def stop(self) -> None:
@@ -169,10 +170,15 @@ class Syncer:
         if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or int(raw) >= self.state.num_fragments:
             raise Rejected(404, f"unknown fragment {raw[:40]!r}; fragments are 0..{self.state.num_fragments - 1}",
                            "unknown_fragment")
-        return int(raw)
+        p, st = int(raw), self.state
+        if p not in st.owned:
+            # 421 Misdirected Request: the right fragment at the wrong server; the reason names the right one.
+            raise Rejected(421, f"fragment {p} is owned by syncer shard {st.owner(p)} of {st.shards}; this is shard "
+                                f"{st.shard}, owning fragments {st.owned}", "wrong_shard")
+        return p
 
     def _versions(self) -> dict[str, int]:
-        return {str(p): v for p, v in enumerate(self.state.versions)}
+        return {str(p): self.state.versions[p] for p in self.state.owned}
 
     def _bytes(self, endpoint: str, body: bytes, headers: dict | None = None) -> web.Response:
         self.metrics.bytes_out.labels(endpoint).inc(len(body))
@@ -220,7 +226,8 @@ class Syncer:
         st = self.state
         return _json(RegisterAnswer(config=st.config.model_dump(mode="json"),
                                     plan={str(p): names for p, names in enumerate(st.plan)},
-                                    versions=self._versions(), heartbeat_s=self.opt.heartbeat_s))
+                                    versions=self._versions(), heartbeat_s=self.opt.heartbeat_s,
+                                    shard=st.shard, shards=st.shards, owned=st.owned))
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         req: HeartbeatRequest = await self._json_body(request, HeartbeatRequest)
@@ -350,16 +357,19 @@ class Syncer:
         return SyncerStatus(
             versions=self._versions(),
             outer_steps=sum(st.outer_steps),
-            outer_steps_per_fragment={str(p): n for p, n in enumerate(st.outer_steps)},
+            outer_steps_per_fragment={str(p): st.outer_steps[p] for p in st.owned},
             merges=sum(st.outer_steps),
             contributions_merged=st.contributions_merged,
             tokens_merged=st.tokens_merged,
             learners=learners,
             live_learners=len(live),
-            pending={str(p): len(pend) for p, pend in enumerate(st.pending)},
+            pending={str(p): len(st.pending[p]) for p in st.owned},
             grace_s=st.policy.grace_seconds(),
             quorum=st.config.outer.quorum,
             fragments=st.num_fragments,
+            shard=st.shard,
+            shards=st.shards,
+            owned=st.owned,
             uptime_s=time.monotonic() - self.started,
             last_checkpoint=st.last_checkpoint,
         )
@@ -371,8 +381,8 @@ class Syncer:
         st, m = self.state, self.metrics
         m.live_learners.set(len(st.live_ids(self.opt.live_timeout_s)))
         m.grace_window.set(st.policy.grace_seconds())
-        for p, pend in enumerate(st.pending):
-            m.pending.labels(str(p)).set(len(pend))
+        for p in st.owned:
+            m.pending.labels(str(p)).set(len(st.pending[p]))
         return web.Response(body=m.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 

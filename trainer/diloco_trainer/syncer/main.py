@@ -33,6 +33,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", default=None, metavar="FILE",
                         help="serve HTTPS with this certificate (PEM, e.g. a Secret's tls.crt); needs --tls-key")
     parser.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's private key (tls.key)")
+    parser.add_argument("--shard", type=int, default=None, metavar="I",
+                        help="serve shard I of the config's syncer.shards N: only fragments p with p mod N = I, with "
+                             "its own --state-dir (required when N > 1)")
     parser.add_argument("--standby", action="store_true",
                         help="start as a warm standby: import and warm up now, then take over the state directory "
                              "the moment the syncer serving it dies (any syncer waits while another one holds "
@@ -73,6 +76,15 @@ def run(args: argparse.Namespace) -> int:
         config = TrainConfig.from_yaml(args.config)
     except (OSError, ValueError) as exc:
         print(f"diloco syncer: cannot load --config {args.config}: {exc}", flush=True)
+        return 2
+    shards = config.syncer.shards
+    if args.shard is None and shards > 1:
+        print(f"diloco syncer: the config has syncer.shards {shards}: give --shard 0..{shards - 1}", flush=True)
+        return 2
+    args.shard = args.shard or 0
+    if not 0 <= args.shard < shards:
+        print(f"diloco syncer: --shard {args.shard} is out of range: syncer.shards is {shards}, so 0..{shards - 1}",
+              flush=True)
         return 2
     supervisor = os.getppid()
     args.started_at = time.time()
@@ -118,7 +130,7 @@ async def _serve(args: argparse.Namespace, config: TrainConfig, token: str) -> i
 
     state_dir = Path(args.state_dir)
     t0 = time.perf_counter()
-    state = await asyncio.to_thread(SyncerState, config, state_dir)
+    state = await asyncio.to_thread(lambda: SyncerState(config, state_dir, shard=args.shard))
     load_s = time.perf_counter() - t0
     log.info("state loaded from %s in %.2f s: versions %s, %d pending", state_dir, load_s,
              state.versions, sum(len(p) for p in state.pending))
@@ -140,9 +152,11 @@ async def _serve(args: argparse.Namespace, config: TrainConfig, token: str) -> i
     syncer.metrics.standby.set(int(args.standby))
     record_incarnation(state_dir, incarnation)
     atomic_write_json(endpoint, {"host": args.host, "port": port, "url": f"{scheme}://{connect}:{port}",
+                                 "shard": args.shard, "shards": state.shards, "owned": state.owned,
                                  "pid": os.getpid(), "serving_at": incarnation.serving_at,
                                  "takeover_s": incarnation.takeover_s, "standby": args.standby})
-    print(f"diloco syncer listening on {scheme}://{connect}:{port} (state in {state_dir}; "
+    which = f"shard {args.shard} of {state.shards}, fragments {state.owned}; " if state.shards > 1 else ""
+    print(f"diloco syncer listening on {scheme}://{connect}:{port} ({which}state in {state_dir}; "
           f"{incarnation.takeover_s:.2f} s from the state lock to serving)", flush=True)
 
     stop = asyncio.Event()

@@ -53,6 +53,10 @@ class SyncerMetrics:
                                       "state directory's lock (its previous holder gone) to serving", registry=r)
         self.state_load_seconds = Gauge("diloco_syncer_state_load_seconds", "This incarnation: seconds to load the "
                                         "checkpoint, spool and merge journal", registry=r)
+        self.shard = Gauge("diloco_syncer_shard", "1, labelled with this syncer's shard index and the shard count "
+                           "(syncer.shards; fragment p belongs to shard p mod shards)", ["shard", "shards"], registry=r)
+        self.owned_fragments = Gauge("diloco_syncer_owned_fragments", "Fragments this syncer shard owns, merges and "
+                                     "persists", registry=r)
         self.standby = Gauge("diloco_syncer_standby", "1 if this incarnation was a warm standby that took over",
                              registry=r)
 

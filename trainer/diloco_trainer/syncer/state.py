@@ -20,6 +20,7 @@ from diloco_trainer.fragments import fragment_of, plan_fragments
 from diloco_trainer.merge import NesterovOuter, merge_fragment, reanchor, token_weight
 from diloco_trainer.model import build_model, embedding_names
 from diloco_trainer.quorum import MergePolicy
+from diloco_trainer.shardmap import owned_fragments, shard_of
 from diloco_trainer.wire import SubmissionMeta
 
 from .journal import JournalEntry, MergeJournal
@@ -118,18 +119,26 @@ class _Version:
 
 
 class SyncerState:
-    """Global parameters Θ in P fragments with versions, outer state, pending contributions, learners."""
+    """Global parameters Θ in P fragments with versions, outer state, pending contributions, learners.
 
-    def __init__(self, config: TrainConfig, state_dir: Path, clock=time.monotonic):
+    With config.syncer.shards N > 1 this is shard `shard`: it holds, merges and persists only the fragments it owns
+    (shardmap.py); per-fragment lists keep all P entries, those of other shards' fragments stay unused."""
+
+    def __init__(self, config: TrainConfig, state_dir: Path, clock=time.monotonic, shard: int = 0):
         self.config, self.clock, self.dir = config, clock, Path(state_dir)
         out = config.outer
+        self.shard, self.shards = shard, config.syncer.shards
         model = build_model(config.model, config.seed)
         self.embeddings = embedding_names(model)
-        self.theta: dict[str, Tensor] = {n: p.detach().clone().float() for n, p in model.named_parameters()}
-        self.shapes = {n: tuple(t.shape) for n, t in self.theta.items()}
-        self.plan = plan_fragments([(n, t.numel()) for n, t in self.theta.items()], out.fragments)
+        theta = {n: p.detach().clone().float() for n, p in model.named_parameters()}
+        self.shapes = {n: tuple(t.shape) for n, t in theta.items()}
+        self.plan = plan_fragments([(n, t.numel()) for n, t in theta.items()], out.fragments)
         self.fragment_of = fragment_of(self.plan)
         P = len(self.plan)
+        self.owned = owned_fragments(shard, P, self.shards)
+        owned_names = {n for p in self.owned for n in self.plan[p]}
+        self.theta: dict[str, Tensor] = {n: t for n, t in theta.items() if n in owned_names}
+        del theta, model
         self.versions = [0] * P
         self.outer_steps = [0] * P
         self.outer = [NesterovOuter(out.lr, out.momentum) for _ in range(P)]
@@ -163,6 +172,10 @@ class SyncerState:
     @property
     def num_fragments(self) -> int:
         return len(self.plan)
+
+    def owner(self, p: int) -> int:
+        """The shard that owns fragment p (this one or another)."""
+        return shard_of(p, self.num_fragments, self.shards)
 
     def fragment(self, p: int) -> dict[str, Tensor]:
         """Current Θ_p (tensors are never mutated once published, so callers may keep them)."""
@@ -322,8 +335,10 @@ class SyncerState:
         momentum = {n: t for opt in self.outer for n, t in opt.state_dict().items()}
         state = {
             "config": self.config.model_dump(mode="json"),
-            "versions": {str(p): v for p, v in enumerate(self.versions)},
-            "outer_steps": {str(p): n for p, n in enumerate(self.outer_steps)},
+            "shard": self.shard,
+            "shards": self.shards,
+            "versions": {str(p): self.versions[p] for p in self.owned},
+            "outer_steps": {str(p): self.outer_steps[p] for p in self.owned},
             "tokens_merged": self.tokens_merged,
             "contributions_merged": self.contributions_merged,
             "learners": {lid: {"tokens_merged": i.tokens_merged, "steps_merged": i.steps_merged,
@@ -340,7 +355,8 @@ class SyncerState:
         """Write a checkpoint, then drop the spool files it covers (I/O: call from a worker thread)."""
         write_checkpoint(self.dir, job.checkpoint)
         self.spool.remove(job.spool_names)
-        self.journal.covered([int(job.checkpoint.state["versions"][str(p)]) for p in range(self.num_fragments)])
+        written = job.checkpoint.state["versions"]
+        self.journal.covered([int(written.get(str(p), 0)) for p in range(self.num_fragments)])
 
     def checkpoint_written(self, job: CheckpointJob) -> None:
         covered = set(job.spool_names)
@@ -367,7 +383,7 @@ class SyncerState:
         ckpt = read_checkpoint(self.dir)
         if ckpt is not None:
             self._load_checkpoint(ckpt)
-        for p in range(self.num_fragments):
+        for p in self.owned:
             self._remember(p, self.versions[p], self.fragment(p))
         self.reservation.floor = [max(f, v + 1) for f, v in zip(self.reservation.floor, self.versions)]
         replayed = 0
@@ -382,7 +398,7 @@ class SyncerState:
                     0 <= p < self.num_fragments and int(m["base_version"]) < self.idempotency_floor(p)):
                 self.spool.remove([e.name])  # in the checkpoint already; only the deletion was lost
                 continue
-            if not 0 <= p < self.num_fragments or set(e.tensors) != set(self.plan[p]):
+            if not 0 <= p < self.num_fragments or set(e.tensors) != set(self.plan[p]) or p not in self.owned:
                 log.error("spool file %s does not match this run's fragment plan; left in place", e.name)
                 continue
             c = Contribution(m["submission_id"], m["learner_id"], p, int(m["base_version"]), int(m["base_step"]),
@@ -410,7 +426,7 @@ class SyncerState:
         merges = 0
         for j in self.journal.entries():
             p = j.fragment
-            if not 0 <= p < self.num_fragments or j.version <= self.versions[p] or p in broken:
+            if p not in self.owned or j.version <= self.versions[p] or p in broken:
                 continue
             missing = [n for n in j.spool if n not in by_name]
             if missing:
@@ -441,13 +457,19 @@ class SyncerState:
         if saved["outer"]["fragments"] != mine["outer"]["fragments"]:
             raise ValueError(f"checkpoint in {self.dir} has {saved['outer']['fragments']} fragments, the config "
                              f"asks for {mine['outer']['fragments']}; use a fresh --state-dir")
+        s = ckpt.state
+        if (int(s.get("shard", 0)), int(s.get("shards", 1))) != (self.shard, self.shards):
+            raise ValueError(f"checkpoint in {self.dir} belongs to shard {s.get('shard', 0)} of "
+                             f"{s.get('shards', 1)}, this syncer is shard {self.shard} of {self.shards}; give each "
+                             "shard its own --state-dir")
         if set(ckpt.theta) != set(self.theta):
             raise ValueError(f"checkpoint in {self.dir} names different parameters than the model")
         self.theta = {n: ckpt.theta[n].float() for n in self.theta}
-        s = ckpt.state
-        self.versions = [int(s["versions"][str(p)]) for p in range(self.num_fragments)]
-        self.outer_steps = [int(s["outer_steps"][str(p)]) for p in range(self.num_fragments)]
-        for p, names in enumerate(self.plan):
+        for p in self.owned:
+            self.versions[p] = int(s["versions"][str(p)])
+            self.outer_steps[p] = int(s["outer_steps"][str(p)])
+        for p in self.owned:
+            names = self.plan[p]
             self.outer[p].load_state_dict({n: ckpt.momentum[n] for n in names if n in ckpt.momentum})
             if is_quantized(self.config.outer.downlink):
                 self.residual[p] = {n: ckpt.residual[n].float() for n in names if n in ckpt.residual}

@@ -4,6 +4,7 @@ heartbeats, submits outer gradients with retries, and fetches newer fragments in
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -110,8 +111,10 @@ class SyncerClient:
 
     def __init__(self, url: str, token: str, learner_id: str, *, unit: int = 0, world_size: int = 1,
                  device: str = "cpu", poll_s: float = 0.25, timeout_s: float = 30.0,
-                 backoff_s: float = 0.2, backoff_max_s: float = 1.0, ca: Path | None = None):
+                 backoff_s: float = 0.2, backoff_max_s: float = 1.0, ca: Path | None = None, shard: int = 0,
+                 shards: int = 1):
         self.url = url.rstrip("/")
+        self.shard, self.shards = shard, shards  # which syncer shard `url` must be, of how many (shardmap.py)
         # https: the syncer's certificate is verified against `ca` (else the system's CAs); see tls.py.
         self._ssl = client_context(ca) if self.url.startswith("https://") else None
         warn_if_plain(self.url, f"learner {learner_id}")
@@ -145,9 +148,13 @@ class SyncerClient:
     # ------------------------------------------------------------------ compute-thread API
 
     def bootstrap(self, stop_flag: threading.Event | None = None) -> Bootstrap:
-        """Register and pull all of Θ, retrying with backoff until the syncer answers; then start syncing."""
-        fut = asyncio.run_coroutine_threadsafe(self._bootstrap(stop_flag or threading.Event()), self._loop)
-        return fut.result()
+        """Register and pull all of Θ, retrying with backoff until the syncer answers; then start syncing.
+        From a syncer shard: the fragments it owns (Bootstrap.theta and versions hold only those)."""
+        return self.start_bootstrap(stop_flag).result()
+
+    def start_bootstrap(self, stop_flag: threading.Event | None = None) -> concurrent.futures.Future:
+        """`bootstrap` without waiting: a future of its Bootstrap (several shards are bootstrapped at once)."""
+        return asyncio.run_coroutine_threadsafe(self._bootstrap(stop_flag or threading.Event()), self._loop)
 
     def submit(self, sub: Submission) -> None:
         """Queue a submission; a queued, unsent one with the same id is replaced (it is superseded)."""
@@ -239,7 +246,8 @@ class SyncerClient:
     def _set_up(self, up: bool, error: str = "") -> None:
         with self._lock:
             if up != self.stats.syncer_up:
-                log.info("syncer %s%s", "reachable" if up else "unreachable", f": {error}" if error else "")
+                which = "syncer" if self.shards == 1 else f"syncer shard {self.shard} ({self.url})"
+                log.info("%s %s%s", which, "reachable" if up else "unreachable", f": {error}" if error else "")
             self.stats.syncer_up, self.stats.last_error = up, error
 
     def _delay(self, attempt: int) -> float:
@@ -269,7 +277,7 @@ class SyncerClient:
         self.downlink = reg.config.get("outer", {}).get("downlink", "fp32")  # the run's, as the syncer serves it
         with self._lock:
             self._have = dict(versions)
-            self._held = {p: {n: theta[n] for n in names} for p, names in enumerate(plan)}
+            self._held = {p: {n: theta[n] for n in plan[p]} for p in versions}
         if not self._tasks:  # a second bootstrap (re-pull of Θ) must not start a second set of tasks
             self._tasks = [asyncio.create_task(c) for c in (self._sender(), self._poller(), self._heartbeat())]
         return Bootstrap(reg.config, plan, versions, self.heartbeat_s, theta)
@@ -282,6 +290,11 @@ class SyncerClient:
                 raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
                                                   message=await resp.text())
             reg = RegisterAnswer.model_validate(await resp.json())
+        if (reg.shard, reg.shards) != (self.shard, self.shards):
+            urls = "one URL" if self.shards == 1 else f"{self.shards} URLs"
+            raise SyncerRefused(f"{self.url} is syncer shard {reg.shard} of {reg.shards}, but was given as shard "
+                                f"{self.shard} of {self.shards} ({urls} in --syncer): give every shard's URL, in "
+                                "shard order, separated by commas")
         self._set_up(True)
         self.heartbeat_s = reg.heartbeat_s or self.heartbeat_s
         return reg
@@ -306,7 +319,9 @@ class SyncerClient:
         initial = await asyncio.to_thread(initial_theta, cfg)
         theta: dict[str, Tensor] = {}
         versions: dict[int, int] = {}
-        for p, names in enumerate(reg.plan_lists()):
+        plan = reg.plan_lists()
+        for p in (reg.owned if reg.owned is not None else range(len(plan))):
+            names = plan[p]
             version, tensors = await self._download(p, None, 0, {n: initial[n] for n in names})
             theta |= tensors
             versions[p] = version

@@ -20,6 +20,8 @@ import torch
 from . import devices
 from .devices import UnitGroup
 from .client import FragmentUpdate, SyncerClient
+from .sharded_client import ShardedSyncerClient, make_client
+from .shardmap import split_syncer_urls
 from .config import TrainConfig
 from .data import ShardSampler, load_corpus
 from .fsutil import atomic_write_json
@@ -89,7 +91,7 @@ class Learner:
         self.opts = opts
         self.group = UnitGroup()  # joined in _start(), once the device (and so the backend) is known
         self.stop_flag = threading.Event()
-        self.client: SyncerClient | None = None
+        self.client: SyncerClient | ShardedSyncerClient | None = None
         self.nonce = secrets.token_hex(4)
         self.outer: OuterSync | None = None  # built in _start(), once the plan and versions are known
         self.step = 0  # this incarnation's steps (its counters restart with the process)
@@ -107,9 +109,9 @@ class Learner:
         self.device = devices.select_device(self.opts.device)
         self.group = UnitGroup.from_env(self.device)
         if self.group.is_main:
-            self.client = SyncerClient(self.opts.syncer, self.opts.token, self.opts.learner_id, unit=self.opts.unit,
-                                       world_size=self.group.world_size, device=devices.describe(self.device),
-                                       poll_s=self.opts.poll_s, ca=self.opts.ca)
+            self.client = make_client(split_syncer_urls(self.opts.syncer), self.opts.token, self.opts.learner_id,
+                                      unit=self.opts.unit, world_size=self.group.world_size,
+                                      device=devices.describe(self.device), poll_s=self.opts.poll_s, ca=self.opts.ca)
             boot = self.client.bootstrap(self.stop_flag)
             info = {"config": boot.config, "plan": boot.plan, "versions": {str(k): v for k, v in boot.versions.items()}}
         else:

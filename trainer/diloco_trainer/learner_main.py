@@ -12,7 +12,8 @@ log = logging.getLogger(__name__)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--syncer", help="syncer URL, e.g. http://syncer:8470 (required)")
+    parser.add_argument("--syncer", help="syncer URL, e.g. http://syncer:8470 (required); for a sharded syncer "
+                                         "(syncer.shards N > 1) every shard's URL in shard order, comma-separated")
     parser.add_argument("--learner-id", help="this unit's id ([A-Za-z0-9_.:-], at most 128; required)")
     parser.add_argument("--unit", type=int, default=0, help="index of this unit: it trains data shard UNIT of UNITS")
     parser.add_argument("--units", type=int, default=None,
@@ -59,6 +60,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace):
     """LearnerOptions from parsed arguments; a bad value raises ValueError naming the flag."""
     from .learner import LearnerOptions
+    from .shardmap import split_syncer_urls
     from .wire import SubmissionMeta
 
     token = os.environ.get(args.token_env, "")
@@ -83,11 +85,10 @@ def options_from_args(args: argparse.Namespace):
         raise ValueError(f"--poll-s must be > 0, got {args.poll_s}")
     if not 0 <= args.metrics_port < 65536:
         raise ValueError(f"--metrics-port must be a TCP port or 0, got {args.metrics_port}")
-    if not args.syncer.startswith(("http://", "https://")):
-        raise ValueError(f"--syncer must be an http(s) URL, got {args.syncer!r}")
+    urls = split_syncer_urls(args.syncer)  # ValueError naming the bad one
     if args.ca and not Path(args.ca).is_file():
         raise ValueError(f"--ca {args.ca}: no such file")
-    if args.ca and not args.syncer.startswith("https://"):
+    if args.ca and not all(u.startswith("https://") for u in urls):
         raise ValueError(f"--ca needs an https --syncer URL, got {args.syncer!r}")
     SubmissionMeta(args.learner_id, "check", 0, 0, 1, 1)  # the id must be valid on the wire (WireError otherwise)
     return LearnerOptions(

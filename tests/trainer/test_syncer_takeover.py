@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
+from diloco_trainer.protocol import RestartHold
 from diloco_trainer.runtime.procs import Child, Supervisor, child_env, diloco_argv
 from diloco_trainer.runtime.standby import SyncerStandby
 from diloco_trainer.syncer.journal import JournalEntry, MergeJournal
-from diloco_trainer.syncer.takeover import StateLock, read_incarnations
+from diloco_trainer.syncer.takeover import StateLock, read_incarnations, wait_out_hold
 from diloco_trainer.wire import SubmissionMeta, decode_tensors, encode_submission, quantize
 from syncer_kit import AUTH, TOKEN, body, deltas_for, make_syncer, start, tiny_config, wait_for
 
@@ -68,6 +69,19 @@ def test_the_lock_of_a_holder_killed_with_sigkill_is_free_at_once(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_standby_that_took_over_waits_out_a_restart_hold_before_serving(tmp_path):
+    hold = tmp_path / "syncer.json"  # what `diloco chaos` writes for a downtime, before it kills the syncer
+    hold.write_text(RestartHold(until=time.time() + 0.6, by="test").model_dump_json())
+    assert wait_out_hold(hold) >= 0.5
+    hold.write_text(RestartHold(until=time.time() + 600, by="test").model_dump_json())
+    threading.Timer(0.3, hold.unlink).start()  # the downtime is lifted early: the file goes
+    assert wait_out_hold(hold) < 60
+    hold.write_text(RestartHold(until=time.time() - 1, by="test").model_dump_json())
+    assert wait_out_hold(hold) < 0.5, "an expired hold held"
+    hold.write_text("{not a hold")
+    assert wait_out_hold(hold) < 0.5, "a broken hold file kept the syncer down"
 
 
 # --------------------------------------------------------------------------- the merge journal

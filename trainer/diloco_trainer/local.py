@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             # books it (hence the tiny restart delay) and starts the next standby. First started by the next poll.
             syncer = sup.children["syncer"]
             sup.syncer_standby = SyncerStandby(argv, env, syncer.log_path, sup.spawn, syncer_dir,
-                                               fork=args.fork_spares)
+                                               fork=args.fork_spares, hold_file=sup.hold_dir / "syncer.json")
             syncer.restart_delay = min(syncer.restart_delay, 0.05)
 
         for i in range(args.learners):

@@ -27,8 +27,10 @@ class SyncerStandby:
     """Keeps one `argv + --standby` process waiting; `spawn(argv, env, log_path)` starts it as a supervised child."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, spawn, state_dir: Path,
-                 respawn_after_s: float = RESPAWN_AFTER_S, fork: bool = True):
+                 respawn_after_s: float = RESPAWN_AFTER_S, fork: bool = True, hold_file: Path | None = None):
         self.argv, self.env, self.log_path, self.spawn = list(argv), dict(env), log_path, spawn
+        # A chaos downtime's restart hold (the supervisor's hold file for the syncer): the standby waits it out.
+        self.standby_args = ["--standby"] + (["--hold-file", str(hold_file)] if hold_file is not None else [])
         self.state_dir, self.respawn_after_s = state_dir, respawn_after_s
         self.fork = fork and become_subreaper()  # a forked successor must be re-parented to this process
         self.proc: subprocess.Popen | Adopted | None = None
@@ -47,7 +49,7 @@ class SyncerStandby:
         if self.proc is None and time.monotonic() >= self.due:
             self.started += 1
             extra = [] if self.fork else ["--no-fork-successor"]
-            self.proc = self.spawn([*self.argv, "--standby", *extra], self.env, self.log_path)
+            self.proc = self.spawn([*self.argv, *self.standby_args, *extra], self.env, self.log_path)
             self.known.add(self.proc.pid)
 
     def _successor(self) -> Adopted | None:

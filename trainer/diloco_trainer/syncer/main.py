@@ -14,7 +14,7 @@ from pathlib import Path
 from diloco_trainer.config import TrainConfig
 from diloco_trainer.fsutil import atomic_write_json
 
-from .takeover import Incarnation, StateLock, fork_successor, record_incarnation
+from .takeover import Incarnation, StateLock, fork_successor, record_incarnation, wait_out_hold
 
 log = logging.getLogger("diloco.syncer")
 
@@ -43,6 +43,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-fork-successor", dest="fork_successor", action="store_false",
                         help="with --standby: do not fork the next standby on taking over (the supervisor then starts "
                              "one from scratch; forking needs the supervisor to be a child subreaper, as diloco local)")
+    parser.add_argument("--hold-file", default=None, metavar="FILE",
+                        help="before serving, wait while FILE holds a restart hold in force (a RestartHold document: "
+                             "a chaos downtime; diloco local passes RUN/holds/syncer.json to its standby)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -104,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
             break
         # This is the successor: already warm, it waits for the lock the new syncer holds.
         args.started_at, args.warm_s = time.time(), 0.0
+    if args.hold_file and (held := wait_out_hold(Path(args.hold_file))) > 0.05:
+        log.info("served only after a restart hold of %.1f s (%s)", held, args.hold_file)
+        args.locked_at = time.time()
     try:
         return asyncio.run(_serve(args, config, token))
     except ValueError as exc:  # e.g. a checkpoint written for another model

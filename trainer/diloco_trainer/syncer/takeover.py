@@ -153,3 +153,21 @@ def fork_successor(state_dir: Path, lock: StateLock, supervisor: int) -> bool:
         os._exit(1)
     atomic_write_json(state_dir / SUCCESSOR, {"pid": os.getpid(), "forked_at": time.time()})
     return True
+
+
+def wait_out_hold(path: Path, poll_s: float = 0.05) -> float:
+    """Block while the restart hold at `path` (protocol.RestartHold, written by `diloco chaos` for a downtime) is in
+    force: a standby that took over must not serve before the downtime ends. Returns the seconds waited; a missing,
+    expired or unreadable hold does not hold anything (a broken outside tool must not keep the syncer down)."""
+    from diloco_trainer.protocol import RestartHold
+
+    t0 = time.monotonic()
+    while True:
+        try:
+            until = RestartHold.model_validate_json(path.read_bytes()).until
+        except (OSError, ValueError):
+            return time.monotonic() - t0
+        left = until - time.time()
+        if left <= 0:
+            return time.monotonic() - t0
+        time.sleep(min(poll_s, left))

@@ -17,6 +17,7 @@ NAME = "downlink"
 DOWNLINKS = ("fp32", "int4", "int2")
 TARGET_RATIO = 1.1  # bytes received per learner step ≤ 1.1 × bytes sent
 TARGET_LOSS = 0.005  # ≤ 0.5% extra validation loss vs the fp32 down-link
+COLORS = {"fp32": "#8c564b", "int4": report.color("int4"), "int2": "#2ca02c"}
 
 
 def specs(ctx: report.Context) -> list[tuple[str, runs.RunSpec]]:
@@ -105,8 +106,8 @@ def plot(result: dict, path: Path) -> Path:
     ups = [_mean(measured[dl], "up_per_step") for dl in dls]
     downs = [_mean(measured[dl], "down_per_step") for dl in dls]
     ddp = _mean(measured[dls[0]], "ddp_per_step")
-    bu = a.bar([i - 0.2 for i in x], ups, 0.4, color=[report.color(dl) for dl in dls], label="sent (up)")
-    bd = a.bar([i + 0.2 for i in x], downs, 0.4, color="white", edgecolor=[report.color(dl) for dl in dls],
+    bu = a.bar([i - 0.2 for i in x], ups, 0.4, color=[COLORS[dl] for dl in dls], label="sent (up)")
+    bd = a.bar([i + 0.2 for i in x], downs, 0.4, color="white", edgecolor=[COLORS[dl] for dl in dls],
                hatch="..", label="received (down)")
     for bars in (bu, bd):
         for bar in bars:
@@ -125,7 +126,7 @@ def plot(result: dict, path: Path) -> Path:
     shown = [dl for dl in dls if dl in cost and dl != "fp32"]
     if shown:
         bars = b.bar(shown, [100 * cost[dl]["mean"] for dl in shown], yerr=[100 * cost[dl]["std"] for dl in shown],
-                     capsize=4, color=[report.color(dl) for dl in shown])
+                     capsize=4, color=[COLORS[dl] for dl in shown])
         for dl, bar in zip(shown, bars):
             for v in cost[dl]["values"]:
                 b.plot(bar.get_x() + bar.get_width() / 2, 100 * v, "k.", ms=5)

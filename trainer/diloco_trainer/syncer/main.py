@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     supervisor = os.getppid()
     args.started_at = time.time()
     t0 = time.monotonic()
-    _warm_up(config)
+    _warm_up(config, build=args.standby)
     args.warm_s = time.monotonic() - t0
     while True:
         lock = StateLock(Path(args.state_dir))
@@ -117,15 +117,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def _warm_up(config: TrainConfig) -> None:
-    """What a restart would otherwise pay before it can load state: the imports and a first model build."""
+def _warm_up(config: TrainConfig, build: bool) -> None:
+    """What a restart would otherwise pay before it can load state: the imports and (a standby, which has time to
+    spare) a first model build, which warms torch's allocator and kernels; a cold start builds the model once, when
+    it loads its state."""
     from aiohttp import web  # noqa: F401
-
-    from diloco_trainer.model import build_model
 
     from . import app, state  # noqa: F401
 
-    build_model(config.model, config.seed)
+    if build:
+        from diloco_trainer.model import build_model
+
+        build_model(config.model, config.seed)
 
 
 async def _serve(args: argparse.Namespace, config: TrainConfig, token: str) -> int:

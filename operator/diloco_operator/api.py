@@ -215,6 +215,9 @@ class DilocoJobSpec(_Api):
 
     @model_validator(mode="after")
     def _consistent(self) -> "DilocoJobSpec":
+        if self.config.syncer.shards != 1:  # the CRD's CEL rule says the same
+            raise ValueError("config.syncer.shards must be 1 in a DilocoJob: the operator does not run syncer shards "
+                             "yet (diloco local --syncer-shards N does)")
         names = [u.name for u in self.units]
         if len(set(names)) != len(names):
             raise ValueError(f"units[].name must be unique, got {names}")

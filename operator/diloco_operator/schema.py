@@ -122,6 +122,10 @@ CONFIG_RULES = [
           f"{TENSORS_FIXED} + {TENSORS_PER_LAYER} * {_N_LAYERS}",
           f"config.outer.fragments (P) must not exceed the model's parameter tensors "
           f"({TENSORS_FIXED} + {TENSORS_PER_LAYER} x config.model.n_layers)", ".outer.fragments"),
+    # The operator runs one syncer; syncer shards run under `diloco local --syncer-shards` or by hand (for now).
+    _rule(f"{_or_default('self', 'syncer.shards', 1)} == 1",
+          "config.syncer.shards must be 1 in a DilocoJob: the operator does not run syncer shards yet "
+          "(diloco local --syncer-shards N does)", ".syncer.shards"),
 ]
 OUTER_RULES = [
     _rule(f"{_or_default('self', 'overlap', _default(OuterConfig, 'overlap'))} < "

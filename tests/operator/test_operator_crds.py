@@ -96,6 +96,8 @@ BAD = [
      "spec.config.outer.fragments"),
     ("more fragments than the default model's tensors", _with("spec.config.outer", {"quorum": 2, "fragments": 37}),
      "spec.config.outer.fragments"),
+    ("syncer shards, which the operator does not run yet", _with("spec.config.syncer", {"shards": 2}),
+     "spec.config.syncer.shards"),
     # spec.autoscaling (issue 9).
     ("autoscaling minUnits above maxUnits", _with("spec.autoscaling", {"minUnits": 5, "maxUnits": 2}),
      "spec.autoscaling.minUnits"),

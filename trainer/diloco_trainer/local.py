@@ -18,6 +18,7 @@ from .runtime.procs import Child, StopFlag, Supervisor
 from .runtime.rundir import make_run_dir, write_config
 from .runtime.session import (DEFAULT_CONFIG, DEFAULT_MINUTES, DEFAULT_STEPS, RunSession, load_config,
                               parse_slowdown)
+from .runtime.shards import StandbyGroup, combine_final_checkpoints, syncer_names
 from .runtime.spares import SparePool
 from .runtime.standby import SyncerStandby
 from .tls import make_authority
@@ -52,6 +53,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-syncer-standby", dest="syncer_standby", action="store_false",
                         help="no warm standby syncer: a syncer that dies is restarted from scratch (~5-10 s on a busy "
                              "machine instead of well under 1 s; see runtime/standby.py)")
+    parser.add_argument("--syncer-shards", type=int, default=None, metavar="N",
+                        help="run the syncer as N shards (default: the config's syncer.shards): processes syncer-0 .. "
+                             "syncer-{N-1}, shard i owning fragments p with p mod N = i, each with its own state "
+                             "directory and warm standby; a dead shard stops only its own fragments")
     parser.add_argument("--no-restart", action="store_true", help="do not restart processes that die")
     parser.add_argument("--checkpoint-every-s", type=float, default=5.0,
                         help="the syncer checkpoints at most this often (what a syncer crash can cost)")
@@ -74,6 +79,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()  # --minutes counts from here: start-up is part of the budget
     cfg = load_config(args.config, args.set)
+    if args.syncer_shards is not None:
+        cfg = load_config(args.config, [*args.set, f"syncer.shards={args.syncer_shards}"])  # validated as the config
+    names = syncer_names(cfg.syncer.shards)
     if args.learners < 1:
         raise SystemExit("diloco local: --learners must be >= 1")
     slowdown = parse_slowdown(args.slowdown, args.learners)
@@ -85,13 +93,13 @@ def run(args: argparse.Namespace) -> int:
                          "--spares >= 0")
 
     try:
-        children = ["syncer"] + [f"learner-{i}" for i in range(args.learners)]
+        children = names + [f"learner-{i}" for i in range(args.learners)]
         prefixes = launch.parse_exec_prefixes(args.exec_prefix, children)
     except ValueError as exc:
         raise SystemExit(f"diloco local: {exc}") from None
     if prefixes and args.spares and not args.no_restart:
         raise SystemExit("diloco local: --exec-prefix needs --spares 0 (a warm spare runs without the prefix)")
-    if "syncer" in prefixes and args.syncer_standby and args.fork_spares and not args.no_restart:
+    if any(n in prefixes for n in names) and args.syncer_standby and args.fork_spares and not args.no_restart:
         raise SystemExit("diloco local: --exec-prefix syncer=... needs --no-syncer-standby or --no-fork-spares (a "
                          "forked standby syncer runs without the prefix)")
     try:
@@ -106,38 +114,46 @@ def run(args: argparse.Namespace) -> int:
 
     stop = StopFlag()
     with Supervisor(run_dir / "processes.json", run_dir / "events.jsonl", run_dir / "holds") as sup, stop.installed():
-        syncer_dir = run_dir / "syncer"
+        syncer_dirs = [run_dir / name for name in names]  # "syncer", or one directory per shard
         hosts = sorted({args.syncer_host, "127.0.0.1", "localhost"})
         tls = make_authority(run_dir / "tls", hosts) if args.tls else None
         tls_syncer = ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)] if tls else []
-        sup.add(Child("syncer", "syncer", prefixes.get("syncer", []) + procs.diloco_argv(
-            "syncer", "--config", str(config_path), "--host", args.syncer_host, "--port", "0",
-            "--state-dir", str(syncer_dir), "--token-env", "DILOCO_TOKEN",
-            "--checkpoint-every-s", f"{args.checkpoint_every_s:g}", *tls_syncer),
-            env, run_dir / "logs" / "syncer.log", restart=not args.no_restart,
-            restart_delay=args.restart_delay, meta={"state_dir": str(syncer_dir)}))
-        sup.start("syncer")
+        for i, (name, syncer_dir) in enumerate(zip(names, syncer_dirs)):
+            shard = ["--shard", str(i)] if len(names) > 1 else []
+            sup.add(Child(name, "syncer", prefixes.get(name, []) + procs.diloco_argv(
+                "syncer", "--config", str(config_path), "--host", args.syncer_host, "--port", "0",
+                "--state-dir", str(syncer_dir), "--token-env", "DILOCO_TOKEN",
+                "--checkpoint-every-s", f"{args.checkpoint_every_s:g}", *shard, *tls_syncer),
+                env, run_dir / "logs" / f"{name}.log", restart=not args.no_restart,
+                restart_delay=args.restart_delay,
+                meta={"state_dir": str(syncer_dir), **({"shard": i} if shard else {})}))
+            sup.start(name)
         # While the syncer starts: cache the corpus once (learners then load it fast), check the shards, and
         # compute the unigram baseline.
         session.prepare_data()
-        endpoint = session.wait_for_syncer(sup, syncer_dir / "endpoint.json", token, ca=tls.ca if tls else None)
-        # A restarted syncer must come back on the same port: the learners know only this URL.
-        argv = sup.children["syncer"].argv
-        argv[argv.index("--port") + 1] = str(endpoint["port"])
-        sup.children["syncer"].meta["url"] = endpoint["url"]
-        if args.syncer_standby and not args.no_restart:
-            # Waits on the state directory's lock and serves the moment the syncer dies; the supervisor then only
-            # books it (hence the tiny restart delay) and starts the next standby. First started by the next poll.
-            syncer = sup.children["syncer"]
-            sup.syncer_standby = SyncerStandby(argv, env, syncer.log_path, sup.spawn, syncer_dir,
-                                               fork=args.fork_spares, hold_file=sup.hold_dir / "syncer.json")
-            syncer.restart_delay = min(syncer.restart_delay, 0.05)
+        endpoints = session.wait_for_shards(sup, names, [d / "endpoint.json" for d in syncer_dirs], token,
+                                            ca=tls.ca if tls else None)
+        standbys = []
+        for name, syncer_dir, endpoint in zip(names, syncer_dirs, endpoints):
+            # A restarted syncer must come back on the same port: the learners know only this URL.
+            syncer = sup.children[name]
+            syncer.argv[syncer.argv.index("--port") + 1] = str(endpoint["port"])
+            syncer.meta["url"] = endpoint["url"]
+            if args.syncer_standby and not args.no_restart:
+                # Waits on the state directory's lock and serves the moment the syncer dies; the supervisor then only
+                # books it (hence the tiny restart delay) and starts the next standby. First started by the next poll.
+                standbys.append(SyncerStandby(syncer.argv, env, syncer.log_path, sup.spawn, syncer_dir,
+                                              fork=args.fork_spares, hold_file=sup.hold_dir / f"{name}.json"))
+                syncer.restart_delay = min(syncer.restart_delay, 0.05)
+        if standbys:
+            sup.syncer_standby = standbys[0] if len(standbys) == 1 else StandbyGroup(standbys)
+        syncer_urls = ",".join(e["url"] for e in endpoints)  # in shard order: what learners take as --syncer
 
         for i in range(args.learners):
             name = f"learner-{i}"
             state_dir = run_dir / "learners" / name
             learner_argv = prefixes.get(name, []) + procs.diloco_argv(
-                "learner", "--syncer", endpoint["url"], "--learner-id", name,
+                "learner", "--syncer", syncer_urls, "--learner-id", name,
                 "--unit", str(i), "--units", str(args.learners), "--state-dir", str(state_dir),
                 "--steps", str(steps), "--slowdown", f"{slowdown[i]:g}", "--log-every", str(args.log_every),
                 "--device", "cpu", "--drain-s", "20")
@@ -163,14 +179,17 @@ def run(args: argparse.Namespace) -> int:
         # take a while, and a learner killed here would lose the acknowledgements it has not logged yet.
         sup.stop([c.name for c in sup.children.values() if c.role == "learner"], timeout=60.0)
         session.drain_syncer(sup, timeout=20.0)
-        sup.stop(["syncer"], timeout=60.0)  # SIGTERM: the syncer writes its final checkpoint
+        sup.stop(names, timeout=60.0)  # SIGTERM: each syncer (shard) writes its final checkpoint
         sup.poll()
         session.close_display()
         for event in sup.events:
             if event["event"] == "kill":
                 print(f"warning: {event['name']} had to be killed: {event.get('reason')}", file=sys.stderr)
 
-    _copy_final_checkpoint(syncer_dir, run_dir / "final")
+    if len(syncer_dirs) == 1:
+        _copy_final_checkpoint(syncer_dirs[0], run_dir / "final")
+    else:
+        combine_final_checkpoints(syncer_dirs, run_dir / "final")
     summary = session.finish(sup, train_end - started, stop_reason=reason)
     return 0 if summary.get("val_loss") is not None else 1
 

@@ -202,12 +202,15 @@ class SyncerSample(_Document):
 
     time: float
     elapsed_s: float
-    up: bool
-    status: SyncerStatus | None = None
+    up: bool  # a sharded syncer: every shard answered
+    status: SyncerStatus | None = None  # a sharded syncer: the shards that answered, merged (runtime/shards.py)
+    shards_up: list[bool] | None = None  # a sharded syncer: which shards answered
 
     def to_line(self) -> dict:
         """The flat JSON line (status fields beside time/elapsed_s/up, as the file has always held them)."""
         line = {"time": self.time, "elapsed_s": self.elapsed_s, "up": self.up}
+        if self.shards_up is not None:
+            line["shards_up"] = self.shards_up
         if self.status is not None:
             line.update(self.status.model_dump(mode="json"))
         return line
@@ -215,7 +218,8 @@ class SyncerSample(_Document):
     @classmethod
     def from_line(cls, line: dict) -> "SyncerSample":
         status = SyncerStatus.model_validate(line) if line.get("up") else None
-        return cls(time=line["time"], elapsed_s=line.get("elapsed_s", 0.0), up=bool(line.get("up")), status=status)
+        return cls(time=line["time"], elapsed_s=line.get("elapsed_s", 0.0), up=bool(line.get("up")), status=status,
+                   shards_up=line.get("shards_up"))
 
 
 # ------------------------------------------------------------------------------------------ run directory

@@ -34,6 +34,7 @@ class View:
     learners: list[LearnerView] = field(default_factory=list)
     syncer: SyncerStatus | None = None  # the last /v1/status answer, None while the syncer is away
     syncer_restarts: int = 0
+    shards_up: list[bool] | None = None  # a sharded syncer: which shards answered the last sample
     no_syncer: str | None = None  # baselines: what stands in for the syncer line (e.g. "all-reduce every step")
     goodput: float | None = None
     tokens_trained: int = 0
@@ -105,11 +106,13 @@ def syncer_text(view: View) -> Text:
     if s is None:
         return Text(f"syncer: away{restarts}", style="yellow")
     live = sum(1 for ls in s.learners.values() if ls.live)
+    shards = "" if view.shards_up is None else f"{sum(view.shards_up)}/{len(view.shards_up)} shards up, "
+    style = "yellow" if view.shards_up is not None and not all(view.shards_up) else None
     return Text(
-        f"syncer: outer steps {s.outer_steps}, merges {s.merges}, goodput {goodput} "
+        f"syncer: {shards}outer steps {s.outer_steps}, merges {s.merges}, goodput {goodput} "
         f"(tokens merged {human(s.tokens_merged)} over {s.fragments} fragments, "
         f"trained {human(view.tokens_trained)}), live learners {live}, pending {s.pending_total}, "
-        f"grace {s.grace_s:.2f}s{restarts}"
+        f"grace {s.grace_s:.2f}s{restarts}", style=style or ""
     )
 
 
@@ -125,5 +128,6 @@ def plain_line(view: View) -> str:
     if view.no_syncer:
         parts.append(f"| {view.no_syncer}")
     else:
-        parts.append(f"| syncer outer={s.outer_steps} merges={s.merges}" if s else "| syncer away")
+        shards = "" if view.shards_up is None else f" shards_up={sum(view.shards_up)}/{len(view.shards_up)}"
+        parts.append(f"| syncer{shards} outer={s.outer_steps} merges={s.merges}" if s else "| syncer away")
     return " ".join(parts)

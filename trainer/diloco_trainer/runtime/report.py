@@ -113,6 +113,10 @@ def summary_lines(s: dict) -> list[str]:
         lost = (f" (lost {s['lost_steps']:,} learner steps, trained again from checkpoints)"
                 if "lost_steps" in s else "")
         lines.append(f"restarts: {s['restarts']}{lost}")
+    syncer = s.get("syncer") or {}
+    if syncer.get("shards", 1) > 1:
+        lines.append(f"syncer: {syncer['shards']} shards (fragment p on shard p mod {syncer['shards']}), outer steps "
+                     f"per fragment {syncer.get('outer_steps')}")
     b = s.get("bytes") or {}
     if b:
         sent = b.get("sent_per_learner_step")

@@ -19,6 +19,7 @@ from . import progress, report
 from .procs import Supervisor
 from .rundir import append_jsonl, last_jsonl, learner_slots, learner_totals, metrics_records
 from .summary import build_summary, write_outputs
+from .shards import ShardsClient
 from .syncer_client import SyncerClient, wait_for_endpoint
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "local.yaml"  # the repository's configs/
@@ -82,13 +83,15 @@ class RunSession:
         self.plain = plain or not sys.stdout.isatty()
         self.eval_batches, self.n_snapshots = eval_batches, snapshots
         self.learners: dict[str, dict] = {}
-        self.client: SyncerClient | None = None
-        self.endpoint_path: Path | None = None
-        self.serving_pid: int | None = None  # the syncer process endpoint.json named last
+        self.client: SyncerClient | ShardsClient | None = None
+        self.syncer_names: list[str] = ["syncer"]  # supervised children: one syncer, or one per shard (shards.py)
+        self.endpoint_paths: list[Path] = []
+        self.serving_pids: dict[str, int | None] = {}  # per syncer child: the process endpoint.json named last
+        self.shards_up: list[bool] | None = None  # sharded: which shards answered the last sample
         self.status: SyncerStatus | None = None
         self.goodput: float | None = None  # live, from the run directory and the syncer's merged steps
         self.messages: list[str] = []
-        self.bytes_up: dict[int, float] = {}  # syncer incarnation -> outer-gradient bytes received so far
+        self.bytes_up: dict[tuple[str, int], float] = {}  # (syncer, incarnation) -> outer-gradient bytes so far
         self.snapshots_taken = 0
         self.started = time.monotonic()
         self.started_wall = time.time()
@@ -114,18 +117,24 @@ class RunSession:
         self.message(f"corpus: {len(self.corpus.train):,} train / {len(self.corpus.val):,} validation bytes, "
                      f"unigram baseline {self.unigram:.3f} nats/byte")
 
-    def wait_for_syncer(self, sup: Supervisor, endpoint_path: Path, token: str, timeout: float = 120.0,
-                        ca: Path | None = None) -> dict:
-        """Block until the syncer listens; returns endpoint.json ({url, port, ...})."""
-        try:
-            endpoint = wait_for_endpoint(endpoint_path, lambda: sup.children["syncer"].alive, timeout)
-        except RuntimeError as exc:
-            raise SystemExit(f"{exc}; see {sup.children['syncer'].log_path}") from None
-        self.client = SyncerClient(endpoint["url"], token, ca=ca)
-        self.endpoint_path, self.serving_pid = endpoint_path, endpoint.get("pid")
-        self.message(f"syncer listening on {endpoint['url']}")
+    def wait_for_shards(self, sup: Supervisor, names: list[str], endpoint_paths: list[Path], token: str,
+                        timeout: float = 120.0, ca: Path | None = None) -> list[dict]:
+        """Block until every syncer (shard) child `names` listens; returns their endpoint.json documents."""
+        endpoints = []
+        for name, path in zip(names, endpoint_paths):
+            try:
+                endpoint = wait_for_endpoint(path, lambda name=name: sup.children[name].alive, timeout)
+            except RuntimeError as exc:
+                raise SystemExit(f"{name}: {exc}; see {sup.children[name].log_path}") from None
+            endpoints.append(endpoint)
+            self.serving_pids[name] = endpoint.get("pid")
+            owned = f" (fragments {endpoint.get('owned')})" if len(names) > 1 else ""
+            self.message(f"{name} listening on {endpoint['url']}{owned}")
+        urls = [e["url"] for e in endpoints]
+        self.client = SyncerClient(urls[0], token, ca=ca) if len(urls) == 1 else ShardsClient(urls, token, ca=ca)
+        self.syncer_names, self.endpoint_paths = list(names), list(endpoint_paths)
         self._snapshot(force=True)  # Θ₀: the first point of the global model's validation curve
-        return endpoint
+        return endpoints
 
     def add_learner(self, name: str, state_dir: Path, steps: int, slowdown: float) -> None:
         self.learners[name] = {"state_dir": state_dir, "steps": steps, "slowdown": slowdown,
@@ -224,8 +233,12 @@ class RunSession:
         if self.client is None:
             return
         self.status = self.client.status()
+        sharded = isinstance(self.client, ShardsClient)
+        self.shards_up = list(self.client.up) if sharded else None
+        # Sharded: "up" only while every shard answers (the status then covers every fragment).
         sample = SyncerSample(time=time.time(), elapsed_s=time.monotonic() - self.started,
-                              up=self.status is not None, status=self.status)
+                              up=self.status is not None and (not sharded or all(self.shards_up)),
+                              status=self.status, shards_up=self.shards_up)
         append_jsonl(self.run_dir / "syncer.jsonl", sample.to_line())
         self._note_new_syncer()
         if self.status is not None:
@@ -236,26 +249,29 @@ class RunSession:
 
     def _note_new_syncer(self) -> None:
         """One progress line when another syncer process serves (endpoint.json names it), with its takeover time."""
-        try:
-            endpoint = json.loads(self.endpoint_path.read_text())
-        except (OSError, ValueError):  # being replaced, or gone at shutdown
-            return
-        pid = endpoint.get("pid")
-        if pid is None or pid == self.serving_pid:
-            return
-        self.serving_pid = pid
-        how = "warm standby" if endpoint.get("standby") else "cold start"
-        takeover = endpoint.get("takeover_s")
-        self.message(f"syncer pid {pid} serving ({how}" +
-                     (f"; {takeover:.2f} s from the state lock to serving)" if takeover is not None else ")"))
+        for name, path in zip(self.syncer_names, self.endpoint_paths):
+            try:
+                endpoint = json.loads(path.read_text())
+            except (OSError, ValueError):  # being replaced, or gone at shutdown
+                continue
+            pid = endpoint.get("pid")
+            if pid is None or pid == self.serving_pids.get(name):
+                continue
+            self.serving_pids[name] = pid
+            how = "warm standby" if endpoint.get("standby") else "cold start"
+            takeover = endpoint.get("takeover_s")
+            self.message(f"{name} pid {pid} serving ({how}" +
+                         (f"; {takeover:.2f} s from the state lock to serving)" if takeover is not None else ")"))
 
     def _scrape_bytes(self, sup: Supervisor) -> None:
-        text = self.client.metrics_text() if self.client else None
-        if text is None:
+        if self.client is None:
             return
-        value = report.prometheus_sum(text, "diloco_syncer_bytes_received", endpoint="outer-gradient")
-        if value is not None:  # per syncer incarnation: a restarted syncer starts its counters at zero
-            self.bytes_up[len(sup.children["syncer"].starts)] = value
+        texts = self.client.metrics_texts() if isinstance(self.client, ShardsClient) else [self.client.metrics_text()]
+        for name, text in zip(self.syncer_names, texts):
+            value = None if text is None else report.prometheus_sum(text, "diloco_syncer_bytes_received",
+                                                                    endpoint="outer-gradient")
+            if value is not None:  # per syncer incarnation: a restarted syncer starts its counters at zero
+                self.bytes_up[(name, len(sup.children[name].starts))] = value
 
     def _progress_fraction(self) -> float:
         """How far training is: by steps, or by the part of the time budget left once training began
@@ -329,11 +345,11 @@ class RunSession:
             views.append(progress.LearnerView(name, status, child.restarts if child else 0, rec,
                                               self._total_steps(name), info["steps"], info["slowdown"],
                                               info.get("rate") if status == "running" else None))
-        syncer = sup.children.get("syncer")
+        syncers = [sup.children[n] for n in self.syncer_names if n in sup.children]
         return progress.View(
             title=f"diloco {self.mode} — {self.run_dir}", elapsed_s=time.monotonic() - self.started,
             budget_s=self.budget_s, learners=views, syncer=self.status,
-            syncer_restarts=syncer.restarts if syncer else 0, goodput=self.goodput,
+            syncer_restarts=sum(c.restarts for c in syncers), shards_up=self.shards_up, goodput=self.goodput,
             no_syncer=None if self.mode == "decoupled" else _BASELINE_NOTE.get(self.mode, self.mode),
             tokens_trained=self._tokens_trained(), messages=self.messages)
 
@@ -367,7 +383,7 @@ class RunSession:
 
     def drain_syncer(self, sup: Supervisor, timeout: float) -> None:
         """After the learners stopped: wait (bounded) until nothing is pending, so Θ includes every ack."""
-        if self.client is None or not sup.children["syncer"].alive:
+        if self.client is None or not any(sup.children[n].alive for n in self.syncer_names):
             return
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -107,6 +107,7 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
     if mode == "decoupled":
         merged = merged_by_learner(state)
         summary["syncer"] = {k: state.get(k) for k in ("outer_steps", "versions") if k in state}
+        summary["syncer"]["shards"] = cfg.syncer.shards
         summary["merged"] = merged
         summary["tokens_merged"] = sum(m["tokens_merged"] for m in merged.values())
         slots = learner_slots(run_dir, {lid: m["steps_merged"] for lid, m in merged.items()}, cfg.outer.fragments)

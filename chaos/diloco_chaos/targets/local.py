@@ -251,6 +251,10 @@ class LocalTarget:
             if "syncer" in units:  # the syncer "trains" when it serves: its progress is the outer step count
                 units["syncer"].lines.append((t, status.outer_steps + 1))
                 units["syncer"].merged.append((t, status.contributions_merged))
+            for shard in range(status.shards if status.shards > 1 else 0):  # syncer-<i>: its own fragments' steps
+                if f"syncer-{shard}" in units:
+                    steps = sum(n for p, n in status.outer_steps_per_fragment.items() if int(p) % status.shards == shard)
+                    units[f"syncer-{shard}"].lines.append((t, steps + 1))
             for lid, info in status.learners.items():
                 if lid in units:
                     units[lid].merged.append((t, info.submissions_merged))

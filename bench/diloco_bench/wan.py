@@ -17,6 +17,7 @@ reaches the target (or its time runs out).
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +109,9 @@ def launch(net: netns.Network, setting: Setting, method: str) -> runs.Launch:
 def over(ctx: report.Context, setting: Setting, spec: runs.RunSpec) -> dict:
     """Run `spec` with its processes behind the setting's links; the network exists only for the run. Before the
     run, a probe measures what the last learner's link really does (round trip and throughput to its peer)."""
+    check_path = ctx.out_dir / "runs" / f"{spec.key}.link.json"
+    if (ctx.out_dir / "runs" / spec.key / "summary.json").exists() and check_path.exists():  # done before
+        return {**runs.ensure(ctx, spec), "link_check": json.loads(check_path.read_text())}
     plan = netns.new_plan(setting.nodes(spec.method))
     (ctx.out_dir / "runs").mkdir(parents=True, exist_ok=True)
     with netns.Network(plan, log_path=ctx.out_dir / "runs" / "delayline.log") as net:
@@ -118,6 +122,7 @@ def over(ctx: report.Context, setting: Setting, spec: runs.RunSpec) -> dict:
         ctx.log(f"  link check, {spec.label}: {last} -> {peer} RTT {1000 * measured['rtt_s']:.0f} ms, "
                 f"{measured['mbit_per_s']:.2f} Mbit/s (links set: {last} {link.describe()}; {peer} "
                 f"{plan.link(peer).describe()})")
+        report.write_json(check_path, measured)
         summary = runs.ensure(ctx, spec, launch=launch(net, setting, spec.method))
     summary["link_check"] = measured
     return summary
@@ -229,16 +234,16 @@ def _fill(result: dict, scale: dict, level: float, refs: dict, rows: dict) -> No
                               _x(t_m, sync["time_to_target_s"]), r["how"]])
     hetero = list(rows)[-1]
     for name in list(rows)[:-1]:
-        d, s = rows[name]["decoupled"], rows[name]["sync-diloco"]
-        speedup = s["time_to_target_s"] / d["time_to_target_s"] if d["time_to_target_s"] and s["time_to_target_s"] \
-            else None
-        report.target(result, f"decoupled vs sync DiLoCo over {name}-equivalent links",
-                      "the paper: > 20× faster than synchronous training (12B, 2-5 Gbps)",
-                      f"{speedup:.1f}× faster" if speedup else "decoupled did not reach the loss",
-                      None if speedup is None else speedup > 20,
-                      "" if speedup is None or speedup > 20 else
-                      f"DDP over the same links: {rows[name]['ddp']['time_to_target_s'] / d['time_to_target_s']:.0f}× "
-                      "slower than Decoupled" if rows[name]['ddp']['time_to_target_s'] else "")
+        d = rows[name]["decoupled"]["time_to_target_s"]
+        for base, who in (("ddp", "DDP (conventional data-parallel)"), ("sync-diloco", "synchronous DiLoCo")):
+            b = rows[name][base]["time_to_target_s"]
+            speedup = b / d if b and d else None
+            report.target(result, f"decoupled vs {who}, {name}-equivalent links",
+                          "> 20× faster (the paper: 12B over 2-5 Gbps, vs conventional synchronous training)",
+                          f"{speedup:.1f}× faster" if speedup else "not reached", None if speedup is None else
+                          speedup > 20, "" if base == "ddp" or speedup is None or speedup > 20 else
+                          "synchronous DiLoCo already divides DDP's traffic by H: at this load its all-reduce "
+                          "costs a few of its rounds' compute, not tens")
     d, s = rows[hetero]["decoupled"], rows[hetero]["sync-diloco"]
     ratio = d["time_to_target_s"] / s["time_to_target_s"] if d["time_to_target_s"] and s["time_to_target_s"] else None
     report.target(result, "decoupled vs sync DiLoCo, one learner behind a slow link",
@@ -276,6 +281,7 @@ def plot(result: dict, path: Path) -> Path:
             ax.plot(times, losses, "o-", ms=3, color=report.color(m), label=m)
         ax.axhline(level, color="k", ls=":", lw=1)
         ax.set_xscale("symlog", linthresh=10.0)
+        ax.set_xlim(left=0)
         ax.set_xlabel("wall time of training (s, log past 10; baselines: loopback curve ÷ tokens/s over the link)")
         ax.set_ylabel("validation loss of the global model")
         rate = fig_data["scaling"]["links"][name]["rate_mbit"]

@@ -1,7 +1,7 @@
 """The compressed down-link: fragment versions published as quantized updates that every learner reconstructs
 bit-identically, the bounded history of those updates, and their safetensors wire format (docs/protocol.md).
 
-With `outer.downlink` int8/int4 the syncer's published Θ_p is *defined* by its updates:
+With `outer.downlink` int8/int4/int2 the syncer's published Θ_p is *defined* by its updates:
   Θ_p(v) = Θ_p(prev) + dequantize(quantize(Θ_p*(v) − Θ_p(prev) + r)),  r ← what quantization dropped,
 where Θ_p* is the exact outer-step result. `apply_update` is the one function both sides use for the sum, so a
 learner holding Θ_p(prev) gets exactly the syncer's Θ_p(v) (elementwise fp32 multiply then add: no fused op).
@@ -21,7 +21,6 @@ from torch import Tensor
 from .model import build_model
 from .wire import WireError, decode_tensors, dequantize, encode_tensors, quantize
 
-DOWNLINKS = ("fp32", "bf16", "int8", "int4", "int2")
 QUANTIZED = ("int8", "int4", "int2")
 Parts = dict[str, dict[str, Tensor]]  # parameter name -> {"q", "scale"}
 
@@ -145,9 +144,6 @@ class UpdateHistory:
             out.append(u)
             v = u.prev
         return out[::-1]
-
-    def __len__(self) -> int:
-        return len(self._by_version)
 
 
 def update_nbytes(parts: Parts) -> int:

@@ -255,6 +255,7 @@ class LocalTarget:
                 if f"syncer-{shard}" in units:
                     steps = sum(n for p, n in status.outer_steps_per_fragment.items() if int(p) % status.shards == shard)
                     units[f"syncer-{shard}"].lines.append((t, steps + 1))
+                    units[f"syncer-{shard}"].merged.append((t, steps))  # each outer step merged >= 1 contribution
             for lid, info in status.learners.items():
                 if lid in units:
                     units[lid].merged.append((t, info.submissions_merged))

@@ -46,3 +46,20 @@ def atomic_write(path: Path, data: bytes) -> None:
 def atomic_write_json(path: Path, obj, indent: int | None = None) -> None:
     """`atomic_write` of `obj` as JSON."""
     atomic_write(path, json.dumps(obj, indent=indent).encode())
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """All complete JSON lines of a file (a torn last line, from a killed writer, is skipped)."""
+    if not path.exists():
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out

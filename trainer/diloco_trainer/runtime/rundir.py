@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from ..config import TrainConfig
-from ..fsutil import atomic_write_json
+from ..fsutil import atomic_write_json, read_jsonl  # noqa: F401 - read_jsonl is part of this module's API
 from ..goodput import Slot, slot
 from ..protocol import MetricsRecord
 
@@ -52,23 +52,6 @@ def write_json(path: Path, obj) -> None:
 def append_jsonl(path: Path, record: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """All complete JSON lines of a file (a torn last line, from a killed writer, is skipped)."""
-    if not path.exists():
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
 
 
 def last_jsonl(path: Path, window: int = 16384) -> dict | None:

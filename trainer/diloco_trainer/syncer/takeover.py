@@ -18,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..fsutil import read_jsonl
+
 LOCK_FILE = "serve.lock"
 INCARNATIONS = "incarnations.jsonl"
 SUCCESSOR = "standby.json"  # {"pid": ...} of the standby a takeover forked, for the supervisor to adopt
@@ -111,17 +113,7 @@ def record_incarnation(state_dir: Path, inc: Incarnation) -> None:
 
 def read_incarnations(state_dir: Path) -> list[dict]:
     """Every recorded incarnation, oldest first (a torn last line is skipped)."""
-    out = []
-    try:
-        lines = (state_dir / INCARNATIONS).read_text().splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    return read_jsonl(state_dir / INCARNATIONS)
 
 
 def fork_successor(state_dir: Path, lock: StateLock, supervisor: int) -> bool:

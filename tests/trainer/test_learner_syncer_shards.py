@@ -3,7 +3,6 @@ shard; a shard killed with SIGKILL stops only its fragments while the other keep
 and re-send to it once it is back, with no acknowledged update lost."""
 
 import signal
-import time
 
 import pytest
 import yaml
@@ -47,15 +46,14 @@ def test_a_shard_killed_during_merges_stops_only_its_fragments_and_learners_carr
 
         shards[1].send(signal.SIGKILL)  # mid-run: a merge follows nearly every submission
         shards[1].proc.wait()
-        killed_at = time.monotonic()
         steps = {n: last_step(tmp_path / n) for n in learners}
         v0 = shards[0].status()["versions"]
         wait_for(lambda: all(shards[0].status()["versions"][p] >= v0[p] + 2 for p in v0), 120,
                  "shard 0 to keep merging its fragments while shard 1 is dead")
         wait_for(lambda: all(last_step(tmp_path / n) >= steps[n] + 10 for n in learners), 120,
                  "the learners to keep training while shard 1 is dead")
-        assert all(not metrics(tmp_path / n)[-1]["syncer_up"] for n in learners), "a learner missed the dead shard"
-        assert time.monotonic() - killed_at > 2.0  # it really was down a while
+        wait_for(lambda: all(not metrics(tmp_path / n)[-1]["syncer_up"] for n in learners), 120,
+                 "the learners to see the dead shard")
 
         shards[1].start()  # same port and state directory: its checkpoint, spool and journal
         assert shards[1].status()["owned"] == [1, 3], "the map changed across the restart"

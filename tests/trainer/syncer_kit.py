@@ -92,6 +92,17 @@ async def wait_for(predicate, timeout: float = 5.0, what: str = "condition"):
         await asyncio.sleep(0.01)
 
 
+def wait_until(predicate, what: str, timeout: float = 60.0):
+    """Poll predicate() (blocking) until it returns something truthy, and return that; AssertionError on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def first_outer_step(theta: torch.Tensor, delta: torch.Tensor, lr: float, momentum: float) -> torch.Tensor:
     """Θ after one Nesterov outer step from zero momentum: buf = Δ; Θ − η(Δ + μ·buf)."""
     return theta - lr * (delta + momentum * delta)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from diloco_trainer.wire import SubmissionMeta, decode_tensors, encode_submission, quantize
+from syncer_kit import wait_until
 
 TRAINER = Path(__file__).resolve().parents[2] / "trainer"
 TOKEN = "process-test-token"
@@ -52,16 +53,6 @@ def _start(config: Path, state_dir: Path, log: Path) -> tuple[subprocess.Popen, 
     raise AssertionError(f"syncer did not come up:\n{log.read_text()}")
 
 
-def _wait(predicate, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_a_killed_syncer_process_restarts_with_the_acknowledged_submission_merged(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("model: tiny\nseed: 1\nouter:\n  fragments: 2\n  compression: int8\n  quorum: 1\n")
@@ -88,7 +79,7 @@ def test_a_killed_syncer_process_restarts_with_the_acknowledged_submission_merge
                                     {n: tuple(d.shape) for n, d in deltas.items()})
         status, reply = _http("POST", f"{url}/v1/fragments/0/outer-gradient", data=payload)
         assert status == 202 and json.loads(reply)["duplicate"] is False
-        _wait(lambda: json.loads(_http("GET", f"{url}/v1/versions")[1])["versions"]["0"] == 1, "the merge")
+        wait_until(lambda: json.loads(_http("GET", f"{url}/v1/versions")[1])["versions"]["0"] == 1, "the merge")
         proc.kill()  # SIGKILL: no final checkpoint
         proc.wait(timeout=30)
         assert not (state_dir / "checkpoint").exists()
@@ -99,7 +90,7 @@ def test_a_killed_syncer_process_restarts_with_the_acknowledged_submission_merge
             s = json.loads(_http("GET", f"{url}/v1/status")[1])
             return s if s["pending"] == {"0": 0, "1": 0} and s["contributions_merged"] >= 1 else None
 
-        s = _wait(merged, "the replayed submission to merge")
+        s = wait_until(merged, "the replayed submission to merge")
         assert s["tokens_merged"] == 4096 and s["contributions_merged"] == 1
         assert s["learners"]["learner-0"]["submissions_merged"] == 1
         # The merge journal (journal.py) published version 1 again: a learner holding it loses nothing.

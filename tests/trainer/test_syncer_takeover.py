@@ -23,17 +23,7 @@ from diloco_trainer.runtime.standby import SyncerStandby
 from diloco_trainer.syncer.journal import JournalEntry, MergeJournal
 from diloco_trainer.syncer.takeover import StateLock, read_incarnations, wait_out_hold
 from diloco_trainer.wire import SubmissionMeta, decode_tensors, encode_submission, quantize
-from syncer_kit import AUTH, TOKEN, body, deltas_for, make_syncer, start, tiny_config, wait_for
-
-
-def _wait(predicate, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+from syncer_kit import AUTH, TOKEN, body, deltas_for, make_syncer, start, tiny_config, wait_for, wait_until
 
 
 # --------------------------------------------------------------------------- the lock
@@ -202,14 +192,14 @@ def test_a_warm_standby_takes_over_a_syncer_killed_during_merges_and_nothing_ack
     with Supervisor(tmp_path / "processes.json", tmp_path / "events.jsonl") as sup:
         syncer = sup.add(Child("syncer", "syncer", argv, env, log, restart_delay=0.05))
         sup.start("syncer")
-        endpoint = _wait(lambda: (state_dir / "endpoint.json").exists() and json.loads(
+        endpoint = wait_until(lambda: (state_dir / "endpoint.json").exists() and json.loads(
             (state_dir / "endpoint.json").read_text()), "the syncer to listen", timeout=120)
         url, first_pid = endpoint["url"], syncer.proc.pid
         argv[argv.index("--port") + 1] = str(endpoint["port"])
         sup.syncer_standby = SyncerStandby(argv, env, log, sup.spawn, state_dir, respawn_after_s=30.0)
         sup.poll()
         standby_pid = sup.syncer_standby.proc.pid
-        _wait(lambda: f"syncer pid {first_pid} serves" in log.read_text(), "the standby to wait", timeout=120)
+        wait_until(lambda: f"syncer pid {first_pid} serves" in log.read_text(), "the standby to wait", timeout=120)
         assert json.loads((state_dir / "endpoint.json").read_text())["pid"] == first_pid, "the standby serves too"
 
         status, reply = _http("POST", f"{url}/v1/register", json_body={"learner_id": "learner-0", "unit": 0,
@@ -219,14 +209,14 @@ def test_a_warm_standby_takes_over_a_syncer_killed_during_merges_and_nothing_ack
                   for n, t in decode_tensors(_http("GET", f"{url}/v1/fragments/{p}")[1])[0].items()}
         learner = _Learner(url, json.loads(reply)["plan"], shapes)
         learner.start()
-        _wait(lambda: len(learner.acked) >= 6, "acknowledged submissions before the kill")
+        wait_until(lambda: len(learner.acked) >= 6, "acknowledged submissions before the kill")
         os.kill(first_pid, signal.SIGKILL)  # in the middle of merging: a merge follows every submission
-        _wait(lambda: [e for e in sup.poll() if e["event"] == "start"] or syncer.restarts, "the restart")
+        wait_until(lambda: [e for e in sup.poll() if e["event"] == "start"] or syncer.restarts, "the restart")
         assert syncer.proc.pid == standby_pid and sup.events[-1].get("standby") is True
-        _wait(lambda: json.loads((state_dir / "endpoint.json").read_text())["pid"] == standby_pid,
+        wait_until(lambda: json.loads((state_dir / "endpoint.json").read_text())["pid"] == standby_pid,
               "the standby to serve")
         acked_before = len(learner.acked)
-        _wait(lambda: len(learner.acked) >= acked_before + 6, "acknowledged submissions after the takeover")
+        wait_until(lambda: len(learner.acked) >= acked_before + 6, "acknowledged submissions after the takeover")
         learner.stop.set()
         learner.join(timeout=60)
 
@@ -234,7 +224,7 @@ def test_a_warm_standby_takes_over_a_syncer_killed_during_merges_and_nothing_ack
             s = json.loads(_http("GET", f"{url}/v1/status")[1])
             return s if s["pending"] == {"0": 0, "1": 0} else None
 
-        s = _wait(settled, "the last merges")
+        s = wait_until(settled, "the last merges")
         assert s["contributions_merged"] == len(learner.acked), "an acknowledged submission was lost or doubled"
         assert s["learners"]["learner-0"]["submissions_merged"] == len(learner.acked)
         for p, payload in list(learner.acked.values())[-8:]:  # merged exactly once: a retry is only a duplicate
@@ -245,7 +235,7 @@ def test_a_warm_standby_takes_over_a_syncer_killed_during_merges_and_nothing_ack
         assert incarnations[-1]["standby"] is True and incarnations[-1]["previous_pid"] == first_pid
 
         # The standby that took over forked the next one (no Python start, no import): adopted, not started anew.
-        _wait(lambda: (sup.poll(), sup.syncer_standby.proc is not None)[1], "the next standby")
+        wait_until(lambda: (sup.poll(), sup.syncer_standby.proc is not None)[1], "the next standby")
         next_standby = sup.syncer_standby.proc
         assert sup.syncer_standby.adopted == 1 and sup.syncer_standby.started == 1
         assert next_standby.pid == json.loads((state_dir / "standby.json").read_text())["pid"]

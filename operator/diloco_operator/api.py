@@ -164,6 +164,10 @@ class SyncerSpec(_Api):
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     maxBodyMb: int = Field(256, ge=1, le=4096)
     tls: SyncerTls = Field(default_factory=SyncerTls)
+    standby: bool = Field(True, description="Run a warm standby syncer beside each shard's syncer, in the same pod "
+                                            "and on the same checkpoint volume: it serves within about a second "
+                                            "when the syncer process dies (docs/operator.md \"Syncer shards\"). "
+                                            "It reserves the syncer's resources twice.")
 
 
 class RestartPolicy(_Api):
@@ -215,9 +219,6 @@ class DilocoJobSpec(_Api):
 
     @model_validator(mode="after")
     def _consistent(self) -> "DilocoJobSpec":
-        if self.config.syncer.shards != 1:  # the CRD's CEL rule says the same
-            raise ValueError("config.syncer.shards must be 1 in a DilocoJob: the operator does not run syncer shards "
-                             "yet (diloco local --syncer-shards N does)")
         names = [u.name for u in self.units]
         if len(set(names)) != len(names):
             raise ValueError(f"units[].name must be unique, got {names}")
@@ -278,6 +279,8 @@ class LearnerUnitSpec(_Api):
     restartPolicy: RestartPolicy = Field(default_factory=RestartPolicy)
     # https to the syncer, verified against the job's CA (ConfigMap <job>-syncer-ca); false: plain http
     syncerTls: bool = True
+    # the job's config.syncer.shards (None: one syncer): the learner dials every shard's Service
+    syncerShards: int | None = Field(None, ge=2, le=1024)
 
 
 JobPhase = Literal["Pending", "Running", "Succeeded", "Failed"]
@@ -328,6 +331,16 @@ class AutoscalingStatus(_Api):
     lastScaleDownTime: str | None = None
 
 
+class SyncerShardStatus(_Api):
+    """One syncer shard as the operator saw it: its Deployment's pod and what the shard reports."""
+
+    shard: int
+    name: str  # the Deployment and Service of this shard
+    ready: bool = False
+    outerSteps: int | None = None  # merges of this shard's fragments
+    fragments: list[int] = Field(default_factory=list)  # the fragments it owns (p mod N = shard)
+
+
 class DilocoJobStatus(_Api):
     """What the operator observed for a job: written once per reconcile."""
 
@@ -339,7 +352,8 @@ class DilocoJobStatus(_Api):
     unitsReady: int | None = None
     unitsDesired: int | None = None
     restarts: int | None = None  # whole-unit restarts, summed over units
-    syncerReady: bool | None = None
+    syncerReady: bool | None = None  # every shard's syncer pod is ready
+    syncerShards: list[SyncerShardStatus] = Field(default_factory=list)  # one per shard, in shard order
     outerSteps: int | None = None  # merges done by the syncer (from its /v1/versions)
     version: int | None = None  # sum of fragment versions published by the syncer
     lastCheckpoint: str | None = None

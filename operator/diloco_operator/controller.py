@@ -76,7 +76,7 @@ class Controller:
         self.dirty: set[Key] = set()
         self.known: set[Key] = set()
         self.failures: dict[Key, int] = {}
-        self.syncer_info: dict[tuple[str, str], dict] = {}  # (ns, job) -> last summarized syncer status
+        self.syncer_info: dict[tuple[str, str, int], dict] = {}  # (ns, job, shard) -> last summarized status
         self.syncer_polled: dict[tuple[str, str, str], float] = {}
         self.syncer_poll_s = 10.0
         self.background: set[asyncio.Task] = set()
@@ -200,7 +200,8 @@ class Controller:
         job = self.cache.job(ns, name)
         if job is None or job["metadata"].get("deletionTimestamp"):
             self.forget(("job", ns, name))
-            self.syncer_info.pop((ns, name), None)
+            for key in [k for k in self.syncer_info if k[:2] == (ns, name)]:
+                del self.syncer_info[key]
             for key in [k for k in self.syncer_polled if k[:2] == (ns, name)]:
                 del self.syncer_polled[key]
             for key in [k for k in self.tls if k[:2] == (ns, name)]:
@@ -224,16 +225,13 @@ class Controller:
         await self._ensure(SECRETS, O.token_secret(job, base64.urlsafe_b64encode(os.urandom(32)).decode()),
                            update=False)
         await self._ensure(CONFIGMAPS, O.config_map(job, spec))
-        await self._ensure(PVCS, O.checkpoint_pvc(job, spec), update=False)
         tls = await self._syncer_tls(job, spec, now)
-        deployment = await self._ensure(DEPLOYMENTS, O.syncer_deployment(job, spec, replicas=0 if finished else 1,
-                                                                         tls_hash=tls.cert_hash),
-                                        cached=self.cache.syncer_deployment(ns, name, O.syncer_name(name)))
-        await self._ensure(SERVICES, O.syncer_service(job), update=False)
-        syncer_ready = (deployment.get("status") or {}).get("readyReplicas", 0) >= 1
-        if syncer_ready and not finished:
-            self._poll_syncer(job, tls)
-        info = self.syncer_info.get((ns, name))
+        shards = spec.config.syncer.shards
+        ready = await asyncio.gather(*(self._ensure_syncer_shard(job, spec, tls, shard, finished)
+                                       for shard in range(shards)))
+        syncer_ready = all(ready)
+        infos = {i: self.syncer_info.get((ns, name, i)) for i in range(shards)}
+        info = syncer_status.combine([x for x in infos.values() if x is not None])
 
         lus = self.cache.units_of_job(ns, name)
         units = [jobplan.unit_view(lu) for lu in lus]
@@ -275,7 +273,10 @@ class Controller:
                 units = [jobplan.unit_view(lu) for lu in lus if lu["metadata"]["name"] not in plan.delete]
         status, status_events = jobplan.job_status(
             name, spec, job["metadata"].get("generation"), units, syncer_ready, old_status, now, info,
-            desired=sum(decision.counts.values()) if decision else None)
+            desired=sum(decision.counts.values()) if decision else None,
+            shards_down=[O.syncer_name(name, i, shards) for i, ok in enumerate(ready) if not ok])
+        if status.get("phase") not in jobplan.TERMINAL_JOB:
+            status["syncerShards"] = jobplan.shard_statuses(name, spec, ready, infos)
         if decision is not None and status.get("phase") not in jobplan.TERMINAL_JOB:
             status["autoscaling"] = decision.status
             limited, reason, message = decision.limited
@@ -294,6 +295,21 @@ class Controller:
         await self._events(job, events + status_events)
         if status.get("phase") in jobplan.TERMINAL_JOB and not finished:
             for lu in lus:  # stop the units of a finished job
+    async def _ensure_syncer_shard(self, job: dict, spec: api.DilocoJobSpec, tls: SyncerTls, shard: int,
+                                   finished: bool) -> bool:
+        """One syncer shard's checkpoint volume, Deployment and Service; polls it when ready. True if it is ready."""
+        ns, name, shards = job["metadata"]["namespace"], job["metadata"]["name"], spec.config.syncer.shards
+        await self._ensure(PVCS, O.checkpoint_pvc(job, spec, shard), update=False)
+        deployment = await self._ensure(
+            DEPLOYMENTS, O.syncer_deployment(job, spec, replicas=0 if finished else 1, tls_hash=tls.cert_hash,
+                                             shard=shard),
+            cached=self.cache.syncer_deployment(ns, name, O.syncer_name(name, shard, shards)))
+        await self._ensure(SERVICES, O.syncer_service(job, shard, shards), update=False)
+        ready = (deployment.get("status") or {}).get("readyReplicas", 0) >= 1
+        if ready and not finished:
+            self._poll_syncer(job, tls, shard, shards)
+        return ready
+
                 self.enqueue(("unit", ns, lu["metadata"]["name"]))
         if info is not None:  # units show when the syncer last heard from them
             seen = {lu["metadata"]["name"]: (lu.get("status") or {}).get("lastContribution") for lu in lus}
@@ -318,7 +334,8 @@ class Controller:
                                          for k, v in (obj.get("data") or {}).items()}
         state = SyncerTls(secret=secret)
         if spec.syncer.tls.effective_mode == "Auto":
-            hosts = certs.service_hosts(O.syncer_name(name), ns)
+            shards = spec.config.syncer.shards
+            hosts = [h for i in range(shards) for h in certs.service_hosts(O.syncer_name(name, i, shards), ns)]
             data, why = certs.auto_secret_data(data, hosts, now, ca_name=f"diloco {ns}/{name} CA")
             if why:
                 if obj is None:
@@ -327,7 +344,9 @@ class Controller:
                     await self.kube.merge_patch(SECRETS, ns, secret, {"stringData": data})
                 state.events.append(("Normal", C.Reason.CERTIFICATE_ISSUED, f"Secret {secret}: {why}"))
         else:
-            state.problem = certs.secret_problem(data, secret, O.syncer_name(name))
+            shards = spec.config.syncer.shards
+            state.problem = next(filter(None, (certs.secret_problem(data, secret, O.syncer_name(name, i, shards))
+                                               for i in range(shards))), None)
         if data and not state.problem:
             state.ca, state.cert_hash = data[certs.CA_CRT], O.spec_hash(data[certs.TLS_CRT])
             await self._ensure(CONFIGMAPS, O.ca_config_map(job, state.ca))
@@ -336,17 +355,19 @@ class Controller:
         self.tls[key] = (state, time.monotonic())
         return state
 
-    def _poll_syncer(self, job: dict, tls: SyncerTls) -> None:
-        """Start a background poll of the job's syncer (at most one in flight, at most every syncer_poll_s);
+    def _poll_syncer(self, job: dict, tls: SyncerTls, shard: int = 0, shards: int = 1) -> None:
+        """Start a background poll of one syncer shard (at most one in flight, at most every syncer_poll_s);
         reconciles read the cached answer, so a slow or unreachable syncer never delays healing."""
         ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
-        url = syncer_status.syncer_address(job, api.SYNCER_PORT, tls=tls.secret is not None)
+        url = syncer_status.syncer_address(job, api.SYNCER_PORT, tls=tls.secret is not None, shard=shard,
+                                           shards=shards)
         key = (ns, name, url)
         last = self.syncer_polled.get(key)
         if last is not None and time.monotonic() - last < self.syncer_poll_s:
             return
         self.syncer_polled[key] = time.monotonic()
-        task = asyncio.create_task(self._fetch_syncer(ns, name, job["metadata"].get("uid", ""), url, tls.ca))
+        task = asyncio.create_task(self._fetch_syncer(ns, name, job["metadata"].get("uid", ""), url, tls.ca,
+                                                      shard, shards))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
@@ -377,17 +398,19 @@ class Controller:
                 raise RuntimeError(f"Secret {ns}/{secret_name} exists and is not unit {name}'s: not using it")
         self.ensured[key] = ("", time.monotonic())
 
-    async def _fetch_syncer(self, ns: str, name: str, uid: str, url: str, ca: str | None = None) -> None:
+    async def _fetch_syncer(self, ns: str, name: str, uid: str, url: str, ca: str | None = None, shard: int = 0,
+                            shards: int = 1) -> None:
         try:
             token = await self._job_token(ns, name, uid)
-            info = await syncer_status.fetch(url, token, ca_pem=ca, server_hostname=O.syncer_name(name))
+            info = await syncer_status.fetch(url, token, ca_pem=ca,
+                                             server_hostname=O.syncer_name(name, shard, shards))
         except ApiError as exc:
             log.warning("cannot read the token of job %s/%s: %s", ns, name, exc)
             return
         if info is None:
             return
-        changed = self.syncer_info.get((ns, name)) != info
-        self.syncer_info[(ns, name)] = info
+        changed = self.syncer_info.get((ns, name, shard)) != info
+        self.syncer_info[(ns, name, shard)] = info
         if changed:
             self.enqueue(("job", ns, name))
         self.enqueue(("job", ns, name), self.syncer_poll_s)  # keep the numbers fresh while it answers
@@ -413,7 +436,8 @@ class Controller:
         plan = unitplan.plan_unit(spec, unit["spec"], old_status, pods, datetime.now(timezone.utc),
                                   generation=unit["metadata"].get("generation"), node_pools=self._pools(pods),
                                   job_finished=job_finished)
-        last_seen = self.syncer_info.get((ns, spec.jobName), {}).get("learners", {}).get(name)
+        last_seen = max((info.get("learners", {}).get(name) or "" for key, info in self.syncer_info.items()
+                         if key[:2] == (ns, spec.jobName)), default="") or None
         if last_seen:
             plan.status["lastContribution"] = last_seen
         async def delete(pod: str) -> None:

@@ -9,6 +9,7 @@ from datetime import datetime
 from diloco_operator import api
 from diloco_operator import conditions as C
 from diloco_operator import objects as O
+from diloco_trainer.shardmap import owned_fragments
 
 Event = tuple[str, str, str]
 TERMINAL_JOB = ("Succeeded", "Failed")
@@ -116,12 +117,28 @@ def plan_units(job_name: str, spec: api.DilocoJobSpec, units: list[UnitView], co
     return plan
 
 
+def shard_statuses(name: str, spec: api.DilocoJobSpec, ready: list[bool],
+                   infos: dict[int, dict | None]) -> list[dict]:
+    """status.syncerShards: each shard's Deployment, readiness, merges and fragments (its own /v1/status when it
+    answered, else the fragments the map gives it)."""
+    shards, fragments = spec.config.syncer.shards, spec.config.outer.fragments
+    out = []
+    for shard, is_ready in enumerate(ready):
+        info = infos.get(shard) or {}
+        out.append(api.SyncerShardStatus(
+            shard=shard, name=O.syncer_name(name, shard, shards), ready=is_ready, outerSteps=info.get("outerSteps"),
+            fragments=info.get("fragments") or owned_fragments(shard, fragments, shards),
+        ).model_dump(mode="json", exclude_none=True))
+    return out
+
+
 def job_status(name: str, spec: api.DilocoJobSpec, generation: int | None, units: list[UnitView],
                syncer_ready: bool, old: dict | None, now: datetime, syncer_info: dict | None = None,
-               desired: int | None = None) -> tuple[dict, list[Event]]:
+               desired: int | None = None, shards_down: list[str] = ()) -> tuple[dict, list[Event]]:
     """The job's full status (written once per reconcile) and the Events its changes deserve.
     `units` are the units that exist after this reconcile's changes; `desired` the units wanted (default: the
-    templates' distribution; the autoscaler's when it decides). Succeeded and Failed stick."""
+    templates' distribution; the autoscaler's when it decides); `shards_down` the syncer shards not ready (by name).
+    Succeeded and Failed stick."""
     old = dict(old or {})
     if old.get("phase") in TERMINAL_JOB:
         return old, []
@@ -171,7 +188,9 @@ def job_status(name: str, spec: api.DilocoJobSpec, generation: int | None, units
     if all_ready:
         conds = C.set_condition(conds, C.READY, True, C.Reason.ALL_UNITS_READY, f"{desired} units ready", now, g)
     elif not syncer_ready:
-        conds = C.set_condition(conds, C.READY, False, C.Reason.SYNCER_NOT_READY, "syncer not ready", now, g)
+        conds = C.set_condition(conds, C.READY, False, C.Reason.SYNCER_NOT_READY,
+                                f"syncer not ready: {', '.join(shards_down)}" if shards_down else "syncer not ready",
+                                now, g)
     else:
         conds = C.set_condition(conds, C.READY, False, C.Reason.UNITS_NOT_READY,
                                 f"{len(ready)}/{desired} units ready", now, g)

@@ -18,6 +18,7 @@ LABEL_UNIT = "diloco.dev/unit"
 LABEL_TEMPLATE = "diloco.dev/template"
 LABEL_INCARNATION = "diloco.dev/incarnation"
 LABEL_RANK = "diloco.dev/rank"
+LABEL_SHARD = "diloco.dev/shard"  # a syncer shard's objects, when the job has more than one (config.syncer.shards)
 ANNOTATION_SPEC_HASH = "diloco.dev/spec-hash"
 MANAGED_BY = {"app.kubernetes.io/name": "diloco", "app.kubernetes.io/managed-by": "diloco-operator"}
 TOKEN_KEY = "token"
@@ -45,12 +46,20 @@ def config_name(job: str) -> str:
     return f"{job}-config"
 
 
-def syncer_name(job: str) -> str:
-    return f"{job}-syncer"
+def syncer_name(job: str, shard: int = 0, shards: int = 1) -> str:
+    """The Deployment and Service of one syncer shard: <job>-syncer for a single syncer, <job>-syncer-<i> for shards."""
+    return f"{job}-syncer" if shards == 1 else f"{job}-syncer-{shard}"
 
 
-def pvc_name(job: str) -> str:
-    return f"{job}-checkpoint"
+def pvc_name(job: str, shard: int = 0, shards: int = 1) -> str:
+    """One shard's checkpoint volume: it holds only that shard's fragments."""
+    return f"{job}-checkpoint" if shards == 1 else f"{job}-checkpoint-{shard}"
+
+
+def syncer_labels(job: str, shard: int = 0, shards: int = 1) -> dict[str, str]:
+    """Labels (and selector) of a syncer shard's objects; a single syncer keeps the labels it has always had."""
+    labels = {LABEL_JOB: job, LABEL_COMPONENT: "syncer"}
+    return labels if shards == 1 else {**labels, LABEL_SHARD: str(shard)}
 
 
 def unit_name(job: str, template: str, index: int) -> str:
@@ -72,9 +81,14 @@ def ca_config_name(job: str) -> str:
     return f"{syncer_name(job)}-ca"
 
 
-def syncer_url(job: str, tls: bool = True) -> str:
-    """The in-cluster address learners use (same namespace, through the syncer Service)."""
-    return f"{'https' if tls else 'http'}://{syncer_name(job)}:{api.SYNCER_PORT}"
+def syncer_url(job: str, tls: bool = True, shard: int = 0, shards: int = 1) -> str:
+    """The in-cluster address learners use for one shard (same namespace, through the shard's Service)."""
+    return f"{'https' if tls else 'http'}://{syncer_name(job, shard, shards)}:{api.SYNCER_PORT}"
+
+
+def syncer_urls(job: str, tls: bool = True, shards: int = 1) -> str:
+    """The learner's --syncer: every shard's address, in shard order, comma-separated."""
+    return ",".join(syncer_url(job, tls, i, shards) for i in range(shards))
 
 
 def spec_hash(obj: dict) -> str:
@@ -158,51 +172,62 @@ def config_map(job: dict, spec: api.DilocoJobSpec) -> dict:
             "data": {CONFIG_KEY: text}}
 
 
-def checkpoint_pvc(job: dict, spec: api.DilocoJobSpec) -> dict:
-    name = job["metadata"]["name"]
+def checkpoint_pvc(job: dict, spec: api.DilocoJobSpec, shard: int = 0) -> dict:
+    name, shards = job["metadata"]["name"], spec.config.syncer.shards
     pvc_spec: dict = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": spec.syncer.checkpoint.size}}}
     if spec.syncer.checkpoint.storageClassName:
         pvc_spec["storageClassName"] = spec.syncer.checkpoint.storageClassName
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": _meta(pvc_name(name), job, {LABEL_JOB: name, LABEL_COMPONENT: "syncer"}), "spec": pvc_spec}
+            "metadata": _meta(pvc_name(name, shard, shards), job, syncer_labels(name, shard, shards)), "spec": pvc_spec}
 
 
 def _token_env() -> dict:
     return {"name": "DILOCO_TOKEN", "valueFrom": {"secretKeyRef": {"name": "", "key": TOKEN_KEY}}}
 
 
-def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1, tls_hash: str | None = None) -> dict:
-    """One syncer pod (Recreate: the checkpoint volume is ReadWriteOnce); a replaced pod resumes from the PVC.
-    With TLS it serves the certificate of tls_secret_name; `tls_hash` (of that certificate) rolls it on renewal."""
-    name = job["metadata"]["name"]
+def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1, tls_hash: str | None = None,
+                      shard: int = 0) -> dict:
+    """The pod of syncer shard `shard` (Recreate: the checkpoint volume is ReadWriteOnce); a replaced pod resumes
+    from the shard's PVC. With spec.syncer.standby a second container waits, warm, on the same volume and takes over
+    the moment the serving process dies (syncer/takeover.py: whichever holds STATE_DIR/serve.lock serves; a
+    restarted container becomes the next standby). With TLS it serves the certificate of tls_secret_name; `tls_hash`
+    (of that certificate) rolls it on renewal."""
+    name, shards = job["metadata"]["name"], spec.config.syncer.shards
     tls_secret = tls_secret_name(name, spec.syncer.tls)
-    labels = {LABEL_JOB: name, LABEL_COMPONENT: "syncer"}
+    labels = syncer_labels(name, shard, shards)
     token_env = _token_env()
     token_env["valueFrom"]["secretKeyRef"]["name"] = secret_name(name)
     command = ["diloco", "syncer", "--config", f"/etc/diloco/{CONFIG_KEY}", "--host", "0.0.0.0",
                "--port", str(api.SYNCER_PORT), "--state-dir", SYNCER_STATE_DIR, "--token-env", "DILOCO_TOKEN",
                "--max-body-mb", str(spec.syncer.maxBodyMb)]
+    if shards > 1:
+        command += ["--shard", str(shard)]
     mounts = [{"name": "config", "mountPath": "/etc/diloco", "readOnly": True},
               {"name": "state", "mountPath": SYNCER_STATE_DIR}]
     volumes = [{"name": "config", "configMap": {"name": config_name(name)}},
-               {"name": "state", "persistentVolumeClaim": {"claimName": pvc_name(name)}}]
+               {"name": "state", "persistentVolumeClaim": {"claimName": pvc_name(name, shard, shards)}}]
     if tls_secret:
         command += ["--tls-cert", f"{SYNCER_TLS_DIR}/tls.crt", "--tls-key", f"{SYNCER_TLS_DIR}/tls.key"]
         mounts.append({"name": "tls", "mountPath": SYNCER_TLS_DIR, "readOnly": True})
         # Only the serving pair: ca.key (Auto) stays in the Secret, never in the syncer's filesystem.
         volumes.append({"name": "tls", "secret": {"secretName": tls_secret, "defaultMode": 0o440, "items": [
             {"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}]}})
+    containers = [{
+        "name": "syncer", "image": spec.image, "imagePullPolicy": spec.imagePullPolicy, "command": command,
+        "env": [token_env], "ports": [{"name": "api", "containerPort": api.SYNCER_PORT}],
+        # The pod's port answers whichever container serves: ready while either one does.
+        "readinessProbe": {"httpGet": {"path": "/healthz", "port": api.SYNCER_PORT,
+                                       "scheme": "HTTPS" if tls_secret else "HTTP"}, "periodSeconds": 5},
+        "resources": _resources(spec.syncer.resources),
+        "volumeMounts": mounts,
+    }]
+    if spec.syncer.standby:  # no fork of a successor: the kubelet restarts the container that died instead
+        containers.append({**{k: v for k, v in containers[0].items() if k not in ("ports", "readinessProbe")},
+                           "name": "standby", "command": [*command, "--standby", "--no-fork-successor"]})
     pod_spec = {
         "automountServiceAccountToken": False,
         "securityContext": {"fsGroup": IMAGE_GID},  # the image runs as UID/GID 10001: let it write the PVC
-        "containers": [{
-            "name": "syncer", "image": spec.image, "imagePullPolicy": spec.imagePullPolicy, "command": command,
-            "env": [token_env], "ports": [{"name": "api", "containerPort": api.SYNCER_PORT}],
-            "readinessProbe": {"httpGet": {"path": "/healthz", "port": api.SYNCER_PORT,
-                                           "scheme": "HTTPS" if tls_secret else "HTTP"}, "periodSeconds": 5},
-            "resources": _resources(spec.syncer.resources),
-            "volumeMounts": mounts,
-        }],
+        "containers": containers,
         "volumes": volumes,
     }
     if spec.syncer.nodeSelector:
@@ -219,7 +244,7 @@ def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1, tls
         if tls_hash:
             annotations[ANNOTATION_TLS_HASH] = tls_hash
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(syncer_name(name), job, labels),
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(syncer_name(name, shard, shards), job, labels),
         "spec": {
             "replicas": replicas, "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": labels},
@@ -229,12 +254,15 @@ def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1, tls
     }
 
 
-def syncer_service(job: dict) -> dict:
+def syncer_service(job: dict, shard: int = 0, shards: int = 1) -> dict:
+    """One shard's address. It routes to the shard's pod also while the pod is not ready: the pod has one syncer,
+    a standby taking over serves on the same port before the kubelet has restarted the dead container, and a
+    learner that finds nobody listening retries."""
     name = job["metadata"]["name"]
-    labels = {LABEL_JOB: name, LABEL_COMPONENT: "syncer"}
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(syncer_name(name), job, labels),
-            "spec": {"selector": labels, "ports": [{"name": "api", "port": api.SYNCER_PORT,
-                                                     "targetPort": api.SYNCER_PORT}]}}
+    labels = syncer_labels(name, shard, shards)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(syncer_name(name, shard, shards), job, labels),
+            "spec": {"selector": labels, "publishNotReadyAddresses": True,
+                     "ports": [{"name": "api", "port": api.SYNCER_PORT, "targetPort": api.SYNCER_PORT}]}}
 
 
 def unit_spec(job_name: str, spec: api.DilocoJobSpec, template: api.UnitTemplate, index: int,
@@ -246,7 +274,7 @@ def unit_spec(job_name: str, spec: api.DilocoJobSpec, template: api.UnitTemplate
         imagePullPolicy=spec.imagePullPolicy, podsPerUnit=template.podsPerUnit, accelerator=template.accelerator,
         nodeSelector=template.nodeSelector, tolerations=template.tolerations, resources=template.resources,
         steps=template.steps, stateVolume=template.stateVolume, restartPolicy=spec.restartPolicy,
-        syncerTls=spec.syncer.tls.effective_mode != "Disabled",
+        syncerTls=spec.syncer.tls.effective_mode != "Disabled", syncerShards=spec.config.syncer.shards if spec.config.syncer.shards > 1 else None,
     )
 
 
@@ -313,7 +341,7 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
         extra[resource] = spec.accelerator.count
     if spec.accelerator.topology:
         node_selector[api.TPU_TOPOLOGY_LABEL] = spec.accelerator.topology
-    url = syncer_url(spec.jobName, spec.syncerTls)
+    url = syncer_urls(spec.jobName, spec.syncerTls, spec.syncerShards or 1)
     command = ["diloco", "learner", "--syncer", url, "--learner-id", name,
                "--unit", str(spec.unitIndex), "--units", str(spec.shards or spec.unitIndex + 1), "--device", device, "--state-dir", LEARNER_STATE_DIR,
                "--metrics-port", str(api.METRICS_PORT)]

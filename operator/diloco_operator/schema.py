@@ -122,10 +122,15 @@ CONFIG_RULES = [
           f"{TENSORS_FIXED} + {TENSORS_PER_LAYER} * {_N_LAYERS}",
           f"config.outer.fragments (P) must not exceed the model's parameter tensors "
           f"({TENSORS_FIXED} + {TENSORS_PER_LAYER} x config.model.n_layers)", ".outer.fragments"),
-    # The operator runs one syncer; syncer shards run under `diloco local --syncer-shards` or by hand (for now).
-    _rule(f"{_or_default('self', 'syncer.shards', 1)} == 1",
-          "config.syncer.shards must be 1 in a DilocoJob: the operator does not run syncer shards yet "
-          "(diloco local --syncer-shards N does)", ".syncer.shards"),
+    _rule(f"{_or_default('self', 'syncer.shards', 1)} <= "
+          f"{_or_default('self', 'outer.fragments', _default(OuterConfig, 'fragments'))}",
+          "config.syncer.shards must not exceed config.outer.fragments (P): every shard owns at least one fragment",
+          ".syncer.shards"),
+    # A transition rule: shard i owns fragments p mod N = i and keeps them in its own checkpoint volume, so a running
+    # job cannot be re-sharded (that would hand fragments to shards that do not hold their state).
+    _rule(f"{_or_default('self', 'syncer.shards', 1)} == {_or_default('oldSelf', 'syncer.shards', 1)}",
+          "config.syncer.shards cannot change on an existing job: each shard keeps its own fragments' state "
+          "(create a new job to re-shard)", ".syncer.shards"),
 ]
 OUTER_RULES = [
     _rule(f"{_or_default('self', 'overlap', _default(OuterConfig, 'overlap'))} < "

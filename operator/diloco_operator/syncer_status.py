@@ -14,13 +14,16 @@ from diloco_operator import conditions as C
 URL_ANNOTATION = "diloco.dev/syncer-url"  # overrides the in-cluster address (an operator outside the cluster)
 
 
-def syncer_address(job: dict, port: int, tls: bool = False) -> str:
-    """Where the operator reaches a job's syncer: the annotation if set, else its in-cluster Service (https with
-    TLS)."""
+def syncer_address(job: dict, port: int, tls: bool = False, shard: int = 0, shards: int = 1) -> str:
+    """Where the operator reaches one syncer shard: the annotation if set (one URL per shard, comma-separated, in
+    shard order), else the shard's in-cluster Service (https with TLS)."""
     meta = job["metadata"]
-    override = (meta.get("annotations") or {}).get(URL_ANNOTATION)
-    scheme = "https" if tls else "http"
-    return override.rstrip("/") if override else f"{scheme}://{meta['name']}-syncer.{meta['namespace']}.svc:{port}"
+    override = [u.strip().rstrip("/") for u in ((meta.get("annotations") or {}).get(URL_ANNOTATION) or "").split(",")
+                if u.strip()]
+    if len(override) == shards:
+        return override[shard]
+    service = f"{meta['name']}-syncer" if shards == 1 else f"{meta['name']}-syncer-{shard}"
+    return f"{'https' if tls else 'http'}://{service}.{meta['namespace']}.svc:{port}"
 
 
 def summarize(doc: dict | SyncerStatus) -> dict:
@@ -29,9 +32,28 @@ def summarize(doc: dict | SyncerStatus) -> dict:
     status = doc if isinstance(doc, SyncerStatus) else SyncerStatus.model_validate(doc)
     learners = {lid: C.now_iso(datetime.fromtimestamp(info.last_seen, timezone.utc))
                 for lid, info in status.learners.items() if info.last_seen}
-    out = {"outerSteps": status.outer_steps, "version": sum(status.versions.values()), "learners": learners}
+    out = {"outerSteps": status.outer_steps, "version": sum(status.versions.values()), "learners": learners,
+           "fragments": list(status.owned) or sorted(int(p) for p in status.versions)}
     if status.last_checkpoint:  # unix seconds of the syncer's last checkpoint, when it reports one
         out["lastCheckpoint"] = C.now_iso(datetime.fromtimestamp(status.last_checkpoint, timezone.utc))
+    return out
+
+
+def combine(infos: list[dict]) -> dict | None:
+    """The job's view over its shards' summaries: merges and versions add up (each shard merges only its own
+    fragments), a learner was last seen when any shard last heard from it, and the last checkpoint is the oldest
+    shard's (what a restart of every shard would resume from at least). None if no shard answered yet."""
+    if not infos:
+        return None
+    learners: dict[str, str] = {}
+    for info in infos:
+        for lid, seen in info["learners"].items():
+            learners[lid] = max(seen, learners.get(lid, seen))  # RFC 3339 in UTC: text order is time order
+    out = {"outerSteps": sum(i["outerSteps"] for i in infos), "version": sum(i["version"] for i in infos),
+           "learners": learners}
+    checkpoints = [i.get("lastCheckpoint") for i in infos]
+    if all(checkpoints):
+        out["lastCheckpoint"] = min(checkpoints)
     return out
 
 

@@ -390,3 +390,69 @@ def test_a_job_whose_units_all_complete_succeeds_and_stays_succeeded(kubectl, op
     assert unit_pods(kubectl, ns, learners[0]["metadata"]["labels"]["diloco.dev/unit"]) == []
     assert kubectl.get("dj", "done", ns=ns)["status"]["phase"] == "Succeeded", "terminal phases stick"
     assert all(lu["status"]["phase"] == "Succeeded" for lu in kubectl.get("lu", ns=ns))
+
+
+def test_each_syncer_shard_runs_heals_and_reports_on_its_own(kubectl, operator, ns, tmp_path):
+    tiny = {"model": {"seq_len": 16, "d_model": 16, "n_layers": 1, "n_heads": 2}, "outer": {"fragments": 3},
+            "syncer": {"shards": 2}}
+    kubectl.apply(job("shard", cpu_units(1), config=tiny), "-n", ns)
+    wait_job_ready(kubectl, ns, "shard", 1)
+    selector = "diloco.dev/job=shard,diloco.dev/component=syncer"
+    by_shard = {p["metadata"]["labels"]["diloco.dev/shard"]: p for p in pods(kubectl, ns, selector)}
+    assert sorted(by_shard) == ["0", "1"]
+    for shard, pod in by_shard.items():
+        claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"]
+                  if "persistentVolumeClaim" in v]
+        assert claims == [f"shard-checkpoint-{shard}"]
+        assert [c["name"] for c in pod["spec"]["containers"]] == ["syncer", "standby"]
+        assert kubectl.get("services", f"shard-syncer-{shard}", ns=ns)["spec"]["selector"]["diloco.dev/shard"] == shard
+    (lu_pod,) = unit_pods(kubectl, ns, "shard-cpu-0")
+    cmd = lu_pod["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--syncer") + 1] == "https://shard-syncer-0:8470,https://shard-syncer-1:8470"
+    dj = kubectl.get("dj", "shard", ns=ns)
+    assert [(s["name"], s["ready"], s["fragments"]) for s in dj["status"]["syncerShards"]] == [
+        ("shard-syncer-0", True, [0, 2]), ("shard-syncer-1", True, [1])]
+
+    # Shard 1's pod dies: only shard 1 is replaced, on its own volume; shard 0's pod is untouched.
+    pvc_uid = kubectl.get("pvc", "shard-checkpoint-1", ns=ns)["metadata"]["uid"]
+    kubectl.run("delete", "pod", by_shard["1"]["metadata"]["name"], "-n", ns, "--wait=false")
+    wait_for(lambda: [p for p in pods(kubectl, ns, selector + ",diloco.dev/shard=1")
+                      if p["metadata"]["uid"] != by_shard["1"]["metadata"]["uid"] and running(p)], 30, 0.2,
+             "a new pod for shard 1")
+    assert kubectl.get("pvc", "shard-checkpoint-1", ns=ns)["metadata"]["uid"] == pvc_uid
+    assert [p["metadata"]["uid"] for p in pods(kubectl, ns, selector + ",diloco.dev/shard=0")] == [
+        by_shard["0"]["metadata"]["uid"]]
+    # Shard 0's Deployment deleted by hand: the operator puts it back; the job says which shard is down meanwhile.
+    kubectl.run("delete", "deployment", "shard-syncer-0", "-n", ns, "--wait=false")
+    wait_for(lambda: any(p["metadata"]["uid"] != by_shard["0"]["metadata"]["uid"] and running(p)
+                         for p in pods(kubectl, ns, selector + ",diloco.dev/shard=0")), 60, 0.2,
+             "shard 0's Deployment and pod back")
+    wait_job_ready(kubectl, ns, "shard", 1)
+
+    # Two real shards, on the operator's config and token: each reports its own fragments and merges.
+    token = base64.b64decode(kubectl.get("secret", "shard-token", ns=ns)["data"]["token"]).decode()
+    config = tmp_path / "config.yaml"
+    config.write_text(kubectl.get("configmap", "shard-config", ns=ns)["data"]["config.yaml"])
+    env = {**os.environ, "DILOCO_TOKEN": token, "PYTHONPATH": PYTHONPATH}
+    procs, urls = [], []
+    try:
+        for shard in range(2):
+            state = tmp_path / f"state-{shard}"
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "diloco_trainer.cli", "syncer", "--config", str(config), "--host", "127.0.0.1",
+                 "--port", "0", "--state-dir", str(state), "--shard", str(shard)],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            urls.append(wait_for(lambda: (state / "endpoint.json").exists() and
+                                 json.loads((state / "endpoint.json").read_text())["url"], 60, 0.2,
+                                 f"shard {shard} to listen"))
+        kubectl.run("annotate", "dj", "shard", "-n", ns, f"diloco.dev/syncer-url={','.join(urls)}")
+        def reported():
+            d = kubectl.get("dj", "shard", ns=ns)
+            return all(s.get("outerSteps") is not None for s in d["status"]["syncerShards"]) and d
+        dj = wait_for(reported, 30, 0.2, "both shards' numbers in the job's status")
+        assert [(s["fragments"], s["outerSteps"]) for s in dj["status"]["syncerShards"]] == [([0, 2], 0), ([1], 0)]
+        assert dj["status"]["outerSteps"] == 0
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=30)

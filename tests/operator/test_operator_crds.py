@@ -96,7 +96,8 @@ BAD = [
      "spec.config.outer.fragments"),
     ("more fragments than the default model's tensors", _with("spec.config.outer", {"quorum": 2, "fragments": 37}),
      "spec.config.outer.fragments"),
-    ("syncer shards, which the operator does not run yet", _with("spec.config.syncer", {"shards": 2}),
+    ("more syncer shards than fragments",
+     _with("spec.config", {"outer": {"quorum": 2, "fragments": 2}, "syncer": {"shards": 3}}),
      "spec.config.syncer.shards"),
     # spec.autoscaling (issue 9).
     ("autoscaling minUnits above maxUnits", _with("spec.autoscaling", {"minUnits": 5, "maxUnits": 2}),
@@ -177,3 +178,14 @@ def test_the_apiserver_accepts_the_good_manifest_and_kubectl_shows_columns(kubec
     header = out.splitlines()[0].split()
     assert header[:6] == ["NAME", "PHASE", "READY", "DESIRED", "RESTARTS", "OUTER-STEPS"]
     assert kubectl.run("get", "lu", "-n", ns).returncode == 0
+
+
+@pytest.mark.cluster
+def test_the_apiserver_refuses_to_reshard_an_existing_job_and_keeps_it_as_it_was(kubectl, crds, ns):
+    sharded = _with("spec.config.syncer", {"shards": 2})
+    kubectl.apply(sharded, "-n", ns)
+    out = kubectl.apply(_with("spec.config.syncer", {"shards": 3}), "-n", ns, check=False)
+    assert out.returncode != 0 and "spec.config.syncer.shards" in out.stderr and "cannot change" in out.stderr, out.stderr
+    assert kubectl.get("dilocojob", "good", ns=ns)["spec"]["config"]["syncer"]["shards"] == 2
+    # Other changes to the config are still accepted.
+    kubectl.apply(_with("spec.config", {"outer": {"quorum": 1}, "syncer": {"shards": 2}}), "-n", ns)

@@ -210,7 +210,7 @@ def test_pods_are_placed_on_their_accelerator_pool_with_rendezvous_env():
 def test_syncer_status_summary_and_address():
     from diloco_operator import syncer_status
     doc = {"outer_steps": 7, "versions": {"0": 3, "1": 4}, "learners": {"demo-gpu-0": {"last_seen": 1767225600.5}}}
-    assert syncer_status.summarize(doc) == {"outerSteps": 7, "version": 7,
+    assert syncer_status.summarize(doc) == {"outerSteps": 7, "version": 7, "fragments": [0, 1],
                                             "learners": {"demo-gpu-0": "2026-01-01T00:00:00Z"}}
     assert syncer_status.syncer_address(JOB, 8470) == "http://demo-syncer.ns.svc:8470"
     with_ckpt = syncer_status.summarize({**doc, "last_checkpoint": 1767225660})
@@ -264,3 +264,94 @@ def test_every_learner_pod_command_is_accepted_by_the_learner_itself(monkeypatch
     assert {u for u, _ in shards} == {0, 1, 2, 3, 7}
     assert all(units == 5 for u, units in shards if u < 5)  # 3 (maxCount) + 2 (count): stable under scaling
     assert (7, 8) in shards
+
+
+def sharded_spec(shards: int = 3, **kw) -> api.DilocoJobSpec:
+    return job_spec(config={"outer": {"fragments": 4}, "syncer": {"shards": shards}}, **kw)
+
+
+def test_each_syncer_shard_gets_its_own_deployment_volume_and_service_and_serves_only_its_shard():
+    spec = sharded_spec(3)
+    for shard in range(3):
+        dep = objects.syncer_deployment(JOB, spec, shard=shard)
+        pod = dep["spec"]["template"]["spec"]
+        assert dep["metadata"]["name"] == f"demo-syncer-{shard}"
+        assert dep["spec"]["selector"]["matchLabels"][objects.LABEL_SHARD] == str(shard)
+        syncer, standby = pod["containers"]
+        assert syncer["command"][syncer["command"].index("--shard") + 1] == str(shard)
+        assert pod["volumes"][1]["persistentVolumeClaim"]["claimName"] == f"demo-checkpoint-{shard}"
+        assert objects.checkpoint_pvc(JOB, spec, shard)["metadata"]["name"] == f"demo-checkpoint-{shard}"
+        svc = objects.syncer_service(JOB, shard, 3)
+        assert svc["metadata"]["name"] == f"demo-syncer-{shard}"
+        assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    # Three shards' pods never share a selector: a Service routes to exactly its own shard.
+    selectors = {tuple(sorted(objects.syncer_service(JOB, i, 3)["spec"]["selector"].items())) for i in range(3)}
+    assert len(selectors) == 3
+
+
+def test_a_single_syncer_keeps_its_names_and_selector_so_an_upgrade_replaces_nothing():
+    dep = objects.syncer_deployment(JOB, job_spec())
+    assert dep["metadata"]["name"] == "demo-syncer"
+    assert dep["spec"]["selector"]["matchLabels"] == {objects.LABEL_JOB: "demo", objects.LABEL_COMPONENT: "syncer"}
+    assert "--shard" not in dep["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert objects.checkpoint_pvc(JOB, job_spec())["metadata"]["name"] == "demo-checkpoint"
+    unit = objects.unit_spec("demo", job_spec(), job_spec().units[1], 0, 2)
+    assert "syncerShards" not in unit.model_dump(mode="json", exclude_none=True)
+
+
+def test_the_standby_container_waits_on_the_same_volume_with_the_same_command_and_no_port_of_its_own():
+    pod = objects.syncer_deployment(JOB, job_spec(), tls_hash="h")["spec"]["template"]["spec"]
+    syncer, standby = pod["containers"]
+    assert standby["name"] == "standby"
+    assert standby["command"] == [*syncer["command"], "--standby", "--no-fork-successor"]
+    assert standby["volumeMounts"] == syncer["volumeMounts"] and standby["env"] == syncer["env"]
+    assert standby["resources"] == syncer["resources"]
+    assert "ports" not in standby and "readinessProbe" not in standby
+    off = objects.syncer_deployment(JOB, job_spec(syncer={"standby": False}))["spec"]["template"]["spec"]
+    assert [c["name"] for c in off["containers"]] == ["syncer"]
+    # The Service keeps routing to the pod while its dead container restarts: the standby serves meanwhile.
+    assert objects.syncer_service(JOB)["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_learners_dial_every_shard_in_shard_order():
+    spec = sharded_spec(2)
+    unit = objects.learner_unit(JOB, objects.unit_spec("demo", spec, spec.units[1], 0, 2))
+    unit["metadata"]["uid"] = "lu-1"
+    cmd = objects.unit_pod(unit, 0, 0)["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--syncer") + 1] == "https://demo-syncer-0:8470,https://demo-syncer-1:8470"
+
+
+def test_shard_statuses_name_each_shard_with_its_fragments_and_merges():
+    from diloco_operator import jobplan
+    spec = sharded_spec(3)
+    shards = jobplan.shard_statuses("demo", spec, [True, False, True], {0: {"outerSteps": 5, "fragments": [0, 3]}})
+    assert shards == [
+        {"shard": 0, "name": "demo-syncer-0", "ready": True, "outerSteps": 5, "fragments": [0, 3]},
+        {"shard": 1, "name": "demo-syncer-1", "ready": False, "fragments": [1]},
+        {"shard": 2, "name": "demo-syncer-2", "ready": True, "fragments": [2]},
+    ]
+    status, _ = jobplan.job_status("demo", spec, 1, [], False, {}, datetime(2026, 1, 1, tzinfo=timezone.utc),
+                                   shards_down=["demo-syncer-1"])
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "SyncerNotReady" and "demo-syncer-1" in ready["message"]
+
+
+def test_the_jobs_syncer_numbers_add_up_over_its_shards():
+    from diloco_operator import syncer_status
+    combined = syncer_status.combine([
+        {"outerSteps": 4, "version": 6, "learners": {"a": "2026-01-01T00:00:05Z"}, "fragments": [0],
+         "lastCheckpoint": "2026-01-01T00:00:09Z"},
+        {"outerSteps": 3, "version": 2, "learners": {"a": "2026-01-01T00:00:07Z", "b": "2026-01-01T00:00:01Z"},
+         "fragments": [1], "lastCheckpoint": "2026-01-01T00:00:03Z"}])
+    assert combined == {"outerSteps": 7, "version": 8, "lastCheckpoint": "2026-01-01T00:00:03Z",
+                        "learners": {"a": "2026-01-01T00:00:07Z", "b": "2026-01-01T00:00:01Z"}}
+    assert syncer_status.combine([]) is None
+    annotated = {**JOB, "metadata": {**JOB["metadata"], "annotations": {
+        syncer_status.URL_ANNOTATION: "http://x:1/, http://y:2"}}}
+    assert syncer_status.syncer_address(annotated, 8470, shard=1, shards=2) == "http://y:2"
+    assert syncer_status.syncer_address(JOB, 8470, tls=True, shard=1, shards=2) == "https://demo-syncer-1.ns.svc:8470"
+
+
+def test_a_job_may_not_have_more_syncer_shards_than_fragments():
+    with pytest.raises(ValueError, match="syncer.shards"):
+        job_spec(config={"outer": {"fragments": 2}, "syncer": {"shards": 3}})

@@ -46,6 +46,7 @@ def _job(units: int) -> dict:
 
 
 def _metrics(port: int) -> dict[str, float]:
+    """Each metric summed over its labels, plus the API requests by "VERB resource"."""
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     except OSError:
@@ -56,6 +57,30 @@ def _metrics(port: int) -> dict[str, float]:
             key, _, value = line.rpartition(" ")
             name = key.split("{", 1)[0]
             out[name] = out.get(name, 0.0) + float(value)
+            if name == "diloco_operator_api_requests_total":
+                labels = dict(kv.split("=", 1) for kv in key[len(name) + 1:-1].split(","))
+                verb_res = f"{labels['verb'].strip(chr(34))} {labels['resource'].strip(chr(34))}"
+                out[verb_res] = out.get(verb_res, 0.0) + float(value)
+    return out
+
+
+def _by_verb(after: dict[str, float], before: dict[str, float] | None = None) -> dict[str, int]:
+    """API requests by "VERB resource" between two scrapes."""
+    before = before or {}
+    return {k: int(v - before.get(k, 0)) for k, v in sorted(after.items())
+            if " " in k and v - before.get(k, 0) > 0}
+
+
+def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU time (user + system) each process has used so far: a figure the other load on the machine changes less
+    than wall time."""
+    out = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return out
 
 
@@ -99,11 +124,15 @@ def run(units: int, kill: int, resync_s: float, workers: int, timeout: float) ->
                                str(resync_s), "--workers", str(workers), "--metrics-port", str(port)],
                               stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         _wait("operator metrics", lambda: _metrics(port), 60)
+        pids = {**tb.pids, "operator": op.pid}
+        cpu0 = _cpu_seconds(pids)
         applied = time.monotonic()
         subprocess.run(["kubectl", "apply", "-f", "-"], input=yaml.safe_dump(_job(units)).encode(), env=env,
                        check=True, capture_output=True)
         all_running = _wait(f"{units} units Running", lambda: _units_running(tb) == units, timeout, 1.0)
-        requests_after_up = _metrics(port).get("diloco_operator_api_requests_total", 0)
+        up = _metrics(port)
+        cpu_up = _cpu_seconds(pids)
+        requests_after_up = up.get("diloco_operator_api_requests_total", 0)
 
         time.sleep(max(2.0, resync_s))
         m0 = _metrics(port)
@@ -116,6 +145,7 @@ def run(units: int, kill: int, resync_s: float, workers: int, timeout: float) ->
         pods = _learner_pods(tb)
         victims = random.Random(0).sample(pods, min(kill, len(pods)))
         gone = {p["metadata"]["uid"] for p in victims}
+        before_kill = _metrics(port)
         killed = time.monotonic()
         for p in victims:  # one DELETE each, back to back (~10 ms apart)
             tb.request("DELETE", f"/api/v1/namespaces/default/pods/{p['metadata']['name']}", {"gracePeriodSeconds": 0})
@@ -131,7 +161,10 @@ def run(units: int, kill: int, resync_s: float, workers: int, timeout: float) ->
         return {"units": units, "nodes": nodes, "workers": workers, "all_running_s": round(all_running, 1),
                 "api_requests_to_all_running": int(requests_after_up), "killed": len(victims),
                 "replaced_s": round(replace_s, 1), "api_requests_per_resync": round(per_resync, 2),
-                "resync_seconds": resync_s, "since_apply_s": round(time.monotonic() - applied, 1)}
+                "resync_seconds": resync_s, "since_apply_s": round(time.monotonic() - applied, 1),
+                "cpu_s_to_all_running": {k: round(v - cpu0.get(k, 0), 1) for k, v in cpu_up.items()},
+                "requests_to_all_running": _by_verb(up), "requests_during_resyncs": _by_verb(m1, m0),
+                "requests_to_replace": _by_verb(_metrics(port), before_kill)}
     finally:
         if op is not None:
             op.terminate()

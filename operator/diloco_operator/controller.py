@@ -260,14 +260,7 @@ class Controller:
             # Independent writes go out together (bounded): 1,000 units are not 1,000 round trips in a row.
             await _bounded([delete(u) for u in plan.delete] + [create(u) for u in plan.create.values()]
                            + [update(u, us) for u, us in plan.update.items()])
-            for unit in plan.delete:
-                why = "parked: its pods could not be placed" if decision and unit in decision.park else "scaled down"
-                events.append(("Normal", C.Reason.UNIT_REMOVED, f"removed learner unit {unit} ({why})"))
-            for unit, uspec in plan.create.items():
-                events.append(("Normal", C.Reason.UNIT_CREATED, f"created learner unit {unit} ({uspec.template}, "
-                                                        f"{uspec.podsPerUnit} pod(s), unit index {uspec.unitIndex})"))
-            for unit in plan.update:
-                events.append(("Normal", C.Reason.UNIT_UPDATED, f"updated the spec of learner unit {unit}"))
+            events += jobplan.unit_events(plan, decision.park if decision else ())
             if plan.delete or plan.create:
                 lus = self.cache.units_of_job(ns, name)
                 units = [jobplan.unit_view(lu) for lu in lus if lu["metadata"]["name"] not in plan.delete]
@@ -295,6 +288,13 @@ class Controller:
         await self._events(job, events + status_events)
         if status.get("phase") in jobplan.TERMINAL_JOB and not finished:
             for lu in lus:  # stop the units of a finished job
+                self.enqueue(("unit", ns, lu["metadata"]["name"]))
+        if info is not None:  # units show when the syncer last heard from them
+            seen = {lu["metadata"]["name"]: (lu.get("status") or {}).get("lastContribution") for lu in lus}
+            for unit, last in info["learners"].items():
+                if unit in seen and seen[unit] != last:
+                    self.enqueue(("unit", ns, unit))
+
     async def _ensure_syncer_shard(self, job: dict, spec: api.DilocoJobSpec, tls: SyncerTls, shard: int,
                                    finished: bool) -> bool:
         """One syncer shard's checkpoint volume, Deployment and Service; polls it when ready. True if it is ready."""
@@ -309,13 +309,6 @@ class Controller:
         if ready and not finished:
             self._poll_syncer(job, tls, shard, shards)
         return ready
-
-                self.enqueue(("unit", ns, lu["metadata"]["name"]))
-        if info is not None:  # units show when the syncer last heard from them
-            seen = {lu["metadata"]["name"]: (lu.get("status") or {}).get("lastContribution") for lu in lus}
-            for unit, last in info["learners"].items():
-                if unit in seen and seen[unit] != last:
-                    self.enqueue(("unit", ns, unit))
 
     async def _syncer_tls(self, job: dict, spec: api.DilocoJobSpec, now: datetime) -> SyncerTls:
         """Read (at most every ensure_ttl_s) the Secret the syncer serves; in Auto mode issue or renew it
@@ -449,7 +442,8 @@ class Controller:
             self.cache.wrote(PODS.plural, await self.kube.create(PODS, O.unit_pod(unit, plan.status["incarnation"], rank)))
         await _bounded([delete(p) for p in plan.delete])
         if plan.create:
-            await self._ensure(SERVICES, O.unit_service(unit), update=False)
+            if O.needs_unit_service(spec):
+                await self._ensure(SERVICES, O.unit_service(unit), update=False)
             await self._ensure_unit_token(unit, job)
         await _bounded([create(rank) for rank in plan.create])
         if (patch := status_patch(old_status, plan.status)) is not None:

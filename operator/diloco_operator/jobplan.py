@@ -261,3 +261,39 @@ def link_encrypted(conds: list[dict], tls: api.SyncerTls, secret: str | None, pr
     if not status and (before is None or before.get("reason") != reason or before.get("message") != message):
         events.append(("Warning", reason, message))
     return conds, events
+
+
+EVENT_MESSAGE_MAX = 1000  # the API keeps 1,024 characters of a message
+
+
+def _listing(head: str, items: list[str]) -> str:
+    """`head` and as many of `items` as fit in one Event message, then how many more there were."""
+    text, shown = head, 0
+    for item in items:
+        more = f"{', ' if shown else ': '}{item}"
+        if len(text) + len(more) > EVENT_MESSAGE_MAX - 20:
+            return f"{text} and {len(items) - shown} more"
+        text, shown = text + more, shown + 1
+    return text
+
+
+def unit_events(plan: UnitsPlan, parked: list[str] | tuple = ()) -> list[Event]:
+    """The Events of one reconcile's unit changes: one per kind of change (created, updated, removed and why),
+    each naming its units, rather than one per unit (1,000 units created are one Event, not 1,000 requests)."""
+    events: list[Event] = []
+    if plan.create:
+        by_shape: dict[tuple[str, int], list[str]] = {}
+        for unit, uspec in plan.create.items():
+            by_shape.setdefault((uspec.template, uspec.podsPerUnit), []).append(f"{unit} (unit index {uspec.unitIndex})")
+        for (template, pods), units in by_shape.items():
+            events.append(("Normal", C.Reason.UNIT_CREATED,
+                           _listing(f"created {len(units)} learner unit(s) of {template}, {pods} pod(s) each", units)))
+    if plan.update:
+        events.append(("Normal", C.Reason.UNIT_UPDATED,
+                       _listing(f"updated the spec of {len(plan.update)} learner unit(s)", list(plan.update))))
+    for why, units in (("parked: their pods could not be placed", [u for u in plan.delete if u in parked]),
+                       ("scaled down", [u for u in plan.delete if u not in parked])):
+        if units:
+            events.append(("Normal", C.Reason.UNIT_REMOVED,
+                           _listing(f"removed {len(units)} learner unit(s) ({why})", units)))
+    return events

@@ -286,8 +286,14 @@ def learner_unit(job: dict, spec: api.LearnerUnitSpec) -> dict:
             "spec": spec.model_dump(mode="json", exclude_none=True)}
 
 
+def needs_unit_service(spec: api.LearnerUnitSpec) -> bool:
+    """Only a unit of several pods rendezvous across pods (torch.distributed, TPU workers) by DNS name."""
+    return spec.podsPerUnit > 1
+
+
 def unit_service(unit: dict) -> dict:
-    """Headless Service giving each pod of a unit a DNS name (rank-R.<unit>) for torch.distributed rendezvous."""
+    """Headless Service giving each pod of a unit a DNS name (rank-R.<unit>) for torch.distributed rendezvous
+    (only for units of several pods: needs_unit_service)."""
     spec = api.LearnerUnitSpec.model_validate(unit["spec"])
     name = unit["metadata"]["name"]
     selector = {LABEL_JOB: spec.jobName, LABEL_UNIT: name}
@@ -356,7 +362,8 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
         volumes.append({"name": "syncer-ca", "configMap": {"name": ca_config_name(spec.jobName)}})
     token_env = _token_env()
     token_env["valueFrom"]["secretKeyRef"]["name"] = unit_token_secret_name(name)
-    master = f"rank-0.{name}"
+    # A single pod is its own rendezvous (it has no headless Service, so no rank-R.<unit> DNS name).
+    hosts = [f"rank-{r}.{name}" for r in range(spec.podsPerUnit)] if needs_unit_service(spec) else ["localhost"]
     env = [
         token_env,
         {"name": "DILOCO_SYNCER_URL", "value": url},
@@ -364,13 +371,13 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
         {"name": "DILOCO_LEARNER_ID", "value": name},
         {"name": "RANK", "value": str(rank)},
         {"name": "WORLD_SIZE", "value": str(spec.podsPerUnit)},
-        {"name": "MASTER_ADDR", "value": master},
+        {"name": "MASTER_ADDR", "value": hosts[0]},
         {"name": "MASTER_PORT", "value": str(api.MASTER_PORT)},
     ]
     if device == "xla":
         env += [{"name": "TPU_WORKER_ID", "value": str(rank)},
                 {"name": "TPU_WORKER_HOSTNAMES",
-                 "value": ",".join(f"rank-{r}.{name}" for r in range(spec.podsPerUnit))}]
+                 "value": ",".join(hosts)}]
     labels = {LABEL_JOB: spec.jobName, LABEL_COMPONENT: "learner", LABEL_UNIT: name, LABEL_TEMPLATE: spec.template,
               LABEL_INCARNATION: str(incarnation), LABEL_RANK: str(rank)}
     pod_spec: dict = {

@@ -143,8 +143,11 @@ def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | Non
                             f"{message}; restarting the whole unit as incarnation {inc}"
                             + (f" (restart {st['restarts']}/{spec.restartPolicy.maxRestarts}, backoff {delay:g}s)"
                                if counted else "")))
-        plan.requeue_after = max(delay, 0.2)
-        return _finish(plan, st, conds, [], now, node_pools)
+        if delay > 0 or pods:  # a backoff to wait, or old pods to see gone first (a clean slate)
+            plan.requeue_after = max(delay, 0.2)
+            return _finish(plan, st, conds, [], now, node_pools)
+        # No backoff and no pod left: the new incarnation starts in this same pass (one status write, not two).
+        launched, current, stale = False, [], []
 
     if not launched:
         restart_after = C.parse_time(st.get("restartAfter"))
@@ -161,7 +164,9 @@ def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | Non
         plan.create = [r for r in range(spec.podsPerUnit) if r not in have]
         st["launchedIncarnation"] = inc
         st.pop("restartAfter", None)
-        if plan.create:
+        # The first launch is told by the job's UnitCreated Event, a restart by its own Event: only pods created
+        # in a later pass of a restart (after a backoff or old pods going) get an Event of their own.
+        if plan.create and inc > 0 and not plan.events:
             plan.events.append(("Normal", C.Reason.PODS_CREATED,
                                 f"created {len(plan.create)} pod(s) of incarnation {inc} on {spec.accelerator.type}"))
     ready = sum(1 for p in current if p.phase == "Running" and p.ready and not p.deleting)

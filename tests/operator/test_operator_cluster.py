@@ -96,7 +96,11 @@ def test_mixed_gpu_tpu_job_lands_each_unit_on_its_pool(kubectl, operator, ns):
     assert [node_pool(kubectl, p["spec"]["nodeName"]) for p in syncer] == ["cpu"]
     lu = kubectl.get("lu", "mixed-h100-1", ns=ns)
     assert lu["status"]["nodePool"] == "gpu-h100" and lu["status"]["podsReady"] == 1
-    assert len(events(kubectl, ns, "UnitCreated")) == 4
+    created = events(kubectl, ns, "UnitCreated")  # one Event per template and reconcile, naming its units
+    assert len(created) == 3 and sum(int(e["message"].split()[1]) for e in created) == 4
+    assert all(f"mixed-{u}" in " ".join(e["message"] for e in created) for u in ("h100-0", "h100-1", "l4-0", "v5p-0"))
+    assert not [s for s in kubectl.get("services", ns=ns) if s["metadata"]["name"] in ("mixed-h100-0", "mixed-l4-0")]
+    assert kubectl.get("services", "mixed-v5p-0", ns=ns), "a 2-pod unit rendezvous through its headless Service"
 
 
 def test_a_pod_asking_for_more_gpus_than_any_node_stays_pending_and_degrades_the_job(kubectl, operator, ns):

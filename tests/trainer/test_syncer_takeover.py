@@ -241,3 +241,55 @@ def test_a_warm_standby_takes_over_a_syncer_killed_during_merges_and_nothing_ack
         assert next_standby.pid == json.loads((state_dir / "standby.json").read_text())["pid"]
         assert os.getpgid(next_standby.pid) == next_standby.pid, "the successor shares the serving syncer's group"
     assert syncer.proc.poll() is not None and next_standby.poll() is not None, "a syncer outlived the supervisor"
+
+
+def _status_field(pid: int, field: str) -> str:
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(f"{field}:"))
+    return line.split(":", 1)[1].strip()
+
+
+def _child_of(parent: int) -> int:
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and _status_field(int(entry.name), "PPid") == str(parent):
+                return int(entry.name)
+        except (OSError, StopIteration):
+            continue
+    raise AssertionError(f"no child of {parent}")
+
+
+def test_a_waiting_standby_that_is_pid_1_of_its_container_leaves_on_sigterm_instead_of_taking_over(tmp_path):
+    """In the operator's syncer pod each syncer is PID 1 of its container, where the kernel drops signals that have
+    no handler: a standby that ignored the pod's SIGTERM would take over from the syncer's clean stop."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        raise AssertionError("needs unshare(1) and root (as the container tests do) to run a PID namespace")
+    config, state_dir = tmp_path / "run.yaml", tmp_path / "syncer"
+    config.write_text("model: tiny\nseed: 1\nouter:\n  fragments: 2\n  quorum: 1\n")
+    argv = diloco_argv("syncer", "--config", str(config), "--host", "127.0.0.1", "--port", "0", "--state-dir",
+                       str(state_dir), "--log-every-s", "0")
+    env = child_env({"DILOCO_TOKEN": TOKEN})
+    serving = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    standby_log = tmp_path / "standby.log"
+    standby = None
+    try:
+        endpoint = wait_until(lambda: (state_dir / "endpoint.json").exists() and json.loads(
+            (state_dir / "endpoint.json").read_text()), "the syncer to listen", timeout=120)
+        with open(standby_log, "w") as out:  # --fork: the syncer is the namespace's PID 1, as in a container
+            standby = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", *argv, "--standby",
+                                        "--no-fork-successor"], env=env, stdout=out, stderr=subprocess.STDOUT)
+        wait_until(lambda: "standing by" in standby_log.read_text(), "the standby to wait", timeout=120)
+        pid1 = _child_of(standby.pid)
+        assert _status_field(pid1, "NSpid").split()[-1] == "1", "the standby is not PID 1 of its namespace"
+        os.kill(pid1, signal.SIGTERM)
+        assert standby.wait(timeout=30) == 0, standby_log.read_text()
+        assert "stopped by signal 15 before serving" in standby_log.read_text()
+        # The serving syncer was never disturbed, and a clean stop of it hands nothing to anyone.
+        assert _http("GET", f"{endpoint['url']}/healthz")[0] == 200
+        serving.send_signal(signal.SIGTERM)
+        assert serving.wait(timeout=60) == 0
+        assert [i["pid"] for i in read_incarnations(state_dir)] == [endpoint["pid"]]
+    finally:
+        for proc in (standby, serving):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -90,6 +90,11 @@ def run(args: argparse.Namespace) -> int:
               flush=True)
         return 2
     supervisor = os.getppid()
+    # SIGTERM/SIGINT while warming up or waiting for the lock: leave at once. Said explicitly because a syncer may
+    # be PID 1 of its container (the operator's syncer pod), where the kernel ignores signals without a handler, and
+    # a standby that ignored the pod's SIGTERM would take over from the syncer's clean stop.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _leave)
     args.started_at = time.time()
     t0 = time.monotonic()
     _warm_up(config, build=args.standby)
@@ -107,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
             break
         # This is the successor: already warm, it waits for the lock the new syncer holds.
         args.started_at, args.warm_s = time.time(), 0.0
+    # From here on a stop is a clean one (final checkpoint): remembered until the server's own handlers take over.
+    args.stop_requested = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: args.stop_requested.append(signum))
     if args.hold_file and (held := wait_out_hold(Path(args.hold_file))) > 0.05:
         log.info("served only after a restart hold of %.1f s (%s)", held, args.hold_file)
         args.locked_at = time.time()
@@ -115,6 +124,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # e.g. a checkpoint written for another model
         print(f"diloco syncer: {exc}", flush=True)
         return 2
+
+
+def _leave(signum: int, frame) -> None:
+    log.info("stopped by signal %d before serving", signum)
+    raise SystemExit(0)
 
 
 def _warm_up(config: TrainConfig, build: bool) -> None:
@@ -172,6 +186,8 @@ async def _serve(args: argparse.Namespace, config: TrainConfig, token: str) -> i
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if getattr(args, "stop_requested", None):  # a stop that came while the state loaded
+        stop.set()
     progress = asyncio.create_task(_progress(syncer, args.log_every_s)) if args.log_every_s > 0 else None
     await stop.wait()
     log.info("stopping: final checkpoint")

@@ -71,3 +71,30 @@ def test_a_damaged_or_missing_snapshot_starts_afresh(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert inner_state.read(path, opt, dict(model.named_parameters())) is None
     assert "unusable" in caplog.text
+
+
+def test_the_adopted_theta_comes_back_only_for_the_run_it_was_saved_in(tmp_path):
+    model, opt, ef, cfg = trained()
+    params = dict(model.named_parameters())
+    names = sorted(params)
+    plan = [names[::2], names[1::2]]
+    held = ({f"base.{p}.{n}": params[n].detach().clone() for p, frag in enumerate(plan) for n in frag}, {0: 3, 1: 5})
+    run = inner_state.run_digest(cfg.model_dump(), plan)
+    path = tmp_path / inner_state.FILE
+    inner_state.save(path, opt, ef, steps=9, held=held, run=run)
+
+    found = inner_state.read_held(path, run, plan)
+    assert {p: v for p, (v, _) in found.items()} == {0: 3, 1: 5}
+    assert all(torch.equal(found[p][1][n], params[n]) for p, frag in enumerate(plan) for n in frag)
+    other_run = inner_state.run_digest(cfg.model_copy(update={"seed": cfg.seed + 1}).model_dump(), plan)
+    assert inner_state.read_held(path, other_run, plan) == {}
+    assert inner_state.read_held(path, inner_state.run_digest(cfg.model_dump(), plan[::-1]), plan[::-1]) == {}
+    # The optimizer state reads as before (the held tensors name parameters of this model).
+    assert inner_state.read(path, opt, params).steps == 9
+
+
+def test_a_snapshot_without_held_theta_holds_nothing(tmp_path):
+    _, opt, ef, cfg = trained()
+    path = tmp_path / inner_state.FILE
+    inner_state.save(path, opt, ef, steps=4)
+    assert inner_state.read_held(path, inner_state.run_digest(cfg.model_dump(), [["x"]]), [["x"]]) == {}

@@ -84,6 +84,8 @@ class FragmentUpdate:
     fragment: int
     version: int
     tensors: dict[str, Tensor]
+    # Adopt even if not newer: the learner trained from a saved version its shard no longer has (sharded_client.py)
+    rewind: bool = False
 
 
 @dataclass
@@ -142,6 +144,10 @@ class SyncerClient:
         self._wake_sender = asyncio.Event()
         self._wake_poller = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._booting: list[concurrent.futures.Future] = []  # bootstraps under way (cancelled by close)
+        self.bootstrap_failures = 0  # attempts to reach the syncer at start-up that failed
+        self._booted = False  # the bootstrap has completed (versions known)
+        self._saved_versions: dict[int, int] | None = None  # see hold()
         self._draining = False
         self._thread.start()
 
@@ -154,7 +160,19 @@ class SyncerClient:
 
     def start_bootstrap(self, stop_flag: threading.Event | None = None) -> concurrent.futures.Future:
         """`bootstrap` without waiting: a future of its Bootstrap (several shards are bootstrapped at once)."""
-        return asyncio.run_coroutine_threadsafe(self._bootstrap(stop_flag or threading.Event()), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._bootstrap(stop_flag or threading.Event()), self._loop)
+        self._booting.append(future)
+        return future
+
+    def hold(self, versions: dict[int, int] | None) -> bool:
+        """Before its bootstrap completes: the learner trains these fragments from saved versions (None: not any
+        more), so the bootstrap hands each fragment whose version differs over as an update (a rewind when lower:
+        the syncer lost the saved one). False when the bootstrap has completed already."""
+        with self._lock:
+            if self._booted:
+                return False
+            self._saved_versions = None if versions is None else dict(versions)
+            return True
 
     def submit(self, sub: Submission) -> None:
         """Queue a submission; a queued, unsent one with the same id is replaced (it is superseded)."""
@@ -203,6 +221,8 @@ class SyncerClient:
         """Wait up to `drain_s` for queued submissions to be answered, then stop; True if nothing was left."""
         deadline = time.monotonic() + drain_s
         self._draining = True  # the learner adopts nothing more: fetching new versions would be wasted bytes
+        for future in self._booting:  # a shard still away when the learner stops: stop waiting for it
+            future.cancel()
         while self.pending() and time.monotonic() < deadline:
             time.sleep(0.05)
         drained = not self.pending()
@@ -269,6 +289,7 @@ class SyncerClient:
                 break
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 self._set_up(False, str(exc) or type(exc).__name__)
+                self.bootstrap_failures += 1
                 if attempt % 10 == 0:
                     log.info("waiting for the syncer at %s (%s)", self.url, str(exc) or type(exc).__name__)
                 await asyncio.sleep(self._delay(attempt))
@@ -278,6 +299,16 @@ class SyncerClient:
         with self._lock:
             self._have = dict(versions)
             self._held = {p: {n: theta[n] for n in plan[p]} for p in versions}
+            self._booted = True
+            saved = self._saved_versions
+            if saved is not None:  # the learner started from saved values: what differs here is an update
+                for p, v in versions.items():
+                    if v != saved.get(p, -1):
+                        self._updates[p] = FragmentUpdate(p, v, self._held[p], rewind=v < saved.get(p, -1))
+        if saved is not None:
+            log.info("syncer shard %d (%s) is back: registered; fragment versions %s there, %s held here%s",
+                     self.shard, self.url, dict(sorted(versions.items())), dict(sorted(saved.items())),
+                     "" if versions == saved else f"; adopting {sorted(p for p in versions if versions[p] != saved.get(p))}")
         if not self._tasks:  # a second bootstrap (re-pull of Θ) must not start a second set of tasks
             self._tasks = [asyncio.create_task(c) for c in (self._sender(), self._poller(), self._heartbeat())]
         return Bootstrap(reg.config, plan, versions, self.heartbeat_s, theta)
@@ -339,6 +370,12 @@ class SyncerClient:
                 self._wake_sender.clear()
                 await self._wake_sender.wait()
                 continue
+            if sub.base_version > self._have.get(sub.fragment, sub.base_version):
+                # Its base is newer than anything the syncer has now: it lost that version (restarted without it)
+                # while this Δ waited. Never sent; refused here as stale, so the learner re-adopts and carries the work.
+                self._settle(sub, 409, ErrorAnswer(error=f"base version {sub.base_version} is unknown to the syncer "
+                                                         f"(now at {self._have[sub.fragment]})"), delivered=False)
+                continue
             try:
                 status, answer = await self._post_submission(sub)
             except Exception as exc:  # noqa: BLE001 - network errors (and any surprise) are retried, never fatal
@@ -374,13 +411,14 @@ class SyncerClient:
         except ValueError:  # not the syncer's JSON (a proxy's error page, an empty body): keep the status
             return resp.status, SubmitAnswer(accepted=True) if model is SubmitAnswer else ErrorAnswer(error=text[:200])
 
-    def _settle(self, sub: Submission, status: int, answer: SubmitAnswer | ErrorAnswer) -> None:
-        """Book the syncer's answer to `sub` and drop its id from the outbox: a fresher Δ queued meanwhile
-        with the same id comes from the same base, so it is either already counted or equally refused."""
+    def _settle(self, sub: Submission, status: int, answer: SubmitAnswer | ErrorAnswer, delivered: bool = True) -> None:
+        """Book the syncer's answer to `sub` (or a refusal decided here, `delivered=False`) and drop its id from the
+        outbox: a fresher Δ queued meanwhile with the same id comes from the same base, so it is either already
+        counted or equally refused."""
         reason = answer.error if isinstance(answer, ErrorAnswer) else ""
         duplicate = isinstance(answer, SubmitAnswer) and answer.duplicate
         with self._lock:
-            self.stats.sent += 1
+            self.stats.sent += delivered
             self._outbox.pop(sub.submission_id, None)
             held = sub
             if 200 <= status < 300:
@@ -402,7 +440,7 @@ class SyncerClient:
             # After an ack a merge is likely soon; after 409 the learner must re-adopt: look for versions now.
             self._wake_poller.set()
         if status == 409:
-            log.warning("fragment %d: base version %d is too old for the syncer (%s); re-adopting the current one",
+            log.warning("fragment %d: the syncer refused base version %d as stale (%s); re-adopting its current one",
                         sub.fragment, sub.base_version, reason)
         elif not 200 <= status < 300:
             log.error("fragment %d: submission %s rejected with %d: %s", sub.fragment, sub.submission_id,
@@ -418,8 +456,12 @@ class SyncerClient:
                     answer = VersionsAnswer.model_validate(await resp.json())
                 versions = {int(p): v for p, v in answer.versions.items()}
                 for p, v in sorted(versions.items()):
-                    if v > self._have.get(p, -1) and not self._draining:
+                    if self._draining:
+                        break
+                    if v > self._have.get(p, -1):
                         await self._fetch_fragment(p)
+                    elif v < self._have[p]:  # the syncer lost the version held (restarted before checkpointing it)
+                        await self._fetch_fragment(p, rewind=True)
                 self._set_up(True)
                 attempt = 0
                 delay = self.poll_s
@@ -435,17 +477,24 @@ class SyncerClient:
             except asyncio.TimeoutError:
                 pass
 
-    async def _fetch_fragment(self, p: int) -> None:
-        """Fetch the newest version of fragment p, if newer than the one held, for the learner to adopt."""
-        after = self._have.get(p)
-        got = await self._download(p, after, after if is_quantized(self.downlink) else None, self._held.get(p))
+    async def _fetch_fragment(self, p: int, rewind: bool = False) -> None:
+        """Fetch the newest version of fragment p, if newer than the one held, for the learner to adopt; with
+        `rewind`, whole and whatever its version (the syncer no longer has the one held: no Δ may be based on it)."""
+        after = None if rewind else self._have.get(p)
+        held = None if rewind else self._held.get(p)
+        got = await self._download(p, after, after if is_quantized(self.downlink) else None, held)
         if got is None:
             return
         version, tensors = got
         with self._lock:
-            if version > self._have.get(p, -1):
+            if version > self._have.get(p, -1) or (rewind and version != self._have.get(p)):
+                if rewind:
+                    log.warning("fragment %d: the syncer no longer has version %d (now at %d); re-adopting its "
+                                "version", p, self._have.get(p), version)
                 self._have[p] = version
-                self._updates[p] = FragmentUpdate(p, version, tensors)
+                unadopted = self._updates.get(p)  # a rewind not adopted yet: the newer version must rewind too
+                self._updates[p] = FragmentUpdate(p, version, tensors,
+                                                  rewind=rewind or (unadopted is not None and unadopted.rewind))
                 if self.downlink != "bf16":
                     self._held[p] = tensors
                 else:  # rounded values: no update can be applied to them
@@ -503,7 +552,7 @@ class SyncerClient:
                     resp.raise_for_status()
                     versions = HeartbeatAnswer.model_validate(await resp.json()).versions
                 self._set_up(True)
-                if any(v > self._have.get(int(p), -1) for p, v in versions.items()):
+                if any(v != self._have.get(int(p), -1) for p, v in versions.items()):
                     self._wake_poller.set()
             except Exception as exc:  # noqa: BLE001 - a failed heartbeat only means "try again later"
                 self._set_up(False, str(exc) or type(exc).__name__)

@@ -1,4 +1,5 @@
-"""A learner's own state that the syncer does not hold: AdamW moments and step, and error-feedback residuals.
+"""A learner's own state that the syncer does not hold: AdamW moments and step, and error-feedback residuals; and a
+copy of the global Θ it last adopted, per fragment and version (so it can restart while a syncer shard is down).
 
 Written to the learner's state directory next to its data position every few steps (safetensors, never pickle), and
 read back when the learner restarts, so a killed learner resumes with warm moments, the learning rate it had reached
@@ -7,6 +8,7 @@ syncer. Best effort by design: a missing, damaged or foreign snapshot only means
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -35,14 +37,25 @@ class Snapshot:
     nonce: str | None = None
 
 
+def run_digest(config: dict, plan: list[list[str]]) -> str:
+    """Names the run a held Θ belongs to: the syncer's config and fragment plan as served at registration."""
+    text = json.dumps({"config": config, "plan": plan}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 def save(path: Path, opt: torch.optim.Optimizer, ef: ErrorFeedback | None, steps: int,
-         unsent: tuple[dict[str, torch.Tensor], list[dict]] | None = None, nonce: str | None = None) -> None:
+         unsent: tuple[dict[str, torch.Tensor], list[dict]] | None = None, nonce: str | None = None,
+         held: tuple[dict[str, torch.Tensor], dict[int, int]] | None = None, run: str | None = None) -> None:
     """Atomically replace `path` with the optimizer's state, the residuals, the steps trained so far and, if given,
-    the unsent work (OuterSync.unsent_work) of the incarnation `nonce`."""
+    the unsent work (OuterSync.unsent_work) of the incarnation `nonce` and the adopted Θ (OuterSync.held) of run
+    `run` (run_digest)."""
     tensors = optimizer_tensors(opt)
     if ef is not None:
         tensors.update({f"ef.{n}": t for n, t in ef.state_dict().items()})
     meta = {"kind": KIND, "steps": str(steps)}
+    if held is not None and held[1] and run:
+        tensors.update(held[0])  # base.{p}.{name}: the same tensors the unsent work names for its fragments
+        meta.update(held=json.dumps({str(p): v for p, v in held[1].items()}), run=run)
     if unsent is not None and unsent[1] and nonce:
         tensors.update(unsent[0])
         meta.update(unsent=json.dumps(unsent[1]), nonce=nonce)
@@ -86,6 +99,27 @@ def read(path: Path, opt: torch.optim.Optimizer, params: dict[str, torch.Tensor]
         log.warning("starting AdamW and error feedback afresh: the snapshot %s is unusable: %s", path, exc)
         return None
     return Snapshot(tensors, steps, unsent, meta.get("nonce"))
+
+
+def read_held(path: Path, run: str, plan: list[list[str]]) -> dict[int, tuple[int, dict[str, torch.Tensor]]]:
+    """The global Θ_p the snapshot at `path` holds, as {p: (version, tensors)}, only if it was saved in run `run`
+    (run_digest) with every tensor of each fragment; {} when there is none or it does not fit (logged)."""
+    if not path.exists():
+        return {}
+    try:
+        tensors, meta = decode_tensors(path.read_bytes())
+        if meta.get("kind") != KIND or meta.get("run") != run:
+            return {}  # an older snapshot, or one of another run (config or plan differ): holds nothing of this run
+        versions = {int(p): int(v) for p, v in json.loads(meta["held"]).items()}
+        out = {}
+        for p, version in versions.items():
+            if not 0 <= p < len(plan):
+                raise ValueError(f"it holds fragment {p}, the plan has {len(plan)}")
+            out[p] = (version, {n: tensors[f"base.{p}.{n}"] for n in plan[p]})
+    except (OSError, ValueError, KeyError, WireError) as exc:
+        log.warning("holding no saved fragment values: the snapshot %s is unusable: %s", path, exc)
+        return {}
+    return out
 
 
 def optimizer_template(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

@@ -101,6 +101,7 @@ class Learner:
         self.last_loss: float | None = None
         self.rng = random.Random(opts.seed * 1_000_003 + opts.unit)
         self.metrics_state: dict = {}
+        self.run_digest = ""  # names the run the saved Θ belongs to (inner_state.run_digest; rank 0)
 
     # ------------------------------------------------------------------ start-up
 
@@ -112,7 +113,11 @@ class Learner:
             self.client = make_client(split_syncer_urls(self.opts.syncer), self.opts.token, self.opts.learner_id,
                                       unit=self.opts.unit, world_size=self.group.world_size,
                                       device=devices.describe(self.device), poll_s=self.opts.poll_s, ca=self.opts.ca)
-            boot = self.client.bootstrap(self.stop_flag)
+            if isinstance(self.client, ShardedSyncerClient):
+                boot = self.client.bootstrap(self.stop_flag, held=self._held_fragments)
+            else:
+                boot = self.client.bootstrap(self.stop_flag)
+            self.run_digest = inner_state.run_digest(boot.config, boot.plan)
             info = {"config": boot.config, "plan": boot.plan, "versions": {str(k): v for k, v in boot.versions.items()}}
         else:
             boot, info = None, None
@@ -157,6 +162,14 @@ class Learner:
         self._load_position()
         self.tokens_per_step = self.batch * self.group.world_size * self.cfg.model.seq_len
 
+    def _held_fragments(self, config: dict, plan: list[list[str]]) -> dict[int, tuple[int, dict[str, torch.Tensor]]]:
+        """The global Θ this learner saved before a restart, {p: (version, Θ_p)}: what it may train a fragment from
+        while the syncer shard that owns it is down (nothing when its inner state is not restored)."""
+        if self.opts.state_dir is None or not self.opts.restore_inner:
+            return {}
+        return inner_state.read_held(self.opts.state_dir / inner_state.FILE, inner_state.run_digest(config, plan),
+                                     plan)
+
     def _position_path(self) -> Path | None:
         return self.opts.state_dir / "position.json" if self.opts.state_dir else None
 
@@ -177,7 +190,8 @@ class Learner:
             atomic_write_json(path, self.sampler.state_dict())
             if self.step:  # an optimizer that has not stepped has no state worth a snapshot
                 inner_state.save(self.opts.state_dir / inner_state.FILE, self.opt, self.outer.ef,
-                                 self.steps_before + self.step, self.outer.unsent_work(), self.nonce)
+                                 self.steps_before + self.step, self.outer.unsent_work(), self.nonce,
+                                 self.outer.held(), self.run_digest)
 
     def _restore_inner_state(self, versions: dict[int, int]) -> None:
         """AdamW moments and step, and the residuals, from the last snapshot (rank 0 reads, the unit gets them)."""
@@ -289,7 +303,8 @@ class Learner:
         learner had sent its own Δ diverged (configs/tiny.yaml, 3 learners, 200 steps: validation loss 3414 vs 2.72
         eager): a Δ from a stale base is re-anchored as Θ_current − θ_m, which drags Θ back toward the stale θ_m."""
         updates: list[FragmentUpdate] = self.client.take_updates() if self.client is not None else []
-        updates = [u for u in updates if u.version > self.outer.frags[u.fragment].version]
+        # A rewind replaces a version its shard no longer has (it lost state while this learner was restarting).
+        updates = [u for u in updates if u.version > self.outer.frags[u.fragment].version or u.rewind]
         stop, adopted = self.group.step_header(self.stop_flag.is_set(), [(u.fragment, u.version) for u in updates],
                                                slots=len(self.plan))
         by_fragment = {u.fragment: u for u in updates}

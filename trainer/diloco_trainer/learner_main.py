@@ -44,7 +44,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--restore-inner-state", action=argparse.BooleanOptionalAction, default=None,
                         help="on start, resume AdamW moments and step and the error-feedback residuals from "
                              "--state-dir's last snapshot (written every 10 steps; default: on); the parameters "
-                             "always come from the syncer")
+                             "come from the syncer, except a sharded syncer's fragments whose shard is down: those "
+                             "the snapshot holds (a version that shard issued), until it answers again")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--standby", default=None, metavar="DIR",
                         help="warm spare: import everything, then wait for DIR/assignment.json (the learner "

@@ -210,6 +210,14 @@ class OuterSync:
                 tensors[f"theta.{p}.{n}"] = self.params[n].detach()
         return tensors, fragments
 
+    def held(self) -> tuple[dict[str, Tensor], dict[int, int]]:
+        """The global Θ_p each fragment last adopted, as (tensors `base.{p}.{name}`, {p: version}) for the snapshot:
+        what a restart may train from while the syncer shard owning p is down (only a version it issued)."""
+        if not self.sends:
+            return {}, {}
+        tensors = {f"base.{p}.{n}": t for p, fs in enumerate(self.frags) for n, t in fs.base.items()}
+        return tensors, {p: fs.version for p, fs in enumerate(self.frags)}
+
     def resend(self, tensors: dict[str, Tensor], fragments: list[dict], versions_now: dict[int, int],
                learner_id: str, nonce: str) -> list[Submission]:
         """Δs of a previous incarnation's unsent work, under that incarnation's ids (`nonce`): a Δ it had sent from

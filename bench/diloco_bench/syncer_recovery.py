@@ -13,6 +13,7 @@ import json
 import re
 import statistics
 from pathlib import Path
+from typing import NamedTuple
 
 from diloco_chaos import goodput as chaos_goodput
 from diloco_trainer.runtime.rundir import read_jsonl
@@ -43,29 +44,47 @@ def _stamp(line: str) -> float | None:
     return datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() if m else None
 
 
-def recovery_times(run_dir: Path, kills: list[float]) -> dict:
-    """Seconds from each kill (unix time) to the next syncer serving and to the next merge.
+class Kill(NamedTuple):
+    """One syncer fault of a chaos record: the process it hit (`syncer`, or `syncer-<i>` for shard i of a sharded
+    run: runtime/shards.py) and when (unix time)."""
 
-    Serving: RUN/syncer/incarnations.jsonl, or, for runs of syncers older than it, the "state loaded" log lines
-    (listening follows within milliseconds). Merges: the syncer log's "merged N contributions" lines."""
-    log = (run_dir / "logs" / "syncer.log").read_text().splitlines()
-    incarnations = run_dir / "syncer" / "incarnations.jsonl"
+    unit: str
+    at: float
+
+
+def recovery_times(run_dir: Path, kills: list[Kill]) -> dict:
+    """Seconds from each kill to the next serving and to the next merge of the syncer (or shard) it hit.
+
+    Serving: RUN/<unit>/incarnations.jsonl, or, for runs of syncers older than it, the "state loaded" lines of
+    RUN/logs/<unit>.log (listening follows within milliseconds). Merges: that log's "merged N contributions" lines
+    (a shard merges only its own fragments: the others' merges say nothing about its recovery)."""
+    events = {unit: _serving_and_merges(run_dir, unit) for unit in sorted({k.unit for k in kills})}
+    out = {"to_serving_s": [], "to_merge_s": []}
+    for k in kills:
+        serving, merges = events[k.unit]
+        if (s := next((t for t in serving if t > k.at), None)) is not None:
+            out["to_serving_s"].append(s - k.at)
+        if (m := next((t for t in merges if t > k.at), None)) is not None:
+            out["to_merge_s"].append(m - k.at)
+    return out
+
+
+def _serving_and_merges(run_dir: Path, unit: str) -> tuple[list[float], list[float]]:
+    log_path = run_dir / "logs" / f"{unit}.log"
+    log = log_path.read_text().splitlines() if log_path.exists() else []
+    incarnations = run_dir / unit / "incarnations.jsonl"
     if incarnations.exists():
         serving = sorted(r["serving_at"] for r in read_jsonl(incarnations))
     else:
         serving = sorted(t for line in log if "state loaded" in line and (t := _stamp(line)) is not None)
     merges = sorted(t for line in log if "merged" in line and "contributions" in line and (t := _stamp(line)))
-    out = {"to_serving_s": [], "to_merge_s": []}
-    for k in kills:
-        if (s := next((t for t in serving if t > k), None)) is not None:
-            out["to_serving_s"].append(s - k)
-        if (m := next((t for t in merges if t > k), None)) is not None:
-            out["to_merge_s"].append(m - k)
-    return out
+    return serving, merges
 
 
-def kills_of(record: Path) -> list[float]:
-    return [e["back_at"] for e in read_jsonl(record) if e.get("event") == "fault" and not e.get("dry_run")]
+def kills_of(record: Path) -> list[Kill]:
+    """The syncer faults a chaos record says were injected (dry runs and faults of learners left out)."""
+    return [Kill(e.get("unit", "syncer"), e["back_at"]) for e in read_jsonl(record)
+            if e.get("event") == "fault" and not e.get("dry_run") and e.get("role", "syncer") == "syncer"]
 
 
 def _stats(xs: list[float]) -> dict | None:

@@ -41,7 +41,7 @@ def _run_dir(tmp_path, incarnations: bool):
 def test_kill_to_serving_and_to_first_merge_from_the_log_of_a_syncer_without_incarnations(tmp_path):
     run, record = _run_dir(tmp_path, incarnations=False)
     kills = syncer_recovery.kills_of(record)
-    assert kills == [T0 + 20.0, T0 + 35.0]  # the dry-run fault is not a kill
+    assert kills == [("syncer", T0 + 20.0), ("syncer", T0 + 35.0)]  # the dry-run fault is not a kill
     t = syncer_recovery.recovery_times(run, kills)
     assert [round(x, 3) for x in t["to_serving_s"]] == [6.5, 0.4]
     assert [round(x, 3) for x in t["to_merge_s"]] == [7.0, 3.0]
@@ -51,6 +51,31 @@ def test_incarnations_give_the_serving_times_when_the_syncer_wrote_them(tmp_path
     run, record = _run_dir(tmp_path, incarnations=True)
     t = syncer_recovery.recovery_times(run, syncer_recovery.kills_of(record))
     assert [round(x, 3) for x in t["to_serving_s"]] == [0.3, 0.5]
+
+
+def test_each_kill_of_a_sharded_run_is_measured_on_the_shard_it_hit(tmp_path):
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    serving = {"syncer-0": [T0 + 1.0, T0 + 20.6], "syncer-1": [T0 + 1.0, T0 + 35.9]}
+    merges = {"syncer-0": [T0 + 21.0, T0 + 36.0], "syncer-1": [T0 + 25.0, T0 + 37.5]}
+    for unit in serving:
+        (run / unit).mkdir()
+        (run / unit / "incarnations.jsonl").write_text("".join(json.dumps({"serving_at": t}) + "\n"
+                                                               for t in serving[unit]))
+        (run / "logs" / f"{unit}.log").write_text("".join(
+            f"{_stamp(t)} INFO diloco_trainer.syncer.app: fragment 0: merged 1 contributions from [] -> v\n"
+            for t in merges[unit]))
+    record = tmp_path / "chaos.jsonl"
+    events = [{"event": "fault", "time": T0 + 20, "back_at": T0 + 20, "unit": "syncer-0", "role": "syncer"},
+              {"event": "fault", "time": T0 + 30, "back_at": T0 + 30, "unit": "learner-1", "role": "learner"},
+              {"event": "fault", "time": T0 + 35, "back_at": T0 + 35, "unit": "syncer-1", "role": "syncer"}]
+    record.write_text("".join(json.dumps(e) + "\n" for e in events))
+    kills = syncer_recovery.kills_of(record)
+    assert kills == [("syncer-0", T0 + 20), ("syncer-1", T0 + 35)]  # a learner's fault is no syncer kill
+    t = syncer_recovery.recovery_times(run, kills)
+    # syncer-1's own serving and merge, not syncer-0's (which merged at T0 + 36, 1 s after the kill of syncer-1)
+    assert [round(x, 3) for x in t["to_serving_s"]] == [0.6, 0.9]
+    assert [round(x, 3) for x in t["to_merge_s"]] == [1.0, 2.5]
 
 
 def _figures(serving: list[float], merged: float, uptime: float) -> dict:

@@ -1,6 +1,8 @@
 """The learner's background client against a real `diloco syncer` process: start-up pull, acknowledgements,
 stale bases, idempotent ids, superseding and retries."""
 
+import shutil
+import signal
 import threading
 import time
 
@@ -165,3 +167,31 @@ def test_a_wrong_token_is_refused_at_registration(syncer):
             c.bootstrap()
     finally:
         c.close()
+
+
+def test_a_syncer_that_lost_the_version_held_hands_its_current_one_over_as_a_rewind(tmp_path):
+    proc = SyncerProcess(write_config(tmp_path / "run.yaml", grace=0.0), tmp_path / "syncer", tmp_path / "syncer.log",
+                         free_port())
+    proc.start()
+    c = SyncerClient(proc.url, TOKEN, "rewound", poll_s=0.05, backoff_s=0.05, backoff_max_s=0.2)
+    try:
+        boot = c.bootstrap()
+        p, base = 1, boot.versions[1]
+        c.submit(_body(c, boot.plan, boot.theta, p, base, f"rewound.a.p{p}.v{base}"))
+        assert _answers(c)[0].accepted
+        held = _newest(c, p, base).version
+        proc.stop(signal.SIGKILL)
+        shutil.rmtree(proc.state_dir)  # it comes back without the version the client holds
+        proc.start()
+        back = wait_for(lambda: next((u for u in c.take_updates() if u.fragment == p), None), 60,
+                        "the restarted syncer's version of the fragment")
+        assert back.rewind and back.version < held
+        # A Δ based on the lost version is refused here, as stale, and never sent.
+        c.submit(_body(c, boot.plan, boot.theta, p, held, f"rewound.b.p{p}.v{held}"))
+        (answer,) = _answers(c)
+        assert answer.status == 409 and "unknown to the syncer" in answer.reason
+        snap = c.snapshot()
+        assert snap["stale"] == snap["rejected"] == 1 and snap["sent"] == 1 and snap["pending"] == 0
+    finally:
+        c.close()
+        proc.stop()

@@ -153,3 +153,32 @@ async def test_the_target_refuses_other_namespaces_and_what_kubernetes_cannot_do
     for verb, resource, where, expected in checks:
         out = kubectl.run("auth", "can-i", verb, resource, "-n", where, "--as", sa, check=False)
         assert out.stdout.strip() == expected, (verb, resource, where, out.stdout, out.stderr)
+
+
+async def test_each_syncer_shard_is_a_target_of_its_own_and_a_fault_takes_one_shard(
+        kubectl, operator, ns, chaos_kubeconfig, tmp_path):
+    config = {"outer": {"fragments": 4}, "syncer": {"shards": 2}}
+    kubectl.apply(job("sharded", cpu_units(1), config=config), "-n", ns)
+    wait_job_ready(kubectl, ns, "sharded", 1)
+    selector = "diloco.dev/job=sharded,diloco.dev/component=syncer"
+    target = KubernetesTarget("sharded", ns, kubeconfig=chaos_kubeconfig)
+    candidates = [c for c in await target.candidates() if c.role == "syncer"]
+    assert [c.unit for c in candidates] == ["sharded-syncer-0", "sharded-syncer-1"]
+    assert all(len(c.members) == 1 for c in candidates)
+    exp = _exp(schedule={"every": "2s", "seed": 1}, target={"kind": "syncer"}, action={"type": "kill"},
+               safety={"maxConcurrent": 1, "maxFaults": 2, "maxDuration": "2m", "recoveryTimeout": "60s",
+                       "namespace": ns})
+    record = Record(tmp_path / "record.jsonl")
+    summary = await run_experiment(exp, target, record, poll_s=0.2)
+    assert summary["faults"] == 2 and summary["recovered"] == 2, record.entries
+    faults = [e for e in record.entries if e["event"] == "fault"]
+    for f in faults:  # one shard's pod per fault, never both: the pod of that shard's Deployment
+        (pod,) = f["details"]["uids"]
+        assert f["unit"] in ("sharded-syncer-0", "sharded-syncer-1") and pod.startswith(f["unit"] + "-"), f
+    # Both shards run again on new pods where they were hit, each Deployment healed on its own.
+    wait_job_ready(kubectl, ns, "sharded", 1)
+    shards = kubectl.get("dj", "sharded", ns=ns)["status"]["syncerShards"]
+    assert [(s["name"], s["ready"]) for s in shards] == [("sharded-syncer-0", True), ("sharded-syncer-1", True)]
+    hit = {uid for f in faults for uid in f["details"]["uids"].values()}
+    assert hit and not hit & {p["metadata"]["uid"] for p in kubectl.get(
+        "pod", ns=ns, selector=selector) if not p["metadata"].get("deletionTimestamp")}

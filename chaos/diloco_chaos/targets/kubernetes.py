@@ -11,7 +11,7 @@ import time
 from datetime import datetime, timezone
 
 from diloco_operator.kube import DILOCOJOBS, LEARNERUNITS, NODES, PODS, ApiError, Kube
-from diloco_operator.objects import LABEL_COMPONENT, LABEL_INCARNATION, LABEL_JOB, LABEL_UNIT
+from diloco_operator.objects import LABEL_COMPONENT, LABEL_INCARNATION, LABEL_JOB, LABEL_SHARD, LABEL_UNIT
 from diloco_operator.pools import KWOK_ANNOTATION
 from diloco_operator.testbed import FAIL_POD_EXIT_CODE_ANNOTATION, FAIL_POD_LABEL
 
@@ -50,7 +50,8 @@ class KubernetesTarget:
         self.kube = kube
         self.owns_kube = False
         self.units: dict[str, dict] = {}  # unit name -> LearnerUnit, from the last listing
-        self.pods: dict[str, list[dict]] = {}  # unit name -> its live pods, from the last listing
+        self.pods: dict[str, list[dict]] = {}  # unit or syncer shard name -> its live pods, from the last listing
+        self.syncers: list[str] = []  # the syncer's Deployment names: <job>-syncer, or <job>-syncer-<i> per shard
         # API timestamps have 1 s resolution; a pod's start is also bounded by when we first saw it, so a
         # replacement created within the second of a fault is still told apart from its victim.
         self.first_seen: dict[str, float] = {}
@@ -96,9 +97,14 @@ class KubernetesTarget:
         self.pods = {}
         for p in pods:
             labels = p["metadata"].get("labels") or {}
-            key = labels.get(LABEL_UNIT) if labels.get(LABEL_COMPONENT) == "learner" else f"{self.job}-syncer"
-            if labels.get(LABEL_COMPONENT) in ("learner", "syncer") and key:
+            if labels.get(LABEL_COMPONENT) == "syncer":  # each shard is a target of its own
+                key = f"{self.job}-syncer" + (f"-{labels[LABEL_SHARD]}" if LABEL_SHARD in labels else "")
+            else:
+                key = labels.get(LABEL_UNIT) if labels.get(LABEL_COMPONENT) == "learner" else None
+            if key:
                 self.pods.setdefault(key, []).append(p)
+        self.syncers = sorted(k for k, ps in self.pods.items()
+                              if (ps[0]["metadata"].get("labels") or {}).get(LABEL_COMPONENT) == "syncer")
         return pods
 
     def _current(self, unit: str) -> list[dict]:
@@ -120,9 +126,8 @@ class KubernetesTarget:
             labels = {**(lu["metadata"].get("labels") or {}), LABEL_COMPONENT: "learner", LABEL_UNIT: name}
             out.append(Candidate(name, "learner", spec.get("unitIndex"),
                                  tuple(sorted(p["metadata"]["name"] for p in pods)), labels, alive, self.namespace))
-        syncer = f"{self.job}-syncer"
-        pods = self.pods.get(syncer, [])
-        if pods:
+        for syncer in self.syncers:
+            pods = self.pods[syncer]
             labels = pods[0]["metadata"].get("labels") or {}
             out.append(Candidate(syncer, "syncer", None, tuple(sorted(p["metadata"]["name"] for p in pods)),
                                  labels, all(_ready_since(p) for p in pods), self.namespace))
@@ -184,7 +189,7 @@ class KubernetesTarget:
     async def observe(self) -> dict[str, UnitObservation]:
         await self._refresh()
         out = {}
-        names = set(self.units) | ({f"{self.job}-syncer"} if f"{self.job}-syncer" in self.pods else set())
+        names = set(self.units) | set(self.syncers)
         for name in names:
             pods = self._current(name) if name in self.units else self.pods.get(name, [])
             want = int((self.units.get(name, {}).get("spec") or {}).get("podsPerUnit", 1)) if name in self.units else 1

@@ -1,6 +1,7 @@
 """A DilocoJob trains in real containers on a real kubelet: the syncer and learner pods run the trainer image and
 talk over TLS with the certificate the operator issued (spec.syncer.tls Auto, the default), a killed learner pod (deleted, or by spec.chaos) restarts its unit while the others train on, a SIGKILLed syncer
-resumes from its checkpoint on the PVC losing no acknowledged update, the job succeeds with a final checkpoint
+is replaced by the other container of its pod (spec.syncer.standby), which resumes from the checkpoint, spool and
+merge journal on the PVC losing no acknowledged update, the job succeeds with a final checkpoint
 that beats the unigram baseline, and deleting the job removes everything it owned.
 
 The tests run in file order on one job (each step builds on the one before, as a user's job would)."""
@@ -10,7 +11,6 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import ssl
 import statistics
 import subprocess
 import sys
@@ -23,13 +23,14 @@ import pytest
 
 from cluster_kit import wait_for
 from diloco_operator import realnode
+from diloco_trainer.syncer.takeover import read_incarnations
+from e2e_kit import SYNCER_PORT, container_id, container_of, learner_step, pv_dir, syncer_status
 
 pytestmark = [pytest.mark.e2e]
 
 JOB = "e2e"
 UNITS = 3
 STEPS = 1000  # per incarnation: long enough to outlive the kills below, short enough to finish in minutes
-SYNCER_PORT, METRICS_PORT = 8470, 8471
 RECOVERY_TIMES: list[float] = []  # pod kill -> replacement container training again, seconds
 
 
@@ -50,18 +51,6 @@ def job_manifest(image: str) -> dict:
             "restartPolicy": {"maxRestarts": 20, "backoffSeconds": 0, "maxBackoffSeconds": 5},
         },
     }
-
-
-class PinnedHTTPS(http.client.HTTPSConnection):
-    """HTTPS to an address (a pod IP) verifying the certificate as `server_name` against `ca` only."""
-
-    def __init__(self, host: str, port: int, server_name: str, ca: str):
-        super().__init__(host, port, timeout=3, context=ssl.create_default_context(cadata=ca))
-        self.server_name = server_name
-
-    def connect(self) -> None:
-        http.client.HTTPConnection.connect(self)
-        self.sock = self._context.wrap_socket(self.sock, server_hostname=self.server_name)
 
 
 class Job:
@@ -104,45 +93,13 @@ class Job:
         """The syncer's /v1/status, straight from its pod over TLS verified against the job's CA under the
         Service's name (None while it is not answering)."""
         pods = self.running("syncer")
-        if not pods or not pods[0]["status"].get("podIP"):
-            return None
-        conn = PinnedHTTPS(pods[0]["status"]["podIP"], SYNCER_PORT, f"{JOB}-syncer", self.ca())
-        try:
-            conn.request("GET", "/v1/status", headers={"Authorization": f"Bearer {self.token()}"})
-            resp = conn.getresponse()
-            return json.loads(resp.read()) if resp.status == 200 else None
-        except (OSError, ValueError, http.client.HTTPException):
-            return None
-        finally:
-            conn.close()
+        return syncer_status(pods[0] if pods else None, f"{JOB}-syncer", self.ca(), self.token())
 
     def outer_steps(self) -> int:
         return (self.syncer_status() or {}).get("outer_steps", -1)
 
     def pv_dir(self, claim: str) -> Path:
-        pvc = self.kubectl.get("pvc", claim, ns=self.ns)
-        pv = self.kubectl.get("persistentvolumes", pvc["spec"]["volumeName"])
-        return Path(pv["spec"]["local"]["path"])
-
-
-def learner_step(pod: dict) -> int | None:
-    """The inner step a learner pod reports on its own /metrics (None while it does not answer)."""
-    ip = pod.get("status", {}).get("podIP")
-    if not ip:
-        return None
-    try:
-        text = urllib.request.urlopen(f"http://{ip}:{METRICS_PORT}/metrics", timeout=2).read().decode()
-    except (urllib.error.URLError, OSError):
-        return None
-    for line in text.splitlines():
-        if line.startswith("diloco_learner_step{"):
-            return int(float(line.rsplit(" ", 1)[1]))
-    return None
-
-
-def container_id(pod: dict, name: str) -> str:
-    status = next(c for c in pod["status"]["containerStatuses"] if c["name"] == name)
-    return status["containerID"].split("://", 1)[1]
+        return pv_dir(self.kubectl, self.ns, claim)
 
 
 def wait_outer_steps_advance(job: Job, by: int, timeout: float, what: str) -> int:
@@ -255,11 +212,21 @@ def test_a_sigkilled_syncer_resumes_from_its_checkpoint_losing_no_acknowledged_u
     wait_for(lambda: (job.syncer_status() or {}).get("last_checkpoint"), 90, 1.0, what="a first checkpoint")
     before = job.syncer_status()
     pod = job.running("syncer")[0]
-    subprocess.run(["ctr", "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", container_id(pod, "syncer")], check=True)
-    # The kubelet restarts the container in place; it resumes from the checkpoint and spool on the PVC.
+    state_dir = job.pv_dir(f"{JOB}-checkpoint")
+    served = read_incarnations(state_dir)
+    serving = container_of(served[-1])
+    subprocess.run(["ctr", "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", container_id(pod, serving)], check=True)
+    # The other container of the pod (spec.syncer.standby) takes over from the checkpoint, spool and merge journal
+    # on the PVC; the kubelet restarts the dead one in place, which then waits as the next standby.
+    after = wait_for(job.syncer_status, 120, 0.5, what="the syncer answering again")
     wait_for(lambda: any(c.get("restartCount", 0) >= 1 for p in job.running("syncer")
-                         for c in p["status"]["containerStatuses"]), 120, 0.5, what="the syncer container restarted")
-    after = wait_for(job.syncer_status, 120, 0.5, what="the restarted syncer answering")
+                         for c in p["status"]["containerStatuses"]), 120, 0.5, what="the killed container restarted")
+    (same,) = job.running("syncer")
+    assert same["metadata"]["uid"] == pod["metadata"]["uid"], "the pod was replaced, not healed in place"
+    took_over = read_incarnations(state_dir)[len(served)]
+    assert container_of(took_over) != serving, f"{serving} served again: the pod's other container did not take over"
+    print(f"[e2e] the serving {serving} container SIGKILLed -> the {container_of(took_over)} container serving "
+          f"{took_over['takeover_s']:.2f} s after the lock (state load {took_over['load_s']:.2f} s)", file=sys.stderr)
     for p, version in before["versions"].items():
         assert after["versions"][p] >= version, f"fragment {p} went back from version {version}"
     assert after["tokens_merged"] >= before["tokens_merged"]

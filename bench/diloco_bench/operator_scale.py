@@ -46,7 +46,7 @@ def _job(units: int) -> dict:
 
 
 def _metrics(port: int) -> dict[str, float]:
-    """Each metric summed over its labels, plus the API requests by "VERB resource"."""
+    """Each metric summed over its labels, plus API requests by "VERB resource" and reconciles by kind and result."""
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     except OSError:
@@ -57,15 +57,28 @@ def _metrics(port: int) -> dict[str, float]:
             key, _, value = line.rpartition(" ")
             name = key.split("{", 1)[0]
             out[name] = out.get(name, 0.0) + float(value)
-            if name == "diloco_operator_api_requests_total":
-                labels = dict(kv.split("=", 1) for kv in key[len(name) + 1:-1].split(","))
-                verb_res = f"{labels['verb'].strip(chr(34))} {labels['resource'].strip(chr(34))}"
-                out[verb_res] = out.get(verb_res, 0.0) + float(value)
+            if name in ("diloco_operator_api_requests_total", "diloco_operator_reconciles_total"):
+                labels = {k: v.strip('"') for k, v in (kv.split("=", 1) for kv in key[len(name) + 1:-1].split(","))}
+                what = (f"{labels['verb']} {labels['resource']}" if "verb" in labels
+                        else f"reconcile {labels['kind']} {labels['result']}")
+                out[what] = out.get(what, 0.0) + float(value)
+    return out
+
+
+def _apiserver_requests(tb: testbed.Testbed) -> dict[str, float]:
+    """Requests the API server has served, from every client, by "VERB resource" (its apiserver_request_total)."""
+    out: dict[str, float] = {}
+    for line in tb.request("GET", "/metrics", timeout=30)["raw"].splitlines():
+        if line.startswith("apiserver_request_total{"):
+            key, _, value = line.rpartition(" ")
+            labels = dict(kv.split("=", 1) for kv in key[len("apiserver_request_total{"):-1].split(","))
+            what = f"{labels.get('verb', '').strip(chr(34))} {labels.get('resource', '').strip(chr(34))}"
+            out[what] = out.get(what, 0.0) + float(value)
     return out
 
 
 def _by_verb(after: dict[str, float], before: dict[str, float] | None = None) -> dict[str, int]:
-    """API requests by "VERB resource" between two scrapes."""
+    """API requests by "VERB resource" (and reconciles by kind and result) between two scrapes."""
     before = before or {}
     return {k: int(v - before.get(k, 0)) for k, v in sorted(after.items())
             if " " in k and v - before.get(k, 0) > 0}
@@ -126,12 +139,14 @@ def run(units: int, kill: int, resync_s: float, workers: int, timeout: float) ->
         _wait("operator metrics", lambda: _metrics(port), 60)
         pids = {**tb.pids, "operator": op.pid}
         cpu0 = _cpu_seconds(pids)
+        served0 = _apiserver_requests(tb)
         applied = time.monotonic()
         subprocess.run(["kubectl", "apply", "-f", "-"], input=yaml.safe_dump(_job(units)).encode(), env=env,
                        check=True, capture_output=True)
         all_running = _wait(f"{units} units Running", lambda: _units_running(tb) == units, timeout, 1.0)
         up = _metrics(port)
         cpu_up = _cpu_seconds(pids)
+        served = _by_verb(_apiserver_requests(tb), served0)
         requests_after_up = up.get("diloco_operator_api_requests_total", 0)
 
         time.sleep(max(2.0, resync_s))
@@ -163,7 +178,8 @@ def run(units: int, kill: int, resync_s: float, workers: int, timeout: float) ->
                 "replaced_s": round(replace_s, 1), "api_requests_per_resync": round(per_resync, 2),
                 "resync_seconds": resync_s, "since_apply_s": round(time.monotonic() - applied, 1),
                 "cpu_s_to_all_running": {k: round(v - cpu0.get(k, 0), 1) for k, v in cpu_up.items()},
-                "requests_to_all_running": _by_verb(up), "requests_during_resyncs": _by_verb(m1, m0),
+                "requests_to_all_running": _by_verb(up),
+                "apiserver_served_to_all_running": dict(sorted(served.items(), key=lambda kv: -kv[1])[:15]), "requests_during_resyncs": _by_verb(m1, m0),
                 "requests_to_replace": _by_verb(_metrics(port), before_kill)}
     finally:
         if op is not None:

@@ -58,7 +58,7 @@ class Controller:
     """Reconciles DilocoJobs and LearnerUnits from a queue fed by watch events and a periodic resync."""
 
     def __init__(self, kube: Kube, cache: Cache, workers: int = 4, resync_s: float = 30.0,
-                 ensure_ttl_s: float = 300.0):
+                 ensure_ttl_s: float = 300.0, first_launch_wait_s: float = 5.0):
         self.kube = kube
         self.cache = cache
         # Objects that are not watched (Secret, ConfigMap, PVCs, Services) are read back at most every
@@ -79,6 +79,10 @@ class Controller:
         self.syncer_info: dict[tuple[str, str, int], dict] = {}  # (ns, job, shard) -> last summarized status
         self.syncer_polled: dict[tuple[str, str, str], float] = {}
         self.syncer_poll_s = 10.0
+        # (ns, unit) -> (uid, status decided but not written yet, write it by): a first launch's Pending status
+        # waits up to first_launch_wait_s for its pods, so it is usually written once, as Running.
+        self.unwritten: dict[tuple[str, str], tuple[str, dict, float]] = {}
+        self.first_launch_wait_s = first_launch_wait_s
         self.background: set[asyncio.Task] = set()
 
     # --- queue -------------------------------------------------------------------------------------------
@@ -417,6 +421,7 @@ class Controller:
         unit = self.cache.unit(ns, name)
         if unit is None or unit["metadata"].get("deletionTimestamp"):
             self.forget(("unit", ns, name))
+            self.unwritten.pop((ns, name), None)
             return
         spec = api.LearnerUnitSpec.model_validate(unit["spec"])
         job = self.cache.job(ns, spec.jobName)
@@ -425,7 +430,11 @@ class Controller:
         job_finished = (job.get("status") or {}).get("phase") in jobplan.TERMINAL_JOB
         pod_objs = {p["metadata"]["name"]: p for p in self.cache.pods_of_unit(ns, name, O.LABEL_UNIT)}
         pods = [unitplan.pod_view(p) for p in pod_objs.values()]
-        old_status = unit.get("status") or {}
+        written = unit.get("status") or {}
+        held = self.unwritten.get((ns, name))
+        if held is not None and held[0] != unit["metadata"].get("uid"):
+            held = None  # a new unit of the same name
+        old_status = held[1] if held else written  # what this operator decided last, written or not
         plan = unitplan.plan_unit(spec, unit["spec"], old_status, pods, datetime.now(timezone.utc),
                                   generation=unit["metadata"].get("generation"), node_pools=self._pools(pods),
                                   job_finished=job_finished)
@@ -446,9 +455,18 @@ class Controller:
                 await self._ensure(SERVICES, O.unit_service(unit), update=False)
             await self._ensure_unit_token(unit, job)
         await _bounded([create(rank) for rank in plan.create])
-        if (patch := status_patch(old_status, plan.status)) is not None:
-            self.cache.wrote(LEARNERUNITS.plural,
-                             await self.kube.merge_patch(LEARNERUNITS, ns, name, {"status": patch}, "status"))
+        patch = None
+        now_s = time.monotonic()
+        if (plan.create or held) and unitplan.status_may_wait(plan.status) and (not held or now_s < held[2]):
+            write_by = held[2] if held else now_s + self.first_launch_wait_s
+            self.unwritten[(ns, name)] = (unit["metadata"].get("uid"), plan.status, write_by)
+            if not held:
+                self.enqueue(("unit", ns, name), self.first_launch_wait_s + 0.1)  # after write_by
+        else:
+            self.unwritten.pop((ns, name), None)
+            if (patch := status_patch(written, plan.status)) is not None:
+                self.cache.wrote(LEARNERUNITS.plural,
+                                 await self.kube.merge_patch(LEARNERUNITS, ns, name, {"status": patch}, "status"))
         if plan.status.get("restarts", 0) > old_status.get("restarts", 0):
             metrics.UNIT_RESTARTS.labels(ns, spec.jobName).inc()
         await self._events(unit, plan.events)

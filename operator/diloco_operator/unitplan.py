@@ -178,6 +178,15 @@ def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | Non
     return _finish(plan, st, conds, current, now, node_pools)
 
 
+def status_may_wait(status: dict) -> bool:
+    """A first launch whose pods are there but not yet ready (nor refused by the scheduler): nothing in this status
+    needs writing at once, so its write may wait a moment and usually become the Running one (one write, not two)."""
+    conds = status.get("conditions", [])
+    refused = C.get_condition(conds, C.PODS_SCHEDULED) and not C.is_true(conds, C.PODS_SCHEDULED)
+    return (status.get("phase") == "Pending" and not refused and not status.get("restarts")
+            and status.get("incarnation") == status.get("launchedIncarnation") == 0)
+
+
 def _finish(plan: UnitPlan, st: dict, conds: list[dict], current: list[PodView], now: datetime,
             node_pools: dict[str, str] | None, backoff: bool = False) -> UnitPlan:
     live = [p for p in current if not p.deleting and p.name not in plan.delete]

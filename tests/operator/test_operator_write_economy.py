@@ -88,3 +88,16 @@ def test_a_restart_still_waits_for_old_pods_or_a_backoff_and_then_tells_the_pods
     assert plan.create == [] and plan.status["phase"] == "Restarting"
     later = unitplan.plan_unit(uspec, raw, plan.status, [], datetime(2026, 1, 1, 0, 0, 3, tzinfo=timezone.utc))
     assert later.create == [0] and [e[1] for e in later.events] == [C.Reason.PODS_CREATED]
+
+
+def test_only_a_first_launch_still_starting_may_wait_for_its_running_status():
+    _, uspec, raw = unit(job_spec())
+    launched = unitplan.plan_unit(uspec, raw, None, [], T0).status
+    assert unitplan.status_may_wait(launched), "pods created, none ready yet"
+    placed = unitplan.PodView(name="scale-cpu-0-0-0", incarnation=0, rank=0, phase="Pending", node="n0")
+    assert unitplan.status_may_wait(unitplan.plan_unit(uspec, raw, launched, [placed], T0).status)
+    refused = unitplan.PodView(name="scale-cpu-0-0-0", incarnation=0, rank=0, phase="Pending", unschedulable="no room")
+    assert not unitplan.status_may_wait(unitplan.plan_unit(uspec, raw, launched, [refused], T0).status)
+    assert not unitplan.status_may_wait(unitplan.plan_unit(uspec, raw, launched, [running("scale-cpu-0-0-0")], T0).status)
+    restarted = unitplan.plan_unit(uspec, raw, {**launched, "phase": "Running"}, [], T0).status
+    assert restarted["phase"] == "Pending" and not unitplan.status_may_wait(restarted), "a restart is written at once"

@@ -54,8 +54,10 @@ def test_a_learner_restarted_while_a_shard_is_dead_trains_from_its_saved_theta_a
         # Merges on both shards, and a snapshot (every 10 steps) taken after them: the Θ it saves is a merged one.
         wait_for(lambda: all(v > 0 for s in shards for v in s.status()["versions"].values()), 300,
                  "merges of every fragment on both shards")
+        wait_for(lambda: (recs := metrics(state)) and all(v > 0 for v in recs[-1]["versions"].values()), 120,
+                 "the learner to adopt merged versions of every fragment")
         merged_at = last_step(state)
-        wait_for(lambda: last_step(state) >= merged_at + 20, 120, "steps after the merges (a snapshot among them)")
+        wait_for(lambda: last_step(state) >= merged_at + 20, 120, "steps after the adoptions (a snapshot among them)")
 
         shards[1].send(signal.SIGKILL)
         shards[1].proc.wait()

@@ -246,10 +246,13 @@ class SyncerClient:
         self._loop.close()
 
     async def _shutdown(self) -> None:
-        for task in self._tasks:
+        # Every task of this loop: the network tasks, and a bootstrap still waiting for a shard that is away (its
+        # future was cancelled from the learner's thread; the task must still run to its end before the loop stops).
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
             task.cancel()
-        if self._tasks:
-            _, stuck = await asyncio.wait(self._tasks, timeout=10)
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=10)
             for task in stuck:  # for the log: where a task ignored its cancellation
                 log.warning("syncer client task %s did not stop: %s", task.get_name(), task.get_stack(limit=3))
         if self._session is not None:

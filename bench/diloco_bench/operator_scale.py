@@ -143,7 +143,15 @@ def run(units: int, kill: int, resync_s: float, workers: int, timeout: float) ->
         applied = time.monotonic()
         subprocess.run(["kubectl", "apply", "-f", "-"], input=yaml.safe_dump(_job(units)).encode(), env=env,
                        check=True, capture_output=True)
-        all_running = _wait(f"{units} units Running", lambda: _units_running(tb) == units, timeout, 1.0)
+        milestones: dict[str, float] = {}  # when the operator had sent N unit creates, N pod creates, ...
+
+        def all_up() -> bool:
+            m = _metrics(port)
+            for what in ("POST learnerunits", "POST pods", "POST secrets"):
+                if what not in milestones and m.get(what, 0) >= units:
+                    milestones[what] = round(time.monotonic() - applied, 1)
+            return _units_running(tb) == units
+        all_running = _wait(f"{units} units Running", all_up, timeout, 1.0)
         up = _metrics(port)
         cpu_up = _cpu_seconds(pids)
         served = _by_verb(_apiserver_requests(tb), served0)
@@ -177,7 +185,7 @@ def run(units: int, kill: int, resync_s: float, workers: int, timeout: float) ->
                 "api_requests_to_all_running": int(requests_after_up), "killed": len(victims),
                 "replaced_s": round(replace_s, 1), "api_requests_per_resync": round(per_resync, 2),
                 "resync_seconds": resync_s, "since_apply_s": round(time.monotonic() - applied, 1),
-                "cpu_s_to_all_running": {k: round(v - cpu0.get(k, 0), 1) for k, v in cpu_up.items()},
+                "s_until_all_sent": milestones, "cpu_s_to_all_running": {k: round(v - cpu0.get(k, 0), 1) for k, v in cpu_up.items()},
                 "requests_to_all_running": _by_verb(up),
                 "apiserver_served_to_all_running": dict(sorted(served.items(), key=lambda kv: -kv[1])[:15]), "requests_during_resyncs": _by_verb(m1, m0),
                 "requests_to_replace": _by_verb(_metrics(port), before_kill)}

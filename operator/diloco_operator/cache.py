@@ -27,23 +27,48 @@ def _name(obj: Mapping) -> str:
     return obj["metadata"]["name"]
 
 
+Key = tuple[str, str, str]  # (plural, namespace, name)
+
+
 class Cache:
-    """Lookups by the keys the index functions in handlers.py emit, merged with recent writes."""
+    """Lookups by the keys the index functions in handlers.py emit, merged with recent writes. The overlay is
+    indexed by name, by label and by namespace, so a lookup looks only at the writes it may concern (not at every
+    write of the last OVERLAY_TTL_S: with 1,000 units that would be thousands per reconcile)."""
 
     def __init__(self, indexes: Mapping[str, Mapping[Any, Iterable[dict]]]):
         self.indexes = indexes  # "jobs" | "units" | "pods" | "deployments" | "nodes" -> kopf.Index
         # (plural, namespace, name) -> (object or GONE, resourceVersion the write produced/saw, when)
-        self.overlay: dict[tuple[str, str, str], tuple[dict | str, int, float]] = {}
-        self.deleting: set[tuple[str, str, str]] = set()  # overlay entries that are the answer to a delete
+        self.overlay: dict[Key, tuple[dict | str, int, float]] = {}
+        self.deleting: set[Key] = set()  # overlay entries that are the answer to a delete
+        self._by_label: dict[tuple[str, str, str, str], set[str]] = {}  # (plural, ns, label, value) -> names
+        self._by_ns: dict[tuple[str, str], set[str]] = {}  # (plural, ns) -> names
+        self._unlabeled: dict[tuple[str, str], set[str]] = {}  # deletions of objects never seen: match any label
+        self._labels: dict[Key, list[tuple[str, str]]] = {}
+        self._swept = time.monotonic()
 
     # --- writes ----------------------------------------------------------------------------------------------
+    def _put(self, key: Key, entry: tuple[dict | str, int, float], labels: Mapping | None) -> None:
+        self._drop(key)
+        plural, ns, name = key
+        self.overlay[key] = entry
+        self._by_ns.setdefault((plural, ns), set()).add(name)
+        if labels is None:
+            self._unlabeled.setdefault((plural, ns), set()).add(name)
+        else:
+            self._labels[key] = [(k, str(v)) for k, v in labels.items()]
+            for k, v in self._labels[key]:
+                self._by_label.setdefault((plural, ns, k, v), set()).add(name)
+        if entry[2] - self._swept > OVERLAY_TTL_S:  # entries no lookup asked for expire too
+            self._swept = entry[2]
+            for old in [k for k, (_, _, at) in self.overlay.items() if entry[2] - at > OVERLAY_TTL_S]:
+                self._drop(old)
+
     def wrote(self, plural: str, obj: dict | None) -> None:
         """Remember the object the API answered a create/patch with (not a Status)."""
         if obj and obj.get("kind") not in (None, "Status") and obj.get("metadata", {}).get("name"):
             meta = obj["metadata"]
             key = (plural, meta.get("namespace") or "", meta["name"])
-            self.overlay[key] = (obj, _rv(obj), time.monotonic())
-            self.deleting.discard(key)
+            self._put(key, (obj, _rv(obj), time.monotonic()), meta.get("labels") or {})
 
     def deleted(self, plural: str, namespace: str, name: str, answer: dict | None, last_seen: dict | None) -> None:
         """Remember a delete: the object with its deletionTimestamp (graceful, finalizers), else gone (the API
@@ -52,18 +77,20 @@ class Cache:
             self.wrote(plural, answer)
             self.deleting.add((plural, namespace or "", name))
         else:
-            self.overlay[(plural, namespace or "", name)] = (GONE, _rv(last_seen), time.monotonic())
-            self.deleting.discard((plural, namespace or "", name))
+            labels = ((last_seen or {}).get("metadata") or {}).get("labels") if last_seen else None
+            self._put((plural, namespace or "", name), (GONE, _rv(last_seen), time.monotonic()), labels)
 
     # --- reads -----------------------------------------------------------------------------------------------
-    def _merge(self, plural: str, namespace: str, seen: list[dict], match) -> list[dict]:
-        """The watched objects of one lookup, with newer own writes replacing them and deletions removing them."""
+    def _merge(self, plural: str, namespace: str, seen: list[dict], match, candidates: Iterable[str]) -> list[dict]:
+        """The watched objects of one lookup, with newer own writes (among `candidates`, by name) replacing them
+        and deletions removing them."""
         now = time.monotonic()
         out = {_name(o): o for o in seen}
-        for (p, ns, name), (obj, rv, at) in list(self.overlay.items()):
-            if p != plural or ns != (namespace or ""):
+        for name in list(candidates):
+            key = (plural, namespace or "", name)
+            if key not in self.overlay:
                 continue
-            key = (p, ns, name)
+            obj, rv, at = self.overlay[key]
             watched = out.get(name)
             if now - at > OVERLAY_TTL_S:
                 self._drop(key)
@@ -80,9 +107,26 @@ class Cache:
                 out[name] = obj
         return sorted(out.values(), key=_name)
 
-    def _drop(self, key: tuple[str, str, str]) -> None:
-        self.overlay.pop(key, None)
+    def _drop(self, key: Key) -> None:
+        if self.overlay.pop(key, None) is None:
+            return
+        plural, ns, name = key
         self.deleting.discard(key)
+        self._by_ns.get((plural, ns), set()).discard(name)
+        self._unlabeled.get((plural, ns), set()).discard(name)
+        for k, v in self._labels.pop(key, []):
+            names = self._by_label.get((plural, ns, k, v))
+            if names is not None:
+                names.discard(name)
+                if not names:
+                    del self._by_label[(plural, ns, k, v)]
+
+    def _named(self, plural: str, namespace: str, name: str) -> list[str]:
+        return [name] if (plural, namespace or "", name) in self.overlay else []
+
+    def _labelled(self, plural: str, namespace: str, label: str, value: str) -> list[str]:
+        ns = namespace or ""
+        return [*self._by_label.get((plural, ns, label, value), ()), *self._unlabeled.get((plural, ns), ())]
 
     def _lookup(self, index: str, key) -> list[dict]:
         store = self.indexes[index].get(key)
@@ -90,25 +134,27 @@ class Cache:
 
     def job(self, namespace: str, name: str) -> dict | None:
         found = self._merge("dilocojobs", namespace, self._lookup("jobs", (namespace, name)),
-                            lambda o: _name(o) == name)
+                            lambda o: _name(o) == name, self._named("dilocojobs", namespace, name))
         return next((o for o in found if _name(o) == name), None)
 
     def unit(self, namespace: str, name: str) -> dict | None:
         found = self._merge("learnerunits", namespace, self._lookup("units", ("name", namespace, name)),
-                            lambda o: _name(o) == name)
+                            lambda o: _name(o) == name, self._named("learnerunits", namespace, name))
         return next((o for o in found if _name(o) == name), None)
 
     def units_of_job(self, namespace: str, job: str) -> list[dict]:
         return self._merge("learnerunits", namespace, self._lookup("units", ("job", namespace, job)),
-                           lambda o: (o.get("spec") or {}).get("jobName") == job)
+                           lambda o: (o.get("spec") or {}).get("jobName") == job,
+                           self._by_ns.get(("learnerunits", namespace or ""), ()))
 
     def pods_of_unit(self, namespace: str, unit: str, label: str) -> list[dict]:
         return self._merge("pods", namespace, self._lookup("pods", (namespace, unit)),
-                           lambda o: (o["metadata"].get("labels") or {}).get(label) == unit)
+                           lambda o: (o["metadata"].get("labels") or {}).get(label) == unit,
+                           self._labelled("pods", namespace, label, unit))
 
     def syncer_deployment(self, namespace: str, job: str, name: str) -> dict | None:
         found = self._merge("deployments", namespace, self._lookup("deployments", (namespace, job)),
-                            lambda o: _name(o) == name)
+                            lambda o: _name(o) == name, self._named("deployments", namespace, name))
         return next((o for o in found if _name(o) == name), None)
 
     def all_pods(self) -> list[dict]:

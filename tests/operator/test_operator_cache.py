@@ -64,6 +64,21 @@ def test_a_pod_being_deleted_shows_its_deletion_until_it_is_gone():
 
 
 @pytest.mark.cluster
+def test_a_lookup_sees_only_the_writes_of_its_own_unit_and_unasked_writes_expire(monkeypatch):
+    cache = Cache({"pods": {("ns", "u"): [], ("ns", "v"): []}})
+    other = obj("q0", 3)
+    other["metadata"]["labels"] = {"unit": "v"}
+    cache.wrote("pods", obj("p0", 10))
+    cache.wrote("pods", other)
+    cache.deleted("pods", "ns", "gone", {"kind": "Status"}, None)  # never seen: its labels are unknown
+    assert sorted(cache._labelled("pods", "ns", "unit", "u")) == ["gone", "p0"]
+    assert names(cache) == ["p0"] and [p["metadata"]["name"] for p in cache.pods_of_unit("ns", "v", "unit")] == ["q0"]
+    later = time.monotonic() + 31
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    cache.wrote("pods", obj("p1", 12))  # a write long after: the entries nobody looked up are swept
+    assert list(cache.overlay) == [("pods", "ns", "p1")] and cache._labelled("pods", "ns", "unit", "v") == []
+
+
 def test_a_periodic_resync_sends_no_more_api_requests_for_12_units_than_for_2(kubectl, operator, ns):
     """Reconciles read kopf's indexes: the requests a resync costs are the same whatever the number of units."""
     operator.stop()

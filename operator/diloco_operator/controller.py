@@ -79,8 +79,8 @@ class Controller:
         self.syncer_info: dict[tuple[str, str, int], dict] = {}  # (ns, job, shard) -> last summarized status
         self.syncer_polled: dict[tuple[str, str, str], float] = {}
         self.syncer_poll_s = 10.0
-        # (ns, unit) -> (uid, status decided but not written yet, write it by): a first launch's Pending status
-        # waits up to first_launch_wait_s for its pods, so it is usually written once, as Running.
+        # (ns, unit) -> (uid, status decided but not written yet, write it by): a launch's Pending status waits up
+        # to first_launch_wait_s for its pods (unitplan.status_may_wait), so it is usually written once, as Running.
         self.unwritten: dict[tuple[str, str], tuple[str, dict, float]] = {}
         self.first_launch_wait_s = first_launch_wait_s
         self.background: set[asyncio.Task] = set()
@@ -457,7 +457,7 @@ class Controller:
         await _bounded([create(rank) for rank in plan.create])
         patch = None
         now_s = time.monotonic()
-        if (plan.create or held) and unitplan.status_may_wait(plan.status) and (not held or now_s < held[2]):
+        if (plan.create or held) and unitplan.status_may_wait(plan.status, written) and (not held or now_s < held[2]):
             write_by = held[2] if held else now_s + self.first_launch_wait_s
             self.unwritten[(ns, name)] = (unit["metadata"].get("uid"), plan.status, write_by)
             if not held:

@@ -178,13 +178,16 @@ def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | Non
     return _finish(plan, st, conds, current, now, node_pools)
 
 
-def status_may_wait(status: dict) -> bool:
-    """A first launch whose pods are there but not yet ready (nor refused by the scheduler): nothing in this status
-    needs writing at once, so its write may wait a moment and usually become the Running one (one write, not two)."""
+def status_may_wait(status: dict, written: dict | None = None) -> bool:
+    """A launch whose pods are there but not yet ready (nor refused by the scheduler), and whose restart, if any, is
+    already on record in the `written` status: nothing in `status` needs writing at once, so its write may wait a
+    moment and usually become the Running one (one write, not two)."""
+    written = written or {}
     conds = status.get("conditions", [])
     refused = C.get_condition(conds, C.PODS_SCHEDULED) and not C.is_true(conds, C.PODS_SCHEDULED)
-    return (status.get("phase") == "Pending" and not refused and not status.get("restarts")
-            and status.get("incarnation") == status.get("launchedIncarnation") == 0)
+    return (status.get("phase") == "Pending" and not refused
+            and status.get("incarnation") == status.get("launchedIncarnation") == written.get("incarnation", 0)
+            and status.get("restarts", 0) == written.get("restarts", 0))
 
 
 def _finish(plan: UnitPlan, st: dict, conds: list[dict], current: list[PodView], now: datetime,

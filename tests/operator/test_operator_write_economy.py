@@ -90,7 +90,7 @@ def test_a_restart_still_waits_for_old_pods_or_a_backoff_and_then_tells_the_pods
     assert later.create == [0] and [e[1] for e in later.events] == [C.Reason.PODS_CREATED]
 
 
-def test_only_a_first_launch_still_starting_may_wait_for_its_running_status():
+def test_only_a_launch_still_starting_with_its_restart_on_record_may_wait_for_its_running_status():
     _, uspec, raw = unit(job_spec())
     launched = unitplan.plan_unit(uspec, raw, None, [], T0).status
     assert unitplan.status_may_wait(launched), "pods created, none ready yet"
@@ -100,4 +100,7 @@ def test_only_a_first_launch_still_starting_may_wait_for_its_running_status():
     assert not unitplan.status_may_wait(unitplan.plan_unit(uspec, raw, launched, [refused], T0).status)
     assert not unitplan.status_may_wait(unitplan.plan_unit(uspec, raw, launched, [running("scale-cpu-0-0-0")], T0).status)
     restarted = unitplan.plan_unit(uspec, raw, {**launched, "phase": "Running"}, [], T0).status
-    assert restarted["phase"] == "Pending" and not unitplan.status_may_wait(restarted), "a restart is written at once"
+    assert restarted["phase"] == "Pending" and not unitplan.status_may_wait(restarted, launched), \
+        "a restart not on record yet is written at once"
+    on_record = {**restarted, "phase": "Restarting", "launchedIncarnation": 0}  # written when the old pod went
+    assert unitplan.status_may_wait(restarted, on_record), "then its launch may wait for the Running status"

@@ -104,6 +104,9 @@ class UnitTemplate(_Api):
     # learner --steps; None trains until stopped
     steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Inner steps per learner (1 to 10^9).")
     stateVolume: Checkpoint | None = None  # per-pod PVC for --state-dir, kept across restarts (else emptyDir)
+    cluster: str | None = Field(None, min_length=1, max_length=63, pattern=DNS_LABEL,
+                                description="The name of a spec.clusters entry to run these units in (default: the "
+                                            "operator's own cluster).")
 
     @model_validator(mode="after")
     def _bounds(self) -> "UnitTemplate":
@@ -170,6 +173,30 @@ class SyncerSpec(_Api):
                                             "It reserves the syncer's resources twice.")
 
 
+class SecretKey(_Api):
+    """A key of a Secret in the job's namespace."""
+
+    name: str = Field(..., min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)
+    key: str = Field("kubeconfig", min_length=1, max_length=253)
+
+
+class RemoteCluster(_Api):
+    """Another Kubernetes cluster that runs some of the job's learner units (docs/operator.md "Remote clusters")."""
+
+    name: str = Field(..., min_length=1, max_length=63, pattern=DNS_LABEL)
+    kubeconfigSecret: SecretKey = Field(..., description="A kubeconfig (contexts, exec plugins as kubectl reads "
+                                                         "them) for that cluster, in a Secret of the job's namespace.")
+    context: str | None = Field(None, min_length=1, max_length=253, description="Default: the current-context.")
+    namespace: str | None = Field(None, min_length=1, max_length=63, pattern=DNS_LABEL,
+                                  description="Where the units' pods go there (default: the job's namespace name); "
+                                              "created if missing.")
+    syncerUrl: str = Field(..., min_length=1, max_length=4096, pattern=r"^https?://[^\s,]+(,https?://[^\s,]+)*$",
+                           description="How pods in that cluster reach the syncer (a LoadBalancer, Ingress or any "
+                                       "address routed to the syncer Service): one URL, or one per syncer shard in "
+                                       "shard order, comma-separated. With TLS its host names are added to the "
+                                       "syncer's Auto certificate.")
+
+
 class RestartPolicy(_Api):
     """Per-unit healing: exponential backoff between whole-unit restarts, and when to give up on a unit."""
 
@@ -216,12 +243,27 @@ class DilocoJobSpec(_Api):
     restartPolicy: RestartPolicy = Field(default_factory=RestartPolicy)
     chaos: JobChaos | None = None  # a chaos schedule the operator runs on this job's own units (docs/chaos.md)
     autoscaling: Autoscaling | None = None  # capacity-aware: units follow the room on the templates' pools
+    clusters: list[RemoteCluster] = Field(default_factory=list, max_length=16)  # units[].cluster names one
 
     @model_validator(mode="after")
     def _consistent(self) -> "DilocoJobSpec":
         names = [u.name for u in self.units]
         if len(set(names)) != len(names):
             raise ValueError(f"units[].name must be unique, got {names}")
+        clusters = [c.name for c in self.clusters]
+        if len(set(clusters)) != len(clusters):
+            raise ValueError(f"clusters[].name must be unique, got {clusters}")
+        for u in self.units:
+            if u.cluster is not None and u.cluster not in clusters:
+                raise ValueError(f"units[{u.name}].cluster names no spec.clusters entry: {u.cluster!r} "
+                                 f"(clusters: {clusters})")
+            if u.cluster is not None and self.autoscaling is not None:
+                raise ValueError(f"units[{u.name}].cluster: autoscaling does not cover units in remote clusters yet")
+            if u.cluster is not None:
+                urls = len(next(c for c in self.clusters if c.name == u.cluster).syncerUrl.split(","))
+                if urls != self.config.syncer.shards:
+                    raise ValueError(f"clusters[{u.cluster}].syncerUrl must give one URL per syncer shard "
+                                     f"({self.config.syncer.shards})")
         lo = sum(u.minCount for u in self.units)
         if self.autoscaling is not None:
             unknown = [p for p in self.autoscaling.preference if p not in names]
@@ -281,6 +323,8 @@ class LearnerUnitSpec(_Api):
     syncerTls: bool = True
     # the job's config.syncer.shards (None: one syncer): the learner dials every shard's Service
     syncerShards: int | None = Field(None, ge=2, le=1024)
+    cluster: str | None = None  # the spec.clusters entry this unit runs in (None: the operator's own cluster)
+    syncerUrl: str | None = None  # in a remote cluster: that cluster's syncerUrl (the learner's --syncer)
 
 
 JobPhase = Literal["Pending", "Running", "Succeeded", "Failed"]

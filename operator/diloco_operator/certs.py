@@ -6,6 +6,7 @@ and a serving certificate for the syncer Service's DNS names, and when to renew 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -51,6 +52,14 @@ def new_ca(common_name: str, now: datetime.datetime) -> dict[str, str]:
     return {CA_CRT: _pem_cert(cert), CA_KEY: _pem_key(key)}
 
 
+def _san(host: str) -> x509.GeneralName:
+    """A host name as a DNS name, an address as an IP address (a remote cluster may reach the syncer by IP)."""
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
 def serving_cert(ca: dict[str, str], hosts: list[str], now: datetime.datetime) -> dict[str, str]:
     """A serving certificate for `hosts` signed by `ca` ({ca.crt, ca.key}): {tls.crt, tls.key} (PEM)."""
     ca_cert = x509.load_pem_x509_certificate(ca[CA_CRT].encode())
@@ -61,7 +70,7 @@ def serving_cert(ca: dict[str, str], hosts: list[str], now: datetime.datetime) -
             .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(min(now + datetime.timedelta(days=CERT_DAYS), ca_cert.not_valid_after_utc))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(h) for h in hosts]), critical=False)
+            .add_extension(x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
             .sign(ca_key, hashes.SHA256()))
@@ -77,11 +86,11 @@ class CertInfo:
 
 
 def inspect(cert_pem: str) -> CertInfo:
-    """SAN DNS names and expiry of a PEM certificate (ValueError if it is not one)."""
+    """SAN DNS names (and IP addresses) and expiry of a PEM certificate (ValueError if it is not one)."""
     cert = x509.load_pem_x509_certificate(cert_pem.encode())
     try:
-        hosts = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
-            x509.DNSName)
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        hosts = san.get_values_for_type(x509.DNSName) + [str(a) for a in san.get_values_for_type(x509.IPAddress)]
     except x509.ExtensionNotFound:
         hosts = []
     return CertInfo(hosts=list(hosts), not_after=cert.not_valid_after_utc)

@@ -15,6 +15,8 @@ FAILED = "Failed"
 PODS_SCHEDULED = "PodsScheduled"  # LearnerUnit only
 SCALING_LIMITED = "ScalingLimited"  # DilocoJob with spec.autoscaling
 LINK_ENCRYPTED = "LinkEncrypted"  # DilocoJob: TLS between learners and the syncer (spec.syncer.tls)
+CLUSTER_REACHABLE = "ClusterReachable"  # LearnerUnit in a remote cluster (spec.clusters)
+CLUSTERS_REACHABLE = "ClustersReachable"  # DilocoJob with spec.clusters: every remote cluster answers
 
 
 class Reason:
@@ -51,6 +53,12 @@ class Reason:
     TLS_DISABLED = "TLSDisabled"
     TLS_SECRET_INVALID = "TLSSecretInvalid"
     CERTIFICATE_ISSUED = "CertificateIssued"
+    # Remote clusters (spec.clusters): conditions ClusterReachable (unit) and ClustersReachable (job)
+    CLUSTER_REACHABLE = "ClusterReachable"
+    CLUSTER_UNREACHABLE = "ClusterUnreachable"
+    CLUSTERS_REACHABLE = "AllClustersReachable"
+    REMOTE_CLEANUP = "RemoteCleanup"
+    REMOTE_CLEANUP_FAILED = "RemoteCleanupFailed"
     # Events of the job's own actions
     UNIT_CREATED = "UnitCreated"
     UNIT_REMOVED = "UnitRemoved"

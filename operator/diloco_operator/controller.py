@@ -10,6 +10,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 from datetime import datetime, timezone
 
 from diloco_trainer.tokens import learner_token
@@ -24,10 +25,15 @@ from diloco_operator.cache import Cache
 from diloco_operator.kube import (CONFIGMAPS, DEPLOYMENTS, DILOCOJOBS, LEARNERUNITS, PODS, PVCS, SECRETS,
                                   SERVICES, ApiError, Kube, Resource, status_patch)
 from diloco_operator.pools import POOL_LABEL
+from diloco_operator.remote import ClusterUnavailable, Remote, RemoteClusters, unreachable
 
 Key = tuple[str, str, str]  # (kind: "job" | "unit", namespace, name)
 log = logging.getLogger("diloco_operator")
 PARALLEL_WRITES = 16  # the client's thread pool: more in flight would only queue there
+REMOTE_POLL_S = 5.0  # a unit in a remote cluster is looked at this often (its pods there are listed, not watched)
+REMOTE_RETRY_S = 10.0  # after a remote cluster did not answer
+REMOTE_SWEEP_S = 15.0  # a job's objects left in a remote cluster by removed units are swept at most this often
+FINALIZER = "diloco.dev/remote-cleanup"  # a job with spec.clusters: its objects there are removed before it goes
 
 
 async def _bounded(coros: list) -> None:
@@ -84,6 +90,8 @@ class Controller:
         self.unwritten: dict[tuple[str, str], tuple[str, dict, float]] = {}
         self.first_launch_wait_s = first_launch_wait_s
         self.background: set[asyncio.Task] = set()
+        self.remotes = RemoteClusters(kube)
+        self.swept: dict[tuple[str, str, str], float] = {}  # (ns, job, cluster) -> last orphan sweep
 
     # --- queue -------------------------------------------------------------------------------------------
     def enqueue(self, key: Key, delay: float = 0.0) -> None:
@@ -167,32 +175,36 @@ class Controller:
         await _bounded([post(*e) for e in events])
 
     async def _ensure(self, res: Resource, desired: dict, *, update: bool = True,
-                      cached: dict | None | bool = False) -> dict:
+                      cached: dict | None | bool = False, remote: Remote | None = None) -> dict:
         """Create `desired` if missing; if it exists and its hash annotation differs, merge-patch it. `cached` is
-        the watched copy (None: not there); unwatched kinds are read back only every ensure_ttl_s."""
+        the watched copy (None: not there); unwatched kinds are read back only every ensure_ttl_s. With `remote`:
+        in that cluster (never watched), as O.in_remote_cluster makes it."""
+        kube = self.kube
+        if remote is not None:
+            desired, kube, cached = O.in_remote_cluster(desired, remote.namespace), remote.kube, False
         want = O.spec_hash({k: v for k, v in desired.items() if k != "metadata"})
         desired["metadata"].setdefault("annotations", {})["diloco.dev/hash"] = want
         meta = desired["metadata"]
-        key = (res.plural, meta["namespace"], meta["name"])
+        key = (res.plural, meta["namespace"], meta["name"]) + ((remote.cluster,) if remote else ())
         if cached is False:
             done = self.ensured.get(key)
             # Create-only objects (update=False, e.g. the random token) are never compared, only re-created if gone.
             if done and (done[0] == want or not update) and time.monotonic() - done[1] < self.ensure_ttl_s:
                 return desired
             if not update:  # create-only: one POST (AlreadyExists is fine) instead of a GET first
-                current = await self.kube.create(res, desired) or desired
+                current = await kube.create(res, desired) or desired
                 self.ensured[key] = (want, time.monotonic())
                 return current
-            current = await self.kube.get(res, meta["namespace"], meta["name"])
+            current = await kube.get(res, meta["namespace"], meta["name"])
         else:
             current = cached
         written = None
         if current is None:
-            written = await self.kube.create(res, desired)
+            written = await kube.create(res, desired)
             current = written or desired
         elif update and current["metadata"].get("annotations", {}).get("diloco.dev/hash") != want:
             patch = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind")}
-            current = written = await self.kube.merge_patch(res, meta["namespace"], meta["name"], patch)
+            current = written = await kube.merge_patch(res, meta["namespace"], meta["name"], patch)
         if cached is False:
             self.ensured[key] = (want, time.monotonic())
         elif written is not None:
@@ -202,7 +214,12 @@ class Controller:
     # --- DilocoJob -----------------------------------------------------------------------------------------
     async def reconcile_job(self, ns: str, name: str) -> None:
         job = self.cache.job(ns, name)
+        if job is not None and job["metadata"].get("deletionTimestamp") and FINALIZER in (
+                job["metadata"].get("finalizers") or []):
+            await self._remote_cleanup_and_release(job)
+            return
         if job is None or job["metadata"].get("deletionTimestamp"):
+            self.remotes.forget(ns, name)
             self.forget(("job", ns, name))
             for key in [k for k in self.syncer_info if k[:2] == (ns, name)]:
                 del self.syncer_info[key]
@@ -226,6 +243,7 @@ class Controller:
                 await self._events(job, [("Warning", C.Reason.INVALID_SPEC, msg)])
             return
         finished = old_status.get("phase") in jobplan.TERMINAL_JOB
+        await self._remote_finalizer(job, want=bool(spec.clusters))
         await self._ensure(SECRETS, O.token_secret(job, base64.urlsafe_b64encode(os.urandom(32)).decode()),
                            update=False)
         await self._ensure(CONFIGMAPS, O.config_map(job, spec))
@@ -274,6 +292,15 @@ class Controller:
             shards_down=[O.syncer_name(name, i, shards) for i, ok in enumerate(ready) if not ok])
         if status.get("phase") not in jobplan.TERMINAL_JOB:
             status["syncerShards"] = jobplan.shard_statuses(name, spec, ready, infos)
+            if spec.clusters:
+                if not finished:
+                    await self._sweep_remote_orphans(job, spec, {lu["metadata"]["name"] for lu in lus})
+                down = {c: why for c, why in self.remotes.unreachable_clusters(ns, name).items()
+                        if any(rc.name == c for rc in spec.clusters)}
+                status["conditions"], cluster_events = jobplan.clusters_reachable(
+                    status["conditions"], [c.name for c in spec.clusters], down, now,
+                    job["metadata"].get("generation"))
+                events += cluster_events
         if decision is not None and status.get("phase") not in jobplan.TERMINAL_JOB:
             status["autoscaling"] = decision.status
             limited, reason, message = decision.limited
@@ -298,6 +325,73 @@ class Controller:
             for unit, last in info["learners"].items():
                 if unit in seen and seen[unit] != last:
                     self.enqueue(("unit", ns, unit))
+
+    # --- remote clusters (spec.clusters) --------------------------------------------------------------------
+    async def _remote_finalizer(self, job: dict, want: bool) -> None:
+        """Hold the job's deletion (a finalizer) while it may have objects in remote clusters: ownerReferences do
+        not cross clusters, so the operator removes them itself (_remote_cleanup_and_release)."""
+        meta = job["metadata"]
+        have = FINALIZER in (meta.get("finalizers") or [])
+        if have == want:
+            return
+        finalizers = [f for f in meta.get("finalizers") or [] if f != FINALIZER] + ([FINALIZER] if want else [])
+        self.cache.wrote(DILOCOJOBS.plural, await self.kube.merge_patch(DILOCOJOBS, meta["namespace"], meta["name"], {
+            "metadata": {"finalizers": finalizers, "resourceVersion": meta["resourceVersion"]}}))
+
+    async def _remote_objects(self, remote: Remote, job: str) -> list[tuple[Resource, dict]]:
+        out = []
+        for res in (PODS, SERVICES, SECRETS, CONFIGMAPS, PVCS):
+            out += [(res, o) for o in await remote.kube.list(res, remote.namespace, f"{O.LABEL_JOB}={job}")]
+        return out
+
+    async def _remote_delete(self, job: dict, spec: api.DilocoJobSpec, keep: set[str] | None) -> list[str]:
+        """Delete the job's objects in every remote cluster (those of units not in `keep`; everything when `keep` is
+        None); returns why each cluster that could not be cleaned could not."""
+        ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+        failed = []
+        for cluster in spec.clusters:
+            try:
+                remote = await self.remotes.get(ns, name, cluster)
+                for res, obj in await self._remote_objects(remote, name):
+                    unit = (obj["metadata"].get("labels") or {}).get(O.LABEL_UNIT)
+                    if keep is None or (unit is not None and unit not in keep):
+                        await remote.kube.delete(res, remote.namespace, obj["metadata"]["name"])
+                self.remotes.answered(ns, name, cluster.name)
+            except Exception as exc:
+                if not (isinstance(exc, ClusterUnavailable) or unreachable(exc)):
+                    raise
+                self.remotes.failed(ns, name, cluster.name, f"cluster {cluster.name}: {exc}")
+                failed.append(f"cluster {cluster.name}: {exc}")
+        return failed
+
+    async def _sweep_remote_orphans(self, job: dict, spec: api.DilocoJobSpec, units: set[str]) -> None:
+        """Remove what units that no longer exist left in remote clusters (scaled down, deleted by hand): at home
+        the garbage collector does that; there nobody else would. At most every REMOTE_SWEEP_S per job."""
+        key = (job["metadata"]["namespace"], job["metadata"]["name"], "")
+        if time.monotonic() - self.swept.get(key, 0.0) < REMOTE_SWEEP_S:
+            return
+        self.swept[key] = time.monotonic()
+        await self._remote_delete(job, spec, keep=units)
+
+    async def _remote_cleanup_and_release(self, job: dict) -> None:
+        """A job being deleted: remove its objects in every remote cluster, then its finalizer. A cluster that
+        cannot be reached keeps the job (Warning Event, retried); removing the finalizer by hand gives up on it."""
+        ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+        try:
+            spec = api.DilocoJobSpec.model_validate(job["spec"])
+        except ValidationError:
+            spec = None
+        failed = await self._remote_delete(job, spec, keep=None) if spec is not None else []
+        if failed:
+            await self._events(job, [("Warning", C.Reason.REMOTE_CLEANUP_FAILED,
+                                      "cannot remove the job's objects in " + "; ".join(failed) + " (retrying; remove "
+                                      f"the finalizer {FINALIZER} to give up on them)")])
+            self.enqueue(("job", ns, name), REMOTE_RETRY_S)
+            return
+        if spec is not None and spec.clusters:
+            await self._events(job, [("Normal", C.Reason.REMOTE_CLEANUP, "removed the job's objects in clusters "
+                                      + ", ".join(c.name for c in spec.clusters))])
+        await self._remote_finalizer(job, want=False)
 
     async def _ensure_syncer_shard(self, job: dict, spec: api.DilocoJobSpec, tls: SyncerTls, shard: int,
                                    finished: bool) -> bool:
@@ -333,6 +427,8 @@ class Controller:
         if spec.syncer.tls.effective_mode == "Auto":
             shards = spec.config.syncer.shards
             hosts = [h for i in range(shards) for h in certs.service_hosts(O.syncer_name(name, i, shards), ns)]
+            # The addresses pods in remote clusters dial (spec.clusters[].syncerUrl) must be in it too.
+            hosts += sorted({urlsplit(u).hostname for c in spec.clusters for u in c.syncerUrl.split(",")} - set(hosts))
             data, why = certs.auto_secret_data(data, hosts, now, ca_name=f"diloco {ns}/{name} CA")
             if why:
                 if obj is None:
@@ -377,22 +473,30 @@ class Controller:
                 self.tokens[(ns, name, uid)] = token
         return token
 
-    async def _ensure_unit_token(self, unit: dict, job: dict) -> None:
+    async def _ensure_unit_token(self, unit: dict, job: dict, remote: Remote | None = None) -> None:
         """The unit's own learner token Secret (created once). A Secret of that name owned by anything else is
-        never used: the reconcile fails, saying so, rather than hand the unit someone else's credential."""
+        never used: the reconcile fails, saying so, rather than hand the unit someone else's credential. A unit
+        in a remote cluster gets it there (its owner is then named by annotation: O.in_remote_cluster)."""
         ns, name = unit["metadata"]["namespace"], unit["metadata"]["name"]
         secret_name = O.unit_token_secret_name(name)
-        key = (SECRETS.plural, ns, secret_name)
+        key = (SECRETS.plural, ns, secret_name) + ((remote.cluster,) if remote else ())
         if (done := self.ensured.get(key)) and time.monotonic() - done[1] < self.ensure_ttl_s:
             return
         job_token = await self._job_token(ns, job["metadata"]["name"], job["metadata"].get("uid", ""))
         if not job_token:
             raise RuntimeError(f"the token Secret of job {job['metadata']['name']} is not there yet")
-        if await self.kube.create(SECRETS, O.unit_token_secret(unit, learner_token(job_token, name))) is None:
-            current = await self.kube.get(SECRETS, ns, secret_name) or {"metadata": {}}
+        secret = O.unit_token_secret(unit, learner_token(job_token, name))
+        kube, where = (remote.kube, remote.namespace) if remote else (self.kube, ns)
+        if remote is not None:
+            secret = O.in_remote_cluster(secret, remote.namespace)
+        if await kube.create(SECRETS, secret) is None:
+            current = await kube.get(SECRETS, where, secret_name) or {"metadata": {}}
             owners = {o.get("uid") for o in current["metadata"].get("ownerReferences") or []}
+            home_owner = (current["metadata"].get("annotations") or {}).get(O.ANNOTATION_HOME_OWNER, "")
+            if remote is not None:
+                owners = {o.rsplit("/", 1)[-1] for o in home_owner.split(",") if o}
             if unit["metadata"].get("uid") not in owners:
-                raise RuntimeError(f"Secret {ns}/{secret_name} exists and is not unit {name}'s: not using it")
+                raise RuntimeError(f"Secret {where}/{secret_name} exists and is not unit {name}'s: not using it")
         self.ensured[key] = ("", time.monotonic())
 
     async def _fetch_syncer(self, ns: str, name: str, uid: str, url: str, ca: str | None = None, shard: int = 0,
@@ -417,6 +521,58 @@ class Controller:
         return {p.node: ((self.cache.node(p.node) or {}).get("metadata", {}).get("labels") or {}).get(POOL_LABEL, "")
                 for p in pods if p.node}
 
+    def _cluster(self, job: dict, cluster: str) -> api.RemoteCluster:
+        spec = api.DilocoJobSpec.model_validate(job["spec"])
+        found = next((c for c in spec.clusters if c.name == cluster), None)
+        if found is None:
+            raise ClusterUnavailable(f"spec.clusters has no entry {cluster!r} any more")
+        return found
+
+    async def _remote_unit_pods(self, job: dict, spec: api.LearnerUnitSpec, unit: str) -> tuple[Remote, list[dict]]:
+        """The remote cluster's client for a unit, and the unit's pods there (ClusterUnavailable if it cannot be
+        used or does not answer: remembered for the job's ClustersReachable condition)."""
+        ns = job["metadata"]["namespace"]
+        try:
+            remote = await self.remotes.get(ns, spec.jobName, self._cluster(job, spec.cluster))
+            await self.remotes.namespace(remote)
+            pods = await remote.kube.list(PODS, remote.namespace, f"{O.LABEL_UNIT}={unit}")
+        except ClusterUnavailable as exc:
+            self.remotes.failed(ns, spec.jobName, spec.cluster, str(exc))
+            raise
+        except Exception as exc:
+            if not unreachable(exc):
+                raise
+            why = f"cluster {spec.cluster} did not answer: {exc!r}"
+            self.remotes.failed(ns, spec.jobName, spec.cluster, why)
+            raise ClusterUnavailable(why) from None
+        self.remotes.answered(ns, spec.jobName, spec.cluster)
+        return remote, [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+    async def _unit_unreachable(self, unit: dict, spec: api.LearnerUnitSpec, why: str) -> None:
+        """A remote unit whose cluster cannot be used: its status says so (its pods there are left alone, they
+        may well be training), an Event on the change, the job follows, and it is looked at again soon."""
+        ns, name = unit["metadata"]["namespace"], unit["metadata"]["name"]
+        written = unit.get("status") or {}
+        before = C.get_condition(written.get("conditions", []), C.CLUSTER_REACHABLE)
+        conds = C.set_condition(written.get("conditions", []), C.CLUSTER_REACHABLE, False,
+                                C.Reason.CLUSTER_UNREACHABLE, why, datetime.now(timezone.utc),
+                                unit["metadata"].get("generation"))
+        new = {**written, "conditions": conds, "message": why}
+        if (patch := status_patch(written, new)) is not None:
+            self.cache.wrote(LEARNERUNITS.plural,
+                             await self.kube.merge_patch(LEARNERUNITS, ns, name, {"status": patch}, "status"))
+        if (before or {}).get("status") != "False":
+            await self._events(unit, [("Warning", C.Reason.CLUSTER_UNREACHABLE, why)])
+        self.enqueue(("job", ns, spec.jobName))
+        self.enqueue(("unit", ns, name), REMOTE_RETRY_S)
+
+    async def _job_ca(self, ns: str, job: str) -> str:
+        """The CA learners verify the syncer against (the home ConfigMap the job's TLS set-up keeps)."""
+        cm = await self.kube.get(CONFIGMAPS, ns, O.ca_config_name(job))
+        if cm is None or O.CA_KEY not in (cm.get("data") or {}):
+            raise RuntimeError(f"ConfigMap {O.ca_config_name(job)} with the syncer's CA is not there yet")
+        return cm["data"][O.CA_KEY]
+
     async def reconcile_unit(self, ns: str, name: str) -> None:
         unit = self.cache.unit(ns, name)
         if unit is None or unit["metadata"].get("deletionTimestamp"):
@@ -428,7 +584,17 @@ class Controller:
         if job is None:
             return  # being garbage-collected with its job
         job_finished = (job.get("status") or {}).get("phase") in jobplan.TERMINAL_JOB
-        pod_objs = {p["metadata"]["name"]: p for p in self.cache.pods_of_unit(ns, name, O.LABEL_UNIT)}
+        remote = None
+        if spec.cluster is not None:  # a unit in a remote cluster: its pods there are listed, not watched
+            try:
+                remote, pod_list = await self._remote_unit_pods(job, spec, name)
+            except ClusterUnavailable as exc:
+                await self._unit_unreachable(unit, spec, str(exc))
+                return
+            pod_objs = {p["metadata"]["name"]: p for p in pod_list}
+        else:
+            pod_objs = {p["metadata"]["name"]: p for p in self.cache.pods_of_unit(ns, name, O.LABEL_UNIT)}
+        kube = remote.kube if remote else self.kube
         pods = [unitplan.pod_view(p) for p in pod_objs.values()]
         written = unit.get("status") or {}
         held = self.unwritten.get((ns, name))
@@ -442,19 +608,42 @@ class Controller:
                          if key[:2] == (ns, spec.jobName)), default="") or None
         if last_seen:
             plan.status["lastContribution"] = last_seen
+        if remote is not None:
+            plan.status["conditions"] = C.set_condition(
+                plan.status.get("conditions", []), C.CLUSTER_REACHABLE, True, C.Reason.CLUSTER_REACHABLE,
+                f"cluster {spec.cluster} answers (namespace {remote.namespace})", datetime.now(timezone.utc),
+                unit["metadata"].get("generation"))
+            plan.requeue_after = min(plan.requeue_after or REMOTE_POLL_S, REMOTE_POLL_S)
+
         async def delete(pod: str) -> None:
-            self.cache.deleted(PODS.plural, ns, pod, await self.kube.delete(PODS, ns, pod), pod_objs.get(pod))
+            answer = await kube.delete(PODS, remote.namespace if remote else ns, pod)
+            if remote is None:
+                self.cache.deleted(PODS.plural, ns, pod, answer, pod_objs.get(pod))
 
         async def create(rank: int) -> None:
             if (pvc := O.unit_state_pvc(unit, rank)) is not None:
-                await self._ensure(PVCS, pvc, update=False)
-            self.cache.wrote(PODS.plural, await self.kube.create(PODS, O.unit_pod(unit, plan.status["incarnation"], rank)))
-        await _bounded([delete(p) for p in plan.delete])
-        if plan.create:
-            if O.needs_unit_service(spec):
-                await self._ensure(SERVICES, O.unit_service(unit), update=False)
-            await self._ensure_unit_token(unit, job)
-        await _bounded([create(rank) for rank in plan.create])
+                await self._ensure(PVCS, pvc, update=False, remote=remote)
+            pod = O.unit_pod(unit, plan.status["incarnation"], rank)
+            if remote is not None:
+                await kube.create(PODS, O.in_remote_cluster(pod, remote.namespace))
+            else:
+                self.cache.wrote(PODS.plural, await kube.create(PODS, pod))
+        try:
+            await _bounded([delete(p) for p in plan.delete])
+            if plan.create:
+                if O.needs_unit_service(spec):
+                    await self._ensure(SERVICES, O.unit_service(unit), update=False, remote=remote)
+                await self._ensure_unit_token(unit, job, remote)
+                if remote is not None and spec.syncerTls:  # the CA its pods verify the syncer against
+                    await self._ensure(CONFIGMAPS, O.ca_config_map(job, await self._job_ca(ns, spec.jobName)),
+                                       remote=remote)
+            await _bounded([create(rank) for rank in plan.create])
+        except Exception as exc:
+            if remote is None or not unreachable(exc):
+                raise
+            self.remotes.failed(ns, spec.jobName, spec.cluster, f"cluster {spec.cluster}: {exc!r}")
+            await self._unit_unreachable(unit, spec, f"cluster {spec.cluster} did not answer: {exc!r}")
+            return
         patch = None
         now_s = time.monotonic()
         if (plan.create or held) and unitplan.status_may_wait(plan.status, written) and (not held or now_s < held[2]):

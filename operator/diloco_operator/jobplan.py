@@ -297,3 +297,24 @@ def unit_events(plan: UnitsPlan, parked: list[str] | tuple = ()) -> list[Event]:
             events.append(("Normal", C.Reason.UNIT_REMOVED,
                            _listing(f"removed {len(units)} learner unit(s) ({why})", units)))
     return events
+
+
+def clusters_reachable(conds: list[dict], clusters: list[str], down: dict[str, str], now: datetime,
+                       generation: int | None) -> tuple[list[dict], list[Event]]:
+    """The ClustersReachable condition of a job with spec.clusters (`down`: cluster -> why its last use failed),
+    and an Event when it flips. Only the units of an unreachable cluster are affected; the rest trains on."""
+    before = C.get_condition(conds, C.CLUSTERS_REACHABLE)
+    if down:
+        message = "; ".join(f"{c}: {why}" for c, why in sorted(down.items()))
+        conds = C.set_condition(conds, C.CLUSTERS_REACHABLE, False, C.Reason.CLUSTER_UNREACHABLE,
+                                f"{len(down)} of {len(clusters)} remote cluster(s) unreachable: {message}", now,
+                                generation)
+    else:
+        conds = C.set_condition(conds, C.CLUSTERS_REACHABLE, True, C.Reason.CLUSTERS_REACHABLE,
+                                f"remote clusters {', '.join(clusters)} answer", now, generation)
+    after = C.get_condition(conds, C.CLUSTERS_REACHABLE)
+    events: list[Event] = []
+    if (before or {}).get("status") != after["status"] and (before is not None or down):
+        events.append(("Warning" if down else "Normal",
+                       C.Reason.CLUSTER_UNREACHABLE if down else C.Reason.CLUSTERS_REACHABLE, after["message"]))
+    return conds, events

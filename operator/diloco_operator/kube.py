@@ -39,6 +39,7 @@ CONFIGMAPS = Resource("v1", "configmaps")
 PVCS = Resource("v1", "persistentvolumeclaims")
 EVENTS = Resource("v1", "events")
 NODES = Resource("v1", "nodes", namespaced=False)
+NAMESPACES = Resource("v1", "namespaces", namespaced=False)
 DEPLOYMENTS = Resource("apps/v1", "deployments")
 DILOCOJOBS = Resource("diloco.dev/v1alpha1", "dilocojobs")
 LEARNERUNITS = Resource("diloco.dev/v1alpha1", "learnerunits")
@@ -100,6 +101,18 @@ class Kube:
         """A client for `kubeconfig` (a remote cluster), else the default credentials."""
         api_client = await asyncio.to_thread(_api_client, kubeconfig, context, pool)
         return cls(api_client, timeout_s, pool)
+
+    @classmethod
+    async def from_kubeconfig(cls, config: dict, context: str | None = None, timeout_s: float = 30.0,
+                              pool: int = 16) -> "Kube":
+        """A client for a kubeconfig given as a document (a remote cluster's, read from a Secret)."""
+        def build() -> k8s.ApiClient:
+            cfg = k8s.Configuration()
+            k8s_config.load_kube_config_from_dict(config, context=context, client_configuration=cfg)
+            cfg.connection_pool_maxsize = pool
+            cfg.retries = False
+            return k8s.ApiClient(cfg)
+        return cls(await asyncio.to_thread(build), timeout_s, pool)
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

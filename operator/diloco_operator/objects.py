@@ -110,6 +110,22 @@ def _meta(name: str, owner: dict, labels: dict, annotations: dict | None = None)
     return meta
 
 
+ANNOTATION_HOME_OWNER = "diloco.dev/home-owner"  # on objects in a remote cluster: what owns them at home
+
+
+def in_remote_cluster(obj: dict, namespace: str) -> dict:
+    """`obj` as created in a remote cluster (spec.clusters): in `namespace`, without ownerReferences (their owner
+    lives in the home cluster: that cluster's garbage collector would delete the object at once); the owner is
+    named in an annotation, and the job label lets the operator find and remove it (remote.py)."""
+    meta = dict(obj["metadata"])
+    owners = meta.pop("ownerReferences", [])
+    if owners:
+        meta["annotations"] = {**meta.get("annotations", {}), ANNOTATION_HOME_OWNER: ",".join(
+            f"{o['kind']}/{o['name']}/{o['uid']}" for o in owners)}
+    meta["namespace"] = namespace
+    return {**obj, "metadata": meta}
+
+
 def _resources(res: api.Resources, extra: dict[str, int] | None = None) -> dict:
     out: dict = {}
     requests = {k: str(v) for k, v in res.requests.items()}
@@ -274,7 +290,10 @@ def unit_spec(job_name: str, spec: api.DilocoJobSpec, template: api.UnitTemplate
         imagePullPolicy=spec.imagePullPolicy, podsPerUnit=template.podsPerUnit, accelerator=template.accelerator,
         nodeSelector=template.nodeSelector, tolerations=template.tolerations, resources=template.resources,
         steps=template.steps, stateVolume=template.stateVolume, restartPolicy=spec.restartPolicy,
-        syncerTls=spec.syncer.tls.effective_mode != "Disabled", syncerShards=spec.config.syncer.shards if spec.config.syncer.shards > 1 else None,
+        syncerTls=spec.syncer.tls.effective_mode != "Disabled",
+        syncerShards=spec.config.syncer.shards if spec.config.syncer.shards > 1 else None,
+        cluster=template.cluster,
+        syncerUrl=next((c.syncerUrl for c in spec.clusters if c.name == template.cluster), None),
     )
 
 
@@ -347,7 +366,7 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
         extra[resource] = spec.accelerator.count
     if spec.accelerator.topology:
         node_selector[api.TPU_TOPOLOGY_LABEL] = spec.accelerator.topology
-    url = syncer_urls(spec.jobName, spec.syncerTls, spec.syncerShards or 1)
+    url = spec.syncerUrl or syncer_urls(spec.jobName, spec.syncerTls, spec.syncerShards or 1)
     command = ["diloco", "learner", "--syncer", url, "--learner-id", name,
                "--unit", str(spec.unitIndex), "--units", str(spec.shards or spec.unitIndex + 1), "--device", device, "--state-dir", LEARNER_STATE_DIR,
                "--metrics-port", str(api.METRICS_PORT)]

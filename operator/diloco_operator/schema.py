@@ -95,6 +95,17 @@ SPEC_RULES = [
     _rule("!has(self.autoscaling) || !has(self.autoscaling.preference) || "
           "self.autoscaling.preference.all(p, self.units.exists(u, u.name == p))",
           "autoscaling.preference must name templates of units[]", ".autoscaling.preference"),
+    _rule("self.units.all(u, !has(u.cluster) || (has(self.clusters) && self.clusters.exists(c, c.name == u.cluster)))",
+          "units[].cluster must name a spec.clusters entry", ".units"),
+    _rule("!has(self.clusters) || self.clusters.all(c, self.clusters.exists_one(d, d.name == c.name))",
+          "clusters[].name must be unique", ".clusters"),
+    _rule("!has(self.autoscaling) || self.units.all(u, !has(u.cluster))",
+          "autoscaling does not cover units in remote clusters yet: drop units[].cluster or spec.autoscaling",
+          ".autoscaling"),
+    _rule("!has(self.clusters) || self.clusters.all(c, c.syncerUrl.split(',').size() == (has(self.config) && "
+          "has(self.config.syncer) && has(self.config.syncer.shards) ? self.config.syncer.shards : 1))",
+          "clusters[].syncerUrl must give one URL per syncer shard (config.syncer.shards), comma-separated",
+          ".clusters"),
 ]
 AUTOSCALING_RULES = [
     _rule("(has(self.minUnits) ? self.minUnits : 1) <= self.maxUnits", "minUnits must be <= maxUnits", ".minUnits"),
@@ -243,7 +254,7 @@ def learnerunit_crd() -> dict:
         _col("Job", ".spec.jobName"), _col("Phase", ".status.phase"),
         _col("Pods-Ready", ".status.podsReady", "integer"), _col("Pods", ".status.podsDesired", "integer"),
         _col("Restarts", ".status.restarts", "integer"), _col("Pool", ".status.nodePool"),
-        _col("Age", ".metadata.creationTimestamp", "date"),
+        _col("Cluster", ".spec.cluster"), _col("Age", ".metadata.creationTimestamp", "date"),
         _col("Unit", ".spec.unitIndex", "integer", 1), _col("Message", ".status.message", "string", 1),
     ]
     return _crd("LearnerUnit", "learnerunits", "lu", spec, _status_schema(api.LearnerUnitStatus), columns)

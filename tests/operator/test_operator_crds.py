@@ -99,6 +99,15 @@ BAD = [
     ("more syncer shards than fragments",
      _with("spec.config", {"outer": {"quorum": 2, "fragments": 2}, "syncer": {"shards": 3}}),
      "spec.config.syncer.shards"),
+    # spec.clusters (issue 9): units in remote clusters.
+    ("a template in a cluster spec.clusters does not name", _with("spec.units.0.cluster", "west"), "spec.units"),
+    ("two clusters of one name", _with("spec.clusters", [
+        {"name": "west", "kubeconfigSecret": {"name": "w"}, "syncerUrl": "https://s.w:8470"},
+        {"name": "west", "kubeconfigSecret": {"name": "w2"}, "syncerUrl": "https://s.w2:8470"}]), "spec.clusters"),
+    ("a remote syncerUrl that is no URL", _with("spec.clusters", [
+        {"name": "west", "kubeconfigSecret": {"name": "w"}, "syncerUrl": "syncer:8470"}]), "spec.clusters[0].syncerUrl"),
+    ("a remote cluster without a kubeconfig Secret", _with("spec.clusters", [
+        {"name": "west", "syncerUrl": "https://s.w:8470"}]), "spec.clusters[0].kubeconfigSecret"),
     # spec.autoscaling (issue 9).
     ("autoscaling minUnits above maxUnits", _with("spec.autoscaling", {"minUnits": 5, "maxUnits": 2}),
      "spec.autoscaling.minUnits"),

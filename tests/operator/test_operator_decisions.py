@@ -355,3 +355,26 @@ def test_the_jobs_syncer_numbers_add_up_over_its_shards():
 def test_a_job_may_not_have_more_syncer_shards_than_fragments():
     with pytest.raises(ValueError, match="syncer.shards"):
         job_spec(config={"outer": {"fragments": 2}, "syncer": {"shards": 3}})
+
+
+def test_a_remote_template_needs_its_cluster_and_one_syncer_url_per_shard():
+    west = {"name": "west", "kubeconfigSecret": {"name": "w"}, "syncerUrl": "https://a:1"}
+    units = [{"name": "far", "cluster": "west"}]
+    spec = job_spec(units=units, clusters=[west])
+    uspec = objects.unit_spec("demo", spec, spec.units[0], 0, 0)
+    assert uspec.cluster == "west" and uspec.syncerUrl == "https://a:1"
+    with pytest.raises(ValueError, match="names no spec.clusters entry"):
+        job_spec(units=units)
+    with pytest.raises(ValueError, match="one URL per syncer shard"):
+        job_spec(units=units, clusters=[west], config={"outer": {"fragments": 4}, "syncer": {"shards": 2}})
+    with pytest.raises(ValueError, match="autoscaling does not cover"):
+        job_spec(units=units, clusters=[west], autoscaling={"minUnits": 1, "maxUnits": 2})
+
+
+def test_an_object_for_a_remote_cluster_names_its_home_owner_instead_of_an_owner_reference():
+    unit = objects.learner_unit(JOB, objects.unit_spec("demo", job_spec(), job_spec().units[1], 0, 0))
+    unit["metadata"]["uid"] = "lu-9"
+    pod = objects.in_remote_cluster(objects.unit_pod(unit, 0, 0), "far-ns")
+    assert "ownerReferences" not in pod["metadata"] and pod["metadata"]["namespace"] == "far-ns"
+    assert pod["metadata"]["annotations"][objects.ANNOTATION_HOME_OWNER] == "LearnerUnit/demo-cpu-0/lu-9"
+    assert pod["metadata"]["labels"][objects.LABEL_JOB] == "demo"  # how the operator finds it there again

@@ -1,0 +1,110 @@
+"""Clients of the remote clusters a DilocoJob names in spec.clusters (docs/operator.md "Remote clusters").
+
+Each (job, cluster) gets its own official-client `Kube`, built from the kubeconfig in the job's Secret (contexts
+and exec plugins as kubectl reads them) and rebuilt when that Secret changes. Whether a cluster answered the last
+call is remembered per (job, cluster): the job's `ClustersReachable` condition is made from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from dataclasses import dataclass
+
+import yaml
+
+from diloco_operator import api
+from diloco_operator.kube import NAMESPACES, SECRETS, ApiError, Kube
+
+REMOTE_TIMEOUT_S = 5.0  # a remote apiserver that does not answer within this is unreachable for this pass
+SECRET_TTL_S = 30.0  # the kubeconfig Secret is read again at most this often
+
+
+class ClusterUnavailable(Exception):
+    """A remote cluster cannot be used now: its kubeconfig is missing or broken, or its apiserver does not answer.
+    The message says which and why."""
+
+
+@dataclass
+class Remote:
+    """One remote cluster of one job: its client and the namespace the job's objects go to there."""
+
+    cluster: str
+    kube: Kube
+    namespace: str
+    secret_version: str  # resourceVersion of the kubeconfig Secret this client was built from
+    read_at: float  # when that Secret was last read
+    namespace_ready: bool = False
+
+
+# Errors of a call that did not reach an apiserver's answer (connection refused, timeouts, TLS): urllib3 raises
+# these from the official client, wrapped or not.
+def unreachable(exc: BaseException) -> bool:
+    if isinstance(exc, ApiError):
+        return exc.status == 0 or exc.status >= 500
+    return isinstance(exc, (OSError, asyncio.TimeoutError)) or type(exc).__module__.startswith("urllib3")
+
+
+class RemoteClusters:
+    """The remote clusters' clients, keyed by (namespace, job, cluster); `home` reads the kubeconfig Secrets."""
+
+    def __init__(self, home: Kube, timeout_s: float = REMOTE_TIMEOUT_S):
+        self.home, self.timeout_s = home, timeout_s
+        self.clients: dict[tuple[str, str, str], Remote] = {}
+        self.errors: dict[tuple[str, str, str], str | None] = {}  # None: answered last time
+        self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}
+
+    async def get(self, namespace: str, job: str, cluster: api.RemoteCluster) -> Remote:
+        """The client of `cluster` for `job` (ClusterUnavailable if its kubeconfig cannot be used)."""
+        key = (namespace, job, cluster.name)
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            current = self.clients.get(key)
+            if current is not None and time.monotonic() - current.read_at < SECRET_TTL_S:
+                return current
+            secret = await self.home.get(SECRETS, namespace, cluster.kubeconfigSecret.name)
+            where = f"spec.clusters[{cluster.name}].kubeconfigSecret"
+            if secret is None:
+                raise ClusterUnavailable(f"{where}: Secret {cluster.kubeconfigSecret.name} not found")
+            version = secret["metadata"].get("resourceVersion", "")
+            if current is not None and current.secret_version == version:
+                current.read_at = time.monotonic()
+                return current
+            raw = (secret.get("data") or {}).get(cluster.kubeconfigSecret.key)
+            if not raw:
+                raise ClusterUnavailable(f"{where}: Secret {cluster.kubeconfigSecret.name} has no key "
+                                         f"{cluster.kubeconfigSecret.key!r}")
+            try:
+                config = yaml.safe_load(base64.b64decode(raw))
+                kube = await Kube.from_kubeconfig(config, cluster.context, timeout_s=self.timeout_s, pool=4)
+            except Exception as exc:  # noqa: BLE001 - any broken kubeconfig is the user's to fix, said in status
+                raise ClusterUnavailable(f"{where}: not a usable kubeconfig: {exc}") from None
+            if current is not None:
+                current.kube.close()
+            remote = Remote(cluster.name, kube, cluster.namespace or namespace, version, time.monotonic())
+            self.clients[key] = remote
+            return remote
+
+    async def namespace(self, remote: Remote) -> None:
+        """Create the job's namespace in the remote cluster if it is not there (once per client)."""
+        if remote.namespace_ready:
+            return
+        await remote.kube.create(NAMESPACES, {"apiVersion": "v1", "kind": "Namespace",
+                                              "metadata": {"name": remote.namespace}})
+        remote.namespace_ready = True
+
+    def answered(self, namespace: str, job: str, cluster: str) -> None:
+        self.errors[(namespace, job, cluster)] = None
+
+    def failed(self, namespace: str, job: str, cluster: str, why: str) -> None:
+        self.errors[(namespace, job, cluster)] = why
+
+    def unreachable_clusters(self, namespace: str, job: str) -> dict[str, str]:
+        """Cluster -> why, for the clusters of `job` whose last use failed."""
+        return {k[2]: why for k, why in self.errors.items() if k[:2] == (namespace, job) and why}
+
+    def forget(self, namespace: str, job: str) -> None:
+        for key in [k for k in self.clients if k[:2] == (namespace, job)]:
+            self.clients.pop(key).kube.close()
+        for key in [k for k in self.errors if k[:2] == (namespace, job)]:
+            del self.errors[key]

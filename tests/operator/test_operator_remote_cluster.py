@@ -1,0 +1,107 @@
+"""Learner units in another cluster (spec.clusters): a second real control plane stands for it. The operator puts
+the units' pods there from the kubeconfig in a Secret, heals them there, shows the cluster in `kubectl get lu`,
+degrades only those units while that cluster does not answer (its apiserver frozen with SIGSTOP), and removes its
+objects there when the job is deleted (a finalizer: ownerReferences do not cross clusters)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import sys
+
+import pytest
+
+from diloco_operator import certs
+from diloco_operator import testbed as testbed_mod
+from diloco_operator.pools import POOL_LABEL
+from test_operator_cluster import condition, cpu_units, job, running, wait_job_ready  # helpers only
+
+from cluster_kit import Kubectl, wait_for
+
+pytestmark = pytest.mark.cluster
+SYNCER_URL = "https://syncer.west.example:8470"
+
+
+@pytest.fixture(scope="module")
+def remote():
+    """The "west" cluster: a second control plane with its own kwok pools."""
+    try:
+        tb = testbed_mod.start(log=lambda m: print(f"[remote testbed] {m}", file=sys.stderr))
+    except testbed_mod.TestbedUnavailable as exc:
+        pytest.fail(f"cannot start a second control plane: {exc}")
+    yield tb
+    os.kill(tb.pids["kube-apiserver"], signal.SIGCONT)  # in case a failed test left it frozen
+    tb.stop()
+
+
+def remote_pods(far: Kubectl, ns: str, unit: str) -> list[dict]:
+    return [p for p in far.get("pod", ns=ns, selector=f"diloco.dev/unit={unit}") or []
+            if not p["metadata"].get("deletionTimestamp")]
+
+
+def test_units_in_a_remote_cluster_run_heal_degrade_alone_and_are_removed_with_the_job(kubectl, operator, ns,
+                                                                                         remote):
+    far = Kubectl(remote)
+    kubectl.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "west-kubeconfig"},
+                   "stringData": {"kubeconfig": open(remote.kubeconfig).read()}}, "-n", ns)
+    units = cpu_units(1) + [{"name": "far", "count": 1, "cluster": "west", "nodeSelector": {POOL_LABEL: "cpu"}}]
+    kubectl.apply(job("two", units, clusters=[{"name": "west", "kubeconfigSecret": {"name": "west-kubeconfig"},
+                                               "syncerUrl": SYNCER_URL}]), "-n", ns)
+    wait_job_ready(kubectl, ns, "two", 2, timeout=120)
+
+    # The unit lives at home, its pod in the remote cluster (a namespace of the same name, created there).
+    lu = kubectl.get("lu", "two-far-0", ns=ns)
+    assert lu["spec"]["cluster"] == "west" and condition(lu, "ClusterReachable")["status"] == "True"
+    row = next(line for line in kubectl.run("get", "lu", "-n", ns).stdout.splitlines() if "two-far-0" in line)
+    assert "west" in row.split()
+    assert kubectl.get("pod", ns=ns, selector="diloco.dev/unit=two-far-0") == []
+    (pod,) = remote_pods(far, ns, "two-far-0")
+    assert running(pod)
+    assert "ownerReferences" not in pod["metadata"]  # their owner is in another cluster
+    assert f"LearnerUnit/two-far-0/{lu['metadata']['uid']}" in pod["metadata"]["annotations"]["diloco.dev/home-owner"]
+    command = pod["spec"]["containers"][0]["command"]
+    assert command[command.index("--syncer") + 1] == SYNCER_URL
+    assert far.get("secret", "two-far-0-learner-token", ns=ns) is not None
+    assert far.get("configmap", "two-syncer-ca", ns=ns)["data"]["ca.crt"] == \
+        kubectl.get("configmap", "two-syncer-ca", ns=ns)["data"]["ca.crt"]
+    assert far.get("pod", ns=ns, selector="diloco.dev/unit=two-cpu-0") == []
+    # The syncer's certificate also names the address the remote pods dial.
+    tls = kubectl.get("secret", "two-syncer-tls", ns=ns)["data"]
+    assert "syncer.west.example" in certs.inspect(base64.b64decode(tls["tls.crt"]).decode()).hosts
+
+    # Healing there: a deleted remote pod is replaced there.
+    far.run("delete", "pod", pod["metadata"]["name"], "-n", ns, "--wait=false")
+    wait_for(lambda: [p for p in remote_pods(far, ns, "two-far-0") if p["metadata"]["uid"] != pod["metadata"]["uid"]
+                      and running(p)], 60, 0.5, "a new pod for two-far-0 in the remote cluster")
+    wait_job_ready(kubectl, ns, "two", 2, timeout=60)
+    assert kubectl.get("lu", "two-far-0", ns=ns)["status"]["restarts"] == 1
+
+    # The remote cluster stops answering: only its units are affected, the job says which cluster and why.
+    os.kill(remote.pids["kube-apiserver"], signal.SIGSTOP)
+    try:
+        dj = wait_for(lambda: (d := kubectl.get("dj", "two", ns=ns)) and
+                      condition(d, "ClustersReachable").get("status") == "False" and d, 90, 0.5,
+                      "ClustersReachable=False on the job")
+        assert "west" in condition(dj, "ClustersReachable")["message"]
+        wait_for(lambda: condition(kubectl.get("lu", "two-far-0", ns=ns), "ClusterReachable").get("status") ==
+                 "False", 60, 0.5, "ClusterReachable=False on the remote unit")
+        home = kubectl.get("lu", "two-cpu-0", ns=ns)
+        assert home["status"]["phase"] == "Running" and dj["status"]["phase"] == "Running"
+        assert any(e["reason"] == "ClusterUnreachable" for e in kubectl.get("events", ns=ns))
+    finally:
+        os.kill(remote.pids["kube-apiserver"], signal.SIGCONT)
+    wait_for(lambda: condition(kubectl.get("dj", "two", ns=ns), "ClustersReachable").get("status") == "True", 90,
+             0.5, "ClustersReachable=True once the cluster answers again")
+    wait_job_ready(kubectl, ns, "two", 2, timeout=60)
+
+    # Deleting the job removes its objects in the remote cluster too, then the job itself.
+    assert "diloco.dev/remote-cleanup" in kubectl.get("dj", "two", ns=ns)["metadata"]["finalizers"]
+    kubectl.run("delete", "dj", "two", "-n", ns, "--wait=false")
+
+    def remote_left():
+        return [f"{kind}/{o['metadata']['name']}" for kind in ("pod", "secret", "configmap", "services")
+                for o in far.get(kind, ns=ns, selector="diloco.dev/job=two") or []
+                if not o["metadata"].get("deletionTimestamp")]
+    wait_for(lambda: not remote_left(), 60, 0.5, "the job's objects gone from the remote cluster")
+    wait_for(lambda: kubectl.get("dj", "two", ns=ns) is None, 60, 0.5, "the job gone")

@@ -1,6 +1,6 @@
 """Learner units in another cluster (spec.clusters): a second real control plane stands for it. The operator puts
-the units' pods there from the kubeconfig in a Secret, heals them there, shows the cluster in `kubectl get lu`,
-degrades only those units while that cluster does not answer (its apiserver frozen with SIGSTOP), and removes its
+the units' pods there from the kubeconfig in a Secret, heals and scales them there, shows the cluster in
+`kubectl get lu`, degrades only those units while that cluster does not answer (its apiserver frozen with SIGSTOP), and removes its
 objects there when the job is deleted (a finalizer: ownerReferences do not cross clusters)."""
 
 from __future__ import annotations
@@ -40,12 +40,13 @@ def remote_pods(far: Kubectl, ns: str, unit: str) -> list[dict]:
             if not p["metadata"].get("deletionTimestamp")]
 
 
-def test_units_in_a_remote_cluster_run_heal_degrade_alone_and_are_removed_with_the_job(kubectl, operator, ns,
+def test_units_in_a_remote_cluster_run_heal_scale_degrade_alone_and_are_removed_with_the_job(kubectl, operator, ns,
                                                                                          remote):
     far = Kubectl(remote)
     kubectl.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "west-kubeconfig"},
                    "stringData": {"kubeconfig": open(remote.kubeconfig).read()}}, "-n", ns)
-    units = cpu_units(1) + [{"name": "far", "count": 1, "cluster": "west", "nodeSelector": {POOL_LABEL: "cpu"}}]
+    units = cpu_units(1) + [{"name": "far", "count": 1, "maxCount": 2, "cluster": "west",
+                             "nodeSelector": {POOL_LABEL: "cpu"}}]  # maxCount: scaling moves no data shard
     kubectl.apply(job("two", units, clusters=[{"name": "west", "kubeconfigSecret": {"name": "west-kubeconfig"},
                                                "syncerUrl": SYNCER_URL}]), "-n", ns)
     wait_job_ready(kubectl, ns, "two", 2, timeout=120)
@@ -76,6 +77,20 @@ def test_units_in_a_remote_cluster_run_heal_degrade_alone_and_are_removed_with_t
                       and running(p)], 60, 0.5, "a new pod for two-far-0 in the remote cluster")
     wait_job_ready(kubectl, ns, "two", 2, timeout=60)
     assert kubectl.get("lu", "two-far-0", ns=ns)["status"]["restarts"] == 1
+
+    # Scaling works there too: a second remote unit appears there, and once scaled away its objects there go.
+    def far_count(n: int) -> None:
+        kubectl.run("patch", "dj", "two", "-n", ns, "--type=json", "-p",
+                    f'[{{"op": "replace", "path": "/spec/units/1/count", "value": {n}}}]')
+    kept = [p["metadata"]["uid"] for p in remote_pods(far, ns, "two-far-0")]
+    far_count(2)
+    wait_for(lambda: [p for p in remote_pods(far, ns, "two-far-1") if running(p)], 60, 0.5, "two-far-1's pod there")
+    wait_job_ready(kubectl, ns, "two", 3, timeout=60)
+    far_count(1)
+    wait_for(lambda: not remote_pods(far, ns, "two-far-1") and far.get("secret", "two-far-1-learner-token", ns=ns)
+             is None, 60, 0.5, "two-far-1's pod and token Secret swept from the remote cluster")
+    assert [p["metadata"]["uid"] for p in remote_pods(far, ns, "two-far-0")] == kept, "scaling touched two-far-0"
+    wait_job_ready(kubectl, ns, "two", 2, timeout=60)
 
     # The remote cluster stops answering: only its units are affected, the job says which cluster and why.
     os.kill(remote.pids["kube-apiserver"], signal.SIGSTOP)

@@ -257,8 +257,6 @@ class DilocoJobSpec(_Api):
             if u.cluster is not None and u.cluster not in clusters:
                 raise ValueError(f"units[{u.name}].cluster names no spec.clusters entry: {u.cluster!r} "
                                  f"(clusters: {clusters})")
-            if u.cluster is not None and self.autoscaling is not None:
-                raise ValueError(f"units[{u.name}].cluster: autoscaling does not cover units in remote clusters yet")
             if u.cluster is not None:
                 urls = len(next(c for c in self.clusters if c.name == u.cluster).syncerUrl.split(","))
                 if urls != self.config.syncer.shards:

@@ -22,7 +22,7 @@ from diloco_operator import jobplan
 from diloco_operator import objects as O
 from diloco_operator import syncer_status, unitplan
 from diloco_operator.cache import Cache
-from diloco_operator.kube import (CONFIGMAPS, DEPLOYMENTS, DILOCOJOBS, LEARNERUNITS, PODS, PVCS, SECRETS,
+from diloco_operator.kube import (CONFIGMAPS, DEPLOYMENTS, DILOCOJOBS, LEARNERUNITS, NODES, PODS, PVCS, SECRETS,
                                   SERVICES, ApiError, Kube, Resource, status_patch)
 from diloco_operator.pools import POOL_LABEL
 from diloco_operator.remote import ClusterUnavailable, Remote, RemoteClusters, unreachable
@@ -92,6 +92,8 @@ class Controller:
         self.background: set[asyncio.Task] = set()
         self.remotes = RemoteClusters(kube)
         self.swept: dict[tuple[str, str, str], float] = {}  # (ns, job, cluster) -> last orphan sweep
+        # (ns, job, cluster) -> (template -> units that fit there, when): remote Nodes are listed, not watched
+        self.remote_room: dict[tuple[str, str, str], tuple[dict[str, int | None], float]] = {}
 
     # --- queue -------------------------------------------------------------------------------------------
     def enqueue(self, key: Key, delay: float = 0.0) -> None:
@@ -220,6 +222,9 @@ class Controller:
             return
         if job is None or job["metadata"].get("deletionTimestamp"):
             self.remotes.forget(ns, name)
+            for cache in (self.swept, self.remote_room):
+                for key in [k for k in cache if k[:2] == (ns, name)]:
+                    del cache[key]
             self.forget(("job", ns, name))
             for key in [k for k in self.syncer_info if k[:2] == (ns, name)]:
                 del self.syncer_info[key]
@@ -262,6 +267,9 @@ class Controller:
         if not finished:
             if spec.autoscaling is not None:
                 free = autoscale.free_by_template(name, spec, self.cache.nodes(), self.cache.all_pods())
+                if spec.clusters:  # templates in remote clusters: the room on those clusters' nodes
+                    free.update(await self._remote_free(job, spec))
+                    self.enqueue(("job", ns, name), REMOTE_POLL_S)  # their Nodes are listed, not watched
                 decision = autoscale.decide(spec, [autoscale.unit_state(lu) for lu in lus if not
                                                    lu["metadata"].get("deletionTimestamp")], free,
                                             old_status.get("autoscaling"), now)
@@ -342,6 +350,34 @@ class Controller:
         out = []
         for res in (PODS, SERVICES, SECRETS, CONFIGMAPS, PVCS):
             out += [(res, o) for o in await remote.kube.list(res, remote.namespace, f"{O.LABEL_JOB}={job}")]
+        return out
+
+    async def _remote_free(self, job: dict, spec: api.DilocoJobSpec) -> dict[str, int | None]:
+        """Template -> units that fit now, for the templates in remote clusters: from each cluster's Nodes and
+        learner pods (listed, at most every REMOTE_POLL_S). A cluster that does not answer has no room (the
+        autoscaler then grows nothing there and touches no unit running there)."""
+        ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+        out: dict[str, int | None] = {}
+        for cluster in spec.clusters:
+            templates = [t.name for t in spec.units if t.cluster == cluster.name]
+            if not templates:
+                continue
+            key = (ns, name, cluster.name)
+            cached = self.remote_room.get(key)
+            if cached is None or time.monotonic() - cached[1] >= REMOTE_POLL_S:
+                try:
+                    remote = await self.remotes.get(ns, name, cluster)
+                    nodes = await remote.kube.list(NODES, None)
+                    pods = await remote.kube.list(PODS, None, f"{O.LABEL_COMPONENT}=learner")
+                    room = autoscale.free_by_template(name, spec, nodes, pods)
+                    self.remotes.answered(ns, name, cluster.name)
+                except Exception as exc:
+                    if not (isinstance(exc, ClusterUnavailable) or unreachable(exc)):
+                        raise
+                    self.remotes.failed(ns, name, cluster.name, f"cluster {cluster.name}: {exc}")
+                    room = {t: 0 for t in templates}
+                cached = self.remote_room[key] = ({t: room[t] for t in templates}, time.monotonic())
+            out.update(cached[0])
         return out
 
     async def _remote_delete(self, job: dict, spec: api.DilocoJobSpec, keep: set[str] | None) -> list[str]:

@@ -99,9 +99,6 @@ SPEC_RULES = [
           "units[].cluster must name a spec.clusters entry", ".units"),
     _rule("!has(self.clusters) || self.clusters.all(c, self.clusters.exists_one(d, d.name == c.name))",
           "clusters[].name must be unique", ".clusters"),
-    _rule("!has(self.autoscaling) || self.units.all(u, !has(u.cluster))",
-          "autoscaling does not cover units in remote clusters yet: drop units[].cluster or spec.autoscaling",
-          ".autoscaling"),
     _rule("!has(self.clusters) || self.clusters.all(c, c.syncerUrl.split(',').size() == (has(self.config) && "
           "has(self.config.syncer) && has(self.config.syncer.shards) ? self.config.syncer.shards : 1))",
           "clusters[].syncerUrl must give one URL per syncer shard (config.syncer.shards), comma-separated",

@@ -367,8 +367,6 @@ def test_a_remote_template_needs_its_cluster_and_one_syncer_url_per_shard():
         job_spec(units=units)
     with pytest.raises(ValueError, match="one URL per syncer shard"):
         job_spec(units=units, clusters=[west], config={"outer": {"fragments": 4}, "syncer": {"shards": 2}})
-    with pytest.raises(ValueError, match="autoscaling does not cover"):
-        job_spec(units=units, clusters=[west], autoscaling={"minUnits": 1, "maxUnits": 2})
 
 
 def test_an_object_for_a_remote_cluster_names_its_home_owner_instead_of_an_owner_reference():

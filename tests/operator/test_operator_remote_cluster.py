@@ -15,6 +15,7 @@ import pytest
 from diloco_operator import certs
 from diloco_operator import testbed as testbed_mod
 from diloco_operator.pools import POOL_LABEL
+from test_operator_autoscale_cluster import H100, Nodes, autoscaled_job, running_units, template  # helpers only
 from test_operator_cluster import condition, cpu_units, job, running, wait_job_ready  # helpers only
 
 from cluster_kit import Kubectl, wait_for
@@ -35,6 +36,13 @@ def remote():
     tb.stop()
 
 
+def kubeconfig_secret(kubectl: Kubectl, ns: str, remote) -> dict:
+    """The remote cluster's kubeconfig in a Secret of `ns`, and the spec.clusters entry naming it."""
+    kubectl.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "west-kubeconfig"},
+                   "stringData": {"kubeconfig": open(remote.kubeconfig).read()}}, "-n", ns)
+    return {"name": "west", "kubeconfigSecret": {"name": "west-kubeconfig"}, "syncerUrl": SYNCER_URL}
+
+
 def remote_pods(far: Kubectl, ns: str, unit: str) -> list[dict]:
     return [p for p in far.get("pod", ns=ns, selector=f"diloco.dev/unit={unit}") or []
             if not p["metadata"].get("deletionTimestamp")]
@@ -43,12 +51,10 @@ def remote_pods(far: Kubectl, ns: str, unit: str) -> list[dict]:
 def test_units_in_a_remote_cluster_run_heal_scale_degrade_alone_and_are_removed_with_the_job(kubectl, operator, ns,
                                                                                          remote):
     far = Kubectl(remote)
-    kubectl.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "west-kubeconfig"},
-                   "stringData": {"kubeconfig": open(remote.kubeconfig).read()}}, "-n", ns)
+    west = kubeconfig_secret(kubectl, ns, remote)
     units = cpu_units(1) + [{"name": "far", "count": 1, "maxCount": 2, "cluster": "west",
                              "nodeSelector": {POOL_LABEL: "cpu"}}]  # maxCount: scaling moves no data shard
-    kubectl.apply(job("two", units, clusters=[{"name": "west", "kubeconfigSecret": {"name": "west-kubeconfig"},
-                                               "syncerUrl": SYNCER_URL}]), "-n", ns)
+    kubectl.apply(job("two", units, clusters=[west]), "-n", ns)
     wait_job_ready(kubectl, ns, "two", 2, timeout=120)
 
     # The unit lives at home, its pod in the remote cluster (a namespace of the same name, created there).
@@ -120,3 +126,30 @@ def test_units_in_a_remote_cluster_run_heal_scale_degrade_alone_and_are_removed_
                 if not o["metadata"].get("deletionTimestamp")]
     wait_for(lambda: not remote_left(), 60, 0.5, "the job's objects gone from the remote cluster")
     wait_for(lambda: kubectl.get("dj", "two", ns=ns) is None, 60, 0.5, "the job gone")
+
+
+def test_an_autoscaled_job_falls_back_to_a_remote_cluster_and_grows_there_when_nodes_arrive(kubectl, operator, ns,
+                                                                                            remote):
+    far = Kubectl(remote)
+    far_nodes = Nodes(far, ns)
+    gpu_node = {"cpu": "208", "memory": "1872Gi", "nvidia.com/gpu": "8", "pods": "110"}
+    try:
+        far_nodes.add("h100", 1, gpu_node, H100)
+        # "near" (home) has a pool without nodes; "far" is the same kind of unit in the remote cluster.
+        units = [template(ns, "near", "h100", {"type": "nvidia-h100-80gb", "count": 8}, 2),
+                 {**template(ns, "far", "h100", {"type": "nvidia-h100-80gb", "count": 8}, 2), "cluster": "west"}]
+        manifest = autoscaled_job("grow", units, minUnits=1, maxUnits=3, preference=["near", "far"])
+        manifest["spec"]["clusters"] = [kubeconfig_secret(kubectl, ns, remote)]
+        kubectl.apply(manifest, "-n", ns)
+        wait_for(lambda: sorted(running_units(kubectl, ns, "grow").values()) == ["far"], 90, 0.5,
+                 "one unit running in the remote cluster (no room at home)")
+        (first,) = [p["metadata"]["uid"] for p in remote_pods(far, ns, "grow-far-0")]
+        # A second node there: the autoscaler sees the room on the remote cluster's Nodes and grows into it.
+        far_nodes.add("h100", 1, gpu_node, H100, first=1)
+        wait_for(lambda: sorted(running_units(kubectl, ns, "grow").values()) == ["far", "far"], 90, 0.5,
+                 "a second remote unit once its node arrived there")
+        assert [p["metadata"]["uid"] for p in remote_pods(far, ns, "grow-far-0")] == [first], "healthy unit touched"
+        st = kubectl.get("dj", "grow", ns=ns)["status"]["autoscaling"]
+        assert st["runningUnits"] == 2 and any(p["name"].startswith("grow-near-") for p in st["parkedUnits"]), st
+    finally:
+        far_nodes.delete_all()

@@ -6,11 +6,13 @@ objects there when the job is deleted (a finalizer: ownerReferences do not cross
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import sys
 
 import pytest
+import yaml
 
 from diloco_operator import certs
 from diloco_operator import testbed as testbed_mod
@@ -37,10 +39,22 @@ def remote():
 
 
 def kubeconfig_secret(kubectl: Kubectl, ns: str, remote) -> dict:
-    """The remote cluster's kubeconfig in a Secret of `ns`, and the spec.clusters entry naming it."""
+    """The remote cluster's kubeconfig in a Secret of `ns`, and the spec.clusters entry naming it. As clouds
+    hand them out: the credential comes from an exec plugin (here a shell printing an ExecCredential), in a context
+    that is not the current one (whose user's token is wrong: using it would fail every call)."""
+    config = yaml.safe_load(open(remote.kubeconfig).read())
+    credential = json.dumps({"apiVersion": "client.authentication.k8s.io/v1", "kind": "ExecCredential",
+                             "status": {"token": remote.token}})
+    config["users"][0]["user"] = {"token": "not-the-token"}
+    config["users"].append({"name": "west-exec", "user": {"exec": {
+        "apiVersion": "client.authentication.k8s.io/v1", "command": "/bin/sh",
+        "args": ["-c", f"printf '%s' '{credential}'"], "interactiveMode": "Never"}}})
+    cluster = config["contexts"][0]["context"]["cluster"]
+    config["contexts"].append({"name": "west-admin", "context": {"cluster": cluster, "user": "west-exec"}})
     kubectl.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "west-kubeconfig"},
-                   "stringData": {"kubeconfig": open(remote.kubeconfig).read()}}, "-n", ns)
-    return {"name": "west", "kubeconfigSecret": {"name": "west-kubeconfig"}, "syncerUrl": SYNCER_URL}
+                   "stringData": {"kubeconfig": yaml.safe_dump(config)}}, "-n", ns)
+    return {"name": "west", "kubeconfigSecret": {"name": "west-kubeconfig"}, "context": "west-admin",
+            "syncerUrl": SYNCER_URL}
 
 
 def remote_pods(far: Kubectl, ns: str, unit: str) -> list[dict]:

@@ -7,9 +7,14 @@ from __future__ import annotations
 import http.client
 import json
 import ssl
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from cluster_kit import wait_for
 
 SYNCER_PORT, METRICS_PORT = 8470, 8471
 
@@ -74,3 +79,16 @@ def container_of(incarnation: dict) -> str:
     """Which container of a syncer pod an incarnation (a line of STATE_DIR/incarnations.jsonl) ran in: the standby container's process was started with
     --standby, the syncer container's without (PIDs say nothing: each is PID 1 of its own container)."""
     return "standby" if incarnation["standby"] else "syncer"
+
+
+@contextmanager
+def job_namespace(kubectl, prefix: str, manifest: dict) -> Iterator[str]:
+    """A fresh namespace holding the DilocoJob `manifest`; deleted (with everything in it) afterwards."""
+    ns = f"{prefix}-{int(time.time())}"
+    kubectl.run("create", "namespace", ns)
+    try:
+        wait_for(lambda: kubectl.get("serviceaccount", "default", ns=ns), 30, what="default ServiceAccount")
+        kubectl.apply(manifest, "-n", ns)
+        yield ns
+    finally:
+        kubectl.run("delete", "namespace", ns, "--wait=false", check=False)

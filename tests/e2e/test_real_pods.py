@@ -24,7 +24,8 @@ import pytest
 from cluster_kit import wait_for
 from diloco_operator import realnode
 from diloco_trainer.syncer.takeover import read_incarnations
-from e2e_kit import SYNCER_PORT, container_id, container_of, learner_step, pv_dir, syncer_status
+from e2e_kit import (SYNCER_PORT, container_id, container_of, job_namespace, learner_step, pv_dir,
+                     syncer_status)
 
 pytestmark = [pytest.mark.e2e]
 
@@ -135,12 +136,8 @@ def kill_and_time_recovery(job: Job, unit: str, kill) -> float:
 
 @pytest.fixture(scope="module")
 def job(kubectl, operator_pod, images) -> Job:
-    ns = f"e2e-{int(time.time())}"
-    kubectl.run("create", "namespace", ns)
-    wait_for(lambda: kubectl.get("serviceaccount", "default", ns=ns), 30, what="default ServiceAccount")
-    kubectl.apply(job_manifest(images.trainer), "-n", ns)
-    yield Job(kubectl, ns)
-    kubectl.run("delete", "namespace", ns, "--wait=false", check=False)
+    with job_namespace(kubectl, "e2e", job_manifest(images.trainer)) as ns:
+        yield Job(kubectl, ns)
 
 
 def test_the_syncer_and_every_learner_run_as_real_containers_and_outer_steps_advance(job, kubectl):

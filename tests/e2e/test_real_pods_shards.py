@@ -15,7 +15,8 @@ import pytest
 
 from cluster_kit import wait_for
 from diloco_trainer.syncer.takeover import read_incarnations
-from e2e_kit import SYNCER_PORT, container_id, container_of, learner_step, pv_dir, syncer_status
+from e2e_kit import (SYNCER_PORT, container_id, container_of, job_namespace, learner_step, pv_dir,
+                     syncer_status)
 
 pytestmark = [pytest.mark.e2e]
 
@@ -73,12 +74,8 @@ class ShardedJob:
 
 @pytest.fixture(scope="module")
 def job(kubectl, operator_pod, images) -> ShardedJob:
-    ns = f"e2e-shards-{int(time.time())}"
-    kubectl.run("create", "namespace", ns)
-    wait_for(lambda: kubectl.get("serviceaccount", "default", ns=ns), 30, what="default ServiceAccount")
-    kubectl.apply(job_manifest(images.trainer), "-n", ns)
-    yield ShardedJob(kubectl, ns)
-    kubectl.run("delete", "namespace", ns, "--wait=false", check=False)
+    with job_namespace(kubectl, "e2e-shards", job_manifest(images.trainer)) as ns:
+        yield ShardedJob(kubectl, ns)
 
 
 def test_each_shard_serves_its_own_fragments_from_its_own_pod_and_both_merge(job, kubectl):

@@ -26,6 +26,15 @@ def _shards(tmp_path, config):
                           args=("--shard", str(i))) for i in range(2)]
 
 
+def _stop(learner, shards) -> None:
+    """Kill the learner if it still runs, and stop every shard (also after a failed assertion)."""
+    if learner is not None and learner.poll() is None:
+        learner.kill()
+        learner.wait()
+    for s in shards:
+        s.stop()
+
+
 def _merged(shard, learner: str) -> int:
     return shard.status()["learners"].get(learner, {}).get("submissions_merged", 0)
 
@@ -102,11 +111,7 @@ def test_a_learner_restarted_while_a_shard_is_dead_trains_from_its_saved_theta_a
         merged = _merged(shards[0], "l0") + _merged(shards[1], "l0")
         assert merged >= merged0 + final["acked"], "an acknowledged update of the restarted learner was lost"
     finally:
-        if learner is not None and learner.poll() is None:
-            learner.kill()
-            learner.wait()
-        for s in shards:
-            s.stop()
+        _stop(learner, shards)
 
 
 def test_a_new_learner_waits_for_a_dead_shard_naming_it_and_starts_when_it_is_back(tmp_path):
@@ -128,8 +133,4 @@ def test_a_new_learner_waits_for_a_dead_shard_naming_it_and_starts_when_it_is_ba
         assert final["final"] and final["step"] == 40 and final["pending"] == 0
         assert final["rejected"] == 0
     finally:
-        if learner is not None and learner.poll() is None:
-            learner.kill()
-            learner.wait()
-        for s in shards:
-            s.stop()
+        _stop(learner, shards)

@@ -617,8 +617,10 @@ class Controller:
             return
         spec = api.LearnerUnitSpec.model_validate(unit["spec"])
         job = self.cache.job(ns, spec.jobName)
-        if job is None:
-            return  # being garbage-collected with its job
+        if job is None or job["metadata"].get("deletionTimestamp"):
+            # Being garbage-collected with its job; while a job's finalizer removes its objects in remote clusters,
+            # no unit may put pods back there (they would outlive the job).
+            return
         job_finished = (job.get("status") or {}).get("phase") in jobplan.TERMINAL_JOB
         remote = None
         if spec.cluster is not None:  # a unit in a remote cluster: its pods there are listed, not watched

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import pytest
 import yaml
@@ -140,6 +141,8 @@ def test_units_in_a_remote_cluster_run_heal_scale_degrade_alone_and_are_removed_
                 if not o["metadata"].get("deletionTimestamp")]
     wait_for(lambda: not remote_left(), 60, 0.5, "the job's objects gone from the remote cluster")
     wait_for(lambda: kubectl.get("dj", "two", ns=ns) is None, 60, 0.5, "the job gone")
+    time.sleep(6)  # longer than a remote unit's polling period: no unit of the deleted job puts a pod back there
+    assert not remote_left(), remote_left()
 
 
 def test_an_autoscaled_job_falls_back_to_a_remote_cluster_and_grows_there_when_nodes_arrive(kubectl, operator, ns,

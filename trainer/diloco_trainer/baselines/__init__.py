@@ -1,0 +1,1 @@
+"""The baselines Decoupled DiLoCo is measured against: DDP and synchronous DiLoCo."""

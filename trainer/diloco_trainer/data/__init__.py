@@ -1,0 +1,1 @@
+"""Tokenizers, corpora and per-learner data shards."""

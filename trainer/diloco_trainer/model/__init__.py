@@ -1,0 +1,1 @@
+"""The models a learner trains and the inner optimizer."""

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from diloco_trainer.config import MODEL_PRESETS, ModelConfig
-from diloco_trainer.fragments import plan_fragments
-from diloco_trainer.model import build_model
-from diloco_trainer.wire import SCHEMES, SubmissionMeta, encode_submission, quantize, wire_bytes
+from diloco_trainer.protocol.fragments import plan_fragments
+from diloco_trainer.model.gpt import build_model
+from diloco_trainer.protocol.wire import SCHEMES, SubmissionMeta, encode_submission, quantize, wire_bytes
 
 from . import report, runs
 

@@ -29,7 +29,7 @@ from diloco_chaos import goodput as chaos_goodput
 from diloco_chaos.experiment import parse_experiment
 from diloco_chaos.record import summarize
 from diloco_chaos.schedule import Schedule
-from diloco_trainer.protocol import ProcessEntry, ProcessesDoc, SyncerSample
+from diloco_trainer.protocol.messages import ProcessEntry, ProcessesDoc, SyncerSample
 from diloco_trainer.runtime import procs
 from diloco_trainer.runtime.rundir import metrics_records, read_jsonl
 

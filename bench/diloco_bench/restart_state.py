@@ -17,9 +17,9 @@ import statistics
 import torch
 
 from diloco_trainer.config import TrainConfig
-from diloco_trainer.data import ShardSampler, load_corpus
-from diloco_trainer.model import build_model
-from diloco_trainer.wire import ErrorFeedback
+from diloco_trainer.data.corpus import ShardSampler, load_corpus
+from diloco_trainer.model.gpt import build_model
+from diloco_trainer.protocol.wire import ErrorFeedback
 
 from . import report, runs
 

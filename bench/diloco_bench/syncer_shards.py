@@ -23,10 +23,10 @@ import torch
 import yaml
 
 from diloco_trainer.config import MODEL_PRESETS, TrainConfig
-from diloco_trainer.fragments import plan_fragments
-from diloco_trainer.model import build_model
+from diloco_trainer.protocol.fragments import plan_fragments
+from diloco_trainer.model.gpt import build_model
 from diloco_trainer.runtime.procs import child_env, diloco_argv
-from diloco_trainer.wire import SubmissionMeta, encode_submission, quantize
+from diloco_trainer.protocol.wire import SubmissionMeta, encode_submission, quantize
 
 from . import report
 

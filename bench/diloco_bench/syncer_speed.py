@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from diloco_trainer.config import MODEL_PRESETS, OuterConfig, TrainConfig
-from diloco_trainer.model import build_model
+from diloco_trainer.model.gpt import build_model
 from diloco_trainer.syncer.state import SyncerState
-from diloco_trainer.wire import SubmissionMeta, decode_submission, encode_submission, quantize
+from diloco_trainer.protocol.wire import SubmissionMeta, decode_submission, encode_submission, quantize
 
 from . import report
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from diloco_trainer.goodput import goodput
-from diloco_trainer.protocol import SyncerSample
+from diloco_trainer.protocol.messages import SyncerSample
 from diloco_trainer.runtime.rundir import learner_slots, metrics_records, read_jsonl
 
 MIN_STALL_S = 3.0  # the local runtime samples the syncer about once a second; shorter gaps are sampling noise

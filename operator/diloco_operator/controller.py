@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 from datetime import datetime, timezone
 
-from diloco_trainer.tokens import learner_token
+from diloco_trainer.protocol.tokens import learner_token
 from pydantic import ValidationError
 
 from diloco_operator import api, autoscale, certs, metrics

@@ -9,7 +9,7 @@ from datetime import datetime
 from diloco_operator import api
 from diloco_operator import conditions as C
 from diloco_operator import objects as O
-from diloco_trainer.shardmap import owned_fragments
+from diloco_trainer.protocol.shardmap import owned_fragments
 
 Event = tuple[str, str, str]
 TERMINAL_JOB = ("Succeeded", "Failed")

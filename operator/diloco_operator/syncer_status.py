@@ -7,7 +7,7 @@ import ssl
 from datetime import datetime, timezone
 
 import aiohttp
-from diloco_trainer.protocol import SyncerStatus
+from diloco_trainer.protocol.messages import SyncerStatus
 
 from diloco_operator import conditions as C
 

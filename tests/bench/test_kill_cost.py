@@ -32,12 +32,12 @@ def _run_dir(tmp_path):
         {"time": kill + 4.4, "step": 2, "acked_steps": 0, "acked": 0, "step_time_s": 0.4},
         {"time": kill + 7.0, "step": 8, "acked_steps": 5, "acked": 1, "step_time_s": 0.4}]
     (run / "learners" / "learner-1" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
-    log = [f"{_stamp(T0 + 1)} INFO learner-1[0] diloco_trainer.client: syncer reachable",
+    log = [f"{_stamp(T0 + 1)} INFO learner-1[0] diloco_trainer.learner.client: syncer reachable",
            "\n=== 20:01:42 start #2: warm spare pid 11 takes over",
-           f"{_stamp(kill + 2.35)} INFO learner-1[0] diloco_trainer.learner_main: warm spare took over (pid 11, x)",
-           f"{_stamp(kill + 2.4)} INFO learner-1[0] diloco_trainer.client: syncer reachable",
-           f"{_stamp(kill + 3.1)} INFO learner-1[0] diloco_trainer.data: corpus from cache x.train.npy (1 / 1 bytes)",
-           f"{_stamp(kill + 3.2)} INFO learner-1[0] diloco_trainer.learner: learner learner-1 (...) starting at versions"]
+           f"{_stamp(kill + 2.35)} INFO learner-1[0] diloco_trainer.learner.main: warm spare took over (pid 11, x)",
+           f"{_stamp(kill + 2.4)} INFO learner-1[0] diloco_trainer.learner.client: syncer reachable",
+           f"{_stamp(kill + 3.1)} INFO learner-1[0] diloco_trainer.data.corpus: corpus from cache x.train.npy (1 / 1 bytes)",
+           f"{_stamp(kill + 3.2)} INFO learner-1[0] diloco_trainer.learner.loop: learner learner-1 (...) starting at versions"]
     (run / "logs" / "learner-1.log").write_text("\n".join(log) + "\n")
     record = [{"event": "fault", "time": kill, "unit": "learner-1", "fault": 1},
               {"event": "recovery", "fault": 1, "unit": "learner-1", "merged_again_s": 7.5}]

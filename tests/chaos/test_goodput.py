@@ -10,7 +10,7 @@ import yaml
 
 from diloco_chaos.goodput import advances_from_samples, from_counters, from_run_dir, uptime
 from diloco_trainer.goodput import incarnation_busy
-from diloco_trainer.protocol import MetricsRecord, SyncerSample
+from diloco_trainer.protocol.messages import MetricsRecord, SyncerSample
 
 
 def _jsonl(path: Path, rows: list[dict]) -> None:

@@ -246,7 +246,7 @@ def incarnations(metrics_jsonl: Path) -> list[list[dict]]:
 @pytest.mark.timeout(1200)  # its own waits: up to 900 s for the job, 120 s for the syncer to go, then evaluation
 def test_the_job_succeeds_with_a_final_checkpoint_that_beats_the_unigram_baseline(job, kubectl):
     from diloco_trainer.config import TrainConfig
-    from diloco_trainer.data import load_corpus, unigram_loss
+    from diloco_trainer.data.corpus import load_corpus, unigram_loss
     from diloco_trainer.runtime import report
     from diloco_trainer.syncer.store import read_checkpoint
 

@@ -239,7 +239,7 @@ def test_every_learner_pod_command_is_accepted_by_the_learner_itself(monkeypatch
     for every unit (also after scaling past the templates' counts), metrics served on the declared port."""
     import argparse
 
-    from diloco_trainer import learner_main
+    from diloco_trainer.learner import main as learner_main
 
     spec = job_spec(units=[{"name": "gpu", "count": 2, "maxCount": 3, "accelerator": {"type": "nvidia-l4", "count": 1}},
                            {"name": "cpu", "count": 2}])

@@ -12,7 +12,7 @@ import torch
 from diloco_trainer.config import MODEL_PRESETS, OuterConfig, TrainConfig
 from diloco_trainer.syncer.app import Syncer, SyncerOptions, make_app
 from diloco_trainer.syncer.state import SyncerState
-from diloco_trainer.wire import SubmissionMeta, encode_submission, encode_tensors, quantize
+from diloco_trainer.protocol.wire import SubmissionMeta, encode_submission, encode_tensors, quantize
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from diloco_trainer.config import MODEL_PRESETS, ModelConfig, OuterConfig, TrainConfig, tensor_count
-from diloco_trainer.model import build_model
+from diloco_trainer.model.gpt import build_model
 from diloco_trainer.runtime.session import load_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diloco_trainer.config import DataConfig, MODEL_PRESETS
-from diloco_trainer.data import (
+from diloco_trainer.data.corpus import (
     DOC_SEPARATOR,
     ShardSampler,
     decode,
@@ -20,8 +20,8 @@ from diloco_trainer.data import (
     split_files,
     unigram_loss,
 )
-from diloco_trainer.devices import select_device, sync
-from diloco_trainer.model import build_model
+from diloco_trainer.learner.devices import select_device, sync
+from diloco_trainer.model.gpt import build_model
 
 
 def test_byte_tokenizer_round_trips_unicode_text():

@@ -2,7 +2,7 @@
 
 import torch
 
-from diloco_trainer import data
+from diloco_trainer.data import corpus as data
 from diloco_trainer.config import DataConfig
 
 

@@ -5,10 +5,10 @@ wrong update is caught by the digest."""
 import pytest
 import torch
 
-from diloco_trainer.downlink import (Update, UpdateHistory, apply_update, decode_answer, dequantize_update,
+from diloco_trainer.protocol.downlink import (Update, UpdateHistory, apply_update, decode_answer, dequantize_update,
                                      encode_chain, fragment_digest, publish, quantize_update, reconstruct,
                                      update_nbytes)
-from diloco_trainer.wire import WireError
+from diloco_trainer.protocol.wire import WireError
 
 SHAPES = {"blocks.0.attn.qkv.weight": (24, 8), "blocks.0.ln1.bias": (8,), "odd": (3, 5, 7)}
 

@@ -8,9 +8,9 @@ import urllib.request
 import pytest
 import torch
 
-from diloco_trainer.client import Submission, SyncerClient
-from diloco_trainer.downlink import decode_answer, fragment_digest
-from diloco_trainer.wire import ErrorFeedback, SubmissionMeta, encode_submission
+from diloco_trainer.learner.client import Submission, SyncerClient
+from diloco_trainer.protocol.downlink import decode_answer, fragment_digest
+from diloco_trainer.protocol.wire import ErrorFeedback, SubmissionMeta, encode_submission
 
 from learner_kit import TOKEN, SyncerProcess, wait_for, write_config
 from test_learner_client import _answers, _newest

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from diloco_trainer.fragments import (
+from diloco_trainer.protocol.fragments import (
     due_fragments,
     fragment_of,
     fragment_offset,
@@ -18,7 +18,7 @@ from diloco_trainer.fragments import (
 def _model_sizes(preset: str) -> list[tuple[str, int]]:
     torch = pytest.importorskip("torch")  # the model needs torch; fragments.py does not
     from diloco_trainer.config import MODEL_PRESETS
-    from diloco_trainer.model import build_model
+    from diloco_trainer.model.gpt import build_model
 
     with torch.device("meta"):  # shapes only: no memory, no init time for the 100M preset
         model = build_model(MODEL_PRESETS[preset])
@@ -151,7 +151,7 @@ def test_schedule_rejects_nonsense_parameters():
 
 
 def test_first_sends_after_a_start_are_staggered_within_one_window():
-    from diloco_trainer.fragments import first_due_step
+    from diloco_trainer.protocol.fragments import first_due_step
 
     for H, P in [(16, 4), (24, 24), (4, 4), (8, 3)]:
         firsts = [first_due_step(p, H, P) for p in range(P)]

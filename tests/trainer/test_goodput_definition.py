@@ -7,7 +7,7 @@ import json
 import pytest
 
 from diloco_trainer.goodput import Slot, goodput, incarnation_busy
-from diloco_trainer.protocol import MetricsRecord
+from diloco_trainer.protocol.messages import MetricsRecord
 from diloco_trainer.runtime.rundir import learner_slots
 
 

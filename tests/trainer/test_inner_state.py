@@ -7,11 +7,11 @@ import logging
 
 import torch
 
-from diloco_trainer import inner_state
+from diloco_trainer.learner import inner_state
 from diloco_trainer.config import MODEL_PRESETS, TrainConfig
-from diloco_trainer.inner import inner_optimizer
-from diloco_trainer.model import build_model
-from diloco_trainer.wire import ErrorFeedback
+from diloco_trainer.model.optimizer import inner_optimizer
+from diloco_trainer.model.gpt import build_model
+from diloco_trainer.protocol.wire import ErrorFeedback
 
 
 def trained(preset: str = "tiny"):

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from diloco_trainer.client import Submission, SyncerClient, SyncerRefused
+from diloco_trainer.learner.client import Submission, SyncerClient, SyncerRefused
 from diloco_trainer.config import TrainConfig
-from diloco_trainer.model import build_model
-from diloco_trainer.wire import ErrorFeedback, SubmissionMeta, encode_submission
+from diloco_trainer.model.gpt import build_model
+from diloco_trainer.protocol.wire import ErrorFeedback, SubmissionMeta, encode_submission
 
 from learner_kit import TOKEN, SyncerProcess, free_port, wait_for, write_config
 

@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from diloco_trainer.devices import dist_backend, select_device, sync
+from diloco_trainer.learner.devices import dist_backend, select_device, sync
 
 
 def test_cpu_is_always_available_and_auto_picks_something_present():

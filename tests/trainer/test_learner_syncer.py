@@ -173,8 +173,8 @@ def test_a_stopping_learner_waits_only_drain_s_for_an_unresponsive_syncer(tmp_pa
 
 def test_a_bf16_downlink_halves_the_bytes_of_every_adopted_version_and_training_still_converges(tmp_path):
     from diloco_trainer.config import MODEL_PRESETS
-    from diloco_trainer.fragments import plan_fragments
-    from diloco_trainer.model import build_model
+    from diloco_trainer.protocol.fragments import plan_fragments
+    from diloco_trainer.model.gpt import build_model
 
     syncer = SyncerProcess(write_config(tmp_path / "run.yaml", downlink="bf16"), tmp_path / "syncer",
                            tmp_path / "syncer.log")

@@ -8,12 +8,12 @@ import urllib.request
 import pytest
 import torch
 
-from diloco_trainer.devices import UnitGroup
-from diloco_trainer.inner import inner_lr
-from diloco_trainer.learner import step_sleep
-from diloco_trainer.outer_sync import submission_id
-from diloco_trainer.learner_main import configure, options_from_args, serve_metrics
-from diloco_trainer.wire import SubmissionMeta
+from diloco_trainer.learner.devices import UnitGroup
+from diloco_trainer.model.optimizer import inner_lr
+from diloco_trainer.learner.loop import step_sleep
+from diloco_trainer.learner.outer_sync import submission_id
+from diloco_trainer.learner.main import configure, options_from_args, serve_metrics
+from diloco_trainer.protocol.wire import SubmissionMeta
 
 
 def test_inner_lr_warms_up_linearly_then_stays_constant():

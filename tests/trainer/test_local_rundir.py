@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_trainer.protocol import MetricsRecord, SyncerStatus
+from diloco_trainer.protocol.messages import MetricsRecord, SyncerStatus
 from diloco_trainer.runtime import report
 from diloco_trainer.runtime.rundir import last_jsonl, learner_totals, make_run_dir, read_jsonl, split_incarnations
 from diloco_trainer.runtime.session import load_config, parse_slowdown
@@ -98,8 +98,8 @@ def test_config_overrides_set_nested_fields_and_bad_ones_name_the_field(tmp_path
 def test_shipped_configs_are_valid_and_their_model_splits_into_p_fragments(name):
     import torch
 
-    from diloco_trainer.fragments import plan_fragments
-    from diloco_trainer.model import GPT
+    from diloco_trainer.protocol.fragments import plan_fragments
+    from diloco_trainer.model.gpt import GPT
 
     cfg = load_config(CONFIGS / f"{name}.yaml", [])
     with torch.device("meta"):  # shapes only: no 100M-parameter init in a unit test

@@ -1,6 +1,6 @@
 """The local runtime reads N syncer shards as one syncer: their statuses and final checkpoints merged (shards.py)."""
 
-from diloco_trainer.protocol import LearnerStatus, SyncerStatus
+from diloco_trainer.protocol.messages import LearnerStatus, SyncerStatus
 from diloco_trainer.runtime.shards import merge_checkpoint_states, merge_statuses, syncer_names
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from diloco_trainer.merge import NesterovOuter, merge_fragment, rda, reanchor, token_weight, weighted_mean
+from diloco_trainer.syncer.merge import NesterovOuter, merge_fragment, rda, reanchor, token_weight, weighted_mean
 
 
 def _unit_randn(n, shape, norm, seed):

@@ -4,9 +4,9 @@ adoption does to the local parameters and counters in each `outer.adopt` mode.""
 import pytest
 import torch
 
-from diloco_trainer.client import Answer
-from diloco_trainer.outer_sync import OuterSync
-from diloco_trainer.wire import decode_submission
+from diloco_trainer.learner.client import Answer
+from diloco_trainer.learner.outer_sync import OuterSync
+from diloco_trainer.protocol.wire import decode_submission
 
 PLAN = [["a"], ["b"]]
 SHAPES = {"a": (4,), "b": (2, 2)}

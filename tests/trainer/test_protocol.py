@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from diloco_trainer.protocol import (FragmentQuery, HeartbeatRequest, MetricsRecord, ProcessesDoc, ProtocolError,
+from diloco_trainer.protocol.messages import (FragmentQuery, HeartbeatRequest, MetricsRecord, ProcessesDoc, ProtocolError,
                                      RegisterRequest, SyncerSample, SyncerStatus, parse)
 
 
-@pytest.mark.parametrize("module", ["diloco_trainer.protocol", "diloco_trainer.goodput", "diloco_chaos.goodput",
+@pytest.mark.parametrize("module", ["diloco_trainer.protocol.messages", "diloco_trainer.goodput", "diloco_chaos.goodput",
                                     "diloco_operator.syncer_status"])
 def test_the_contracts_and_their_readers_import_without_torch(module):
     code = (f"import json, sys; import {module}; "

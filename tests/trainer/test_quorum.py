@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from diloco_trainer.quorum import Ema, MergePolicy
+from diloco_trainer.syncer.quorum import Ema, MergePolicy
 
 
 class FakeClock:

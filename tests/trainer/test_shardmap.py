@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from diloco_trainer.config import TrainConfig
-from diloco_trainer.shardmap import owned_fragments, shard_map, shard_of, shard_sizes, split_syncer_urls
+from diloco_trainer.protocol.shardmap import owned_fragments, shard_map, shard_of, shard_sizes, split_syncer_urls
 
 
 @given(st.integers(1, 200).flatmap(lambda p: st.tuples(st.just(p), st.integers(1, p))))

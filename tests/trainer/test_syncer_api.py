@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from diloco_trainer.wire import decode_tensors
+from diloco_trainer.protocol.wire import decode_tensors
 from syncer_kit import (AUTH, assert_unchanged, body, deltas_for, first_outer_step, make_syncer, raw_body,
                         register_body, snapshot, start, tiny_config, wait_for)
 

@@ -4,10 +4,10 @@ or the full fragment), bad queries, the metrics, and what a restart keeps."""
 import pytest
 import torch
 
-from diloco_trainer.downlink import decode_answer, fragment_digest, reconstruct
+from diloco_trainer.protocol.downlink import decode_answer, fragment_digest, reconstruct
 from diloco_trainer.syncer.state import SyncerState
 from diloco_trainer.syncer.store import read_checkpoint
-from diloco_trainer.wire import WireError
+from diloco_trainer.protocol.wire import WireError
 from syncer_kit import AUTH, body, deltas_for, make_syncer, snapshot, assert_unchanged, start, tiny_config, wait_for
 
 

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from diloco_trainer.wire import SubmissionMeta, decode_tensors, encode_submission, quantize
+from diloco_trainer.protocol.wire import SubmissionMeta, decode_tensors, encode_submission, quantize
 from learner_kit import TOKEN, SyncerProcess
 
 # The suite's profile keeps this file under a minute on a busy 2-core machine; DILOCO_FUZZ_PROFILE=syncer-fuzz-long

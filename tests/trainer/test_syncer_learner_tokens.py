@@ -4,7 +4,7 @@ anyone (the operator, `diloco local`)."""
 
 from __future__ import annotations
 
-from diloco_trainer.tokens import learner_token, token_learner
+from diloco_trainer.protocol.tokens import learner_token, token_learner
 from syncer_kit import (AUTH, TOKEN, assert_unchanged, body, deltas_for, make_syncer, register_body, snapshot,
                         start)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from diloco_trainer.wire import SubmissionMeta, decode_tensors, encode_submission, quantize
+from diloco_trainer.protocol.wire import SubmissionMeta, decode_tensors, encode_submission, quantize
 from syncer_kit import wait_until
 
 TRAINER = Path(__file__).resolve().parents[2] / "trainer"

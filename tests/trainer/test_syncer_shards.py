@@ -5,7 +5,7 @@ import pytest
 
 from diloco_trainer.config import TrainConfig
 from diloco_trainer.syncer.state import SyncerState
-from diloco_trainer.wire import decode_tensors
+from diloco_trainer.protocol.wire import decode_tensors
 from diloco_trainer.syncer.app import Syncer, SyncerOptions
 from syncer_kit import (AUTH, TOKEN, assert_unchanged, body, deltas_for, register_body, snapshot, start, tiny_config,
                         wait_for)

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from diloco_trainer.protocol import RestartHold
+from diloco_trainer.protocol.messages import RestartHold
 from diloco_trainer.runtime.procs import Child, Supervisor, child_env, diloco_argv
 from diloco_trainer.runtime.standby import SyncerStandby
 from diloco_trainer.syncer.journal import JournalEntry, MergeJournal
 from diloco_trainer.syncer.takeover import StateLock, read_incarnations, wait_out_hold
-from diloco_trainer.wire import SubmissionMeta, decode_tensors, encode_submission, quantize
+from diloco_trainer.protocol.wire import SubmissionMeta, decode_tensors, encode_submission, quantize
 from syncer_kit import AUTH, TOKEN, body, deltas_for, make_syncer, start, tiny_config, wait_for, wait_until
 
 

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from diloco_trainer.runtime.syncer_client import SyncerClient as StatusClient
-from diloco_trainer.tls import is_loopback, make_authority
+from diloco_trainer.protocol.tls import is_loopback, make_authority
 
 from learner_kit import (ROOT, TOKEN, SyncerProcess, child_env, finish, metrics, start_learner, wait_for,
                           write_config)

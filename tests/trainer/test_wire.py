@@ -8,7 +8,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from diloco_trainer.wire import (
+from diloco_trainer.protocol.wire import (
     SCHEMES,
     ErrorFeedback,
     SubmissionMeta,

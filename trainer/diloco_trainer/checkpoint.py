@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from .fsutil import atomic_write_json, fsync_dir, write_synced
+from diloco_trainer.fsutil import atomic_write_json, fsync_dir, write_synced
 
 COMMIT_FILE = "checkpoint.json"
 TENSORS, STATE = "tensors.safetensors", "state.json"

@@ -9,10 +9,10 @@ import sys
 
 # name -> (module, one-line help). Each module defines `configure(parser)` and `run(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "local": ("diloco_trainer.local", "train on this machine: a syncer and N learner processes"),
+    "local": ("diloco_trainer.runtime.local", "train on this machine: a syncer and N learner processes"),
     "syncer": ("diloco_trainer.syncer.main", "run the syncer service (what the syncer image runs)"),
-    "learner": ("diloco_trainer.learner_main", "run one learner unit (what the learner image runs)"),
-    "baseline": ("diloco_trainer.baselines", "run a baseline: DDP or synchronous DiLoCo"),
+    "learner": ("diloco_trainer.learner.main", "run one learner unit (what the learner image runs)"),
+    "baseline": ("diloco_trainer.baselines.train", "run a baseline: DDP or synchronous DiLoCo"),
     "operator": ("diloco_operator.main", "run the Kubernetes operator (kopf)"),
     "devcluster": ("diloco_operator.devcluster", "a local Kubernetes control plane for trying the operator"),
     "chaos": ("diloco_chaos.cli", "run a chaos experiment against local learners or a DilocoJob"),

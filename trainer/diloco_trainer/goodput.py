@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .protocol import MetricsRecord
+from diloco_trainer.protocol.messages import MetricsRecord
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from diloco_trainer.fsutil import atomic_write_json
-from diloco_trainer.protocol import MetricsRecord, ProcessEntry, ProcessesDoc, RestartHold, SyncerSample
+from diloco_trainer.protocol.messages import MetricsRecord, ProcessEntry, ProcessesDoc, RestartHold, SyncerSample
 
 from ..experiment import Experiment
 from ..guards import Candidate

@@ -20,12 +20,12 @@ import socket
 import time
 from pathlib import Path
 
-from . import checkpoint
-from .fsutil import atomic_write
-from .runtime import elastic, launch, procs
-from .runtime.procs import Child, StopFlag, Supervisor
-from .runtime.rundir import append_jsonl, make_run_dir, read_jsonl, write_config, write_json
-from .runtime.session import (DEFAULT_CONFIG, DEFAULT_MINUTES, DEFAULT_STEPS, RunSession, load_config,
+from diloco_trainer import checkpoint
+from diloco_trainer.fsutil import atomic_write
+from diloco_trainer.runtime import elastic, launch, procs
+from diloco_trainer.runtime.procs import Child, StopFlag, Supervisor
+from diloco_trainer.runtime.rundir import append_jsonl, make_run_dir, read_jsonl, write_config, write_json
+from diloco_trainer.runtime.session import (DEFAULT_CONFIG, DEFAULT_MINUTES, DEFAULT_STEPS, RunSession, load_config,
                               parse_slowdown)
 
 MODES = ("ddp", "sync-diloco")
@@ -198,14 +198,14 @@ def _worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from .config import TrainConfig
-    from .data import ShardSampler, load_corpus
-    from .inner import inner_optimizer, set_lr
-    from .protocol import MetricsRecord
-    from .learner import step_sleep
-    from .merge import NesterovOuter
-    from .model import build_model, count_parameters
-    from .runtime.report import ring_allreduce_bytes
+    from diloco_trainer.config import TrainConfig
+    from diloco_trainer.data.corpus import ShardSampler, load_corpus
+    from diloco_trainer.model.optimizer import inner_optimizer, set_lr
+    from diloco_trainer.protocol.messages import MetricsRecord
+    from diloco_trainer.learner.loop import step_sleep
+    from diloco_trainer.syncer.merge import NesterovOuter
+    from diloco_trainer.model.gpt import build_model, count_parameters
+    from diloco_trainer.runtime.report import ring_allreduce_bytes
 
     torch.set_num_threads(1)
     cfg = TrainConfig.from_yaml(args.config)

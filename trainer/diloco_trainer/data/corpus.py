@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import DataConfig
-from .fsutil import atomic_write
+from diloco_trainer.config import DataConfig
+from diloco_trainer.fsutil import atomic_write
 
 log = logging.getLogger(__name__)
 

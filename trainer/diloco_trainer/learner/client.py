@@ -18,12 +18,12 @@ from pathlib import Path
 import aiohttp
 from torch import Tensor
 
-from .protocol import (ErrorAnswer, HeartbeatAnswer, HeartbeatRequest, RegisterAnswer, RegisterRequest,
+from diloco_trainer.protocol.messages import (ErrorAnswer, HeartbeatAnswer, HeartbeatRequest, RegisterAnswer, RegisterRequest,
                        SubmitAnswer, VersionsAnswer)
-from .config import TrainConfig
-from .downlink import decode_answer, initial_theta, is_quantized, reconstruct
-from .tls import client_context, warn_if_plain
-from .wire import WireError, decode_tensors
+from diloco_trainer.config import TrainConfig
+from diloco_trainer.protocol.downlink import decode_answer, initial_theta, is_quantized, reconstruct
+from diloco_trainer.protocol.tls import client_context, warn_if_plain
+from diloco_trainer.protocol.wire import WireError, decode_tensors
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_optimizer_tensors, optimizer_tensors
-from .wire import ErrorFeedback, WireError, decode_tensors, encode_tensors
+from diloco_trainer.checkpoint import load_optimizer_tensors, optimizer_tensors
+from diloco_trainer.protocol.wire import ErrorFeedback, WireError, decode_tensors, encode_tensors
 
 log = logging.getLogger(__name__)
 

@@ -17,19 +17,19 @@ from pathlib import Path
 
 import torch
 
-from . import devices
-from .devices import UnitGroup
-from .client import FragmentUpdate, SyncerClient
-from .sharded_client import ShardedSyncerClient, make_client
-from .shardmap import split_syncer_urls
-from .config import TrainConfig
-from .data import ShardSampler, load_corpus
-from .fsutil import atomic_write_json
-from . import inner_state
-from .inner import inner_optimizer, set_lr
-from .model import build_model
-from .outer_sync import OuterSync
-from .protocol import LearnerRecord
+from diloco_trainer.learner import devices
+from diloco_trainer.learner.devices import UnitGroup
+from diloco_trainer.learner.client import FragmentUpdate, SyncerClient
+from diloco_trainer.learner.sharded_client import ShardedSyncerClient, make_client
+from diloco_trainer.protocol.shardmap import split_syncer_urls
+from diloco_trainer.config import TrainConfig
+from diloco_trainer.data.corpus import ShardSampler, load_corpus
+from diloco_trainer.fsutil import atomic_write_json
+from diloco_trainer.learner import inner_state
+from diloco_trainer.model.optimizer import inner_optimizer, set_lr
+from diloco_trainer.model.gpt import build_model
+from diloco_trainer.learner.outer_sync import OuterSync
+from diloco_trainer.protocol.messages import LearnerRecord
 
 log = logging.getLogger(__name__)
 
@@ -369,7 +369,7 @@ class Learner:
         return 0
 
     def _dump_params(self, path: Path) -> None:
-        from .wire import encode_tensors
+        from diloco_trainer.protocol.wire import encode_tensors
 
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"versions": json.dumps(self._versions()), "step": str(self.step), "rank": str(self.group.rank)}
@@ -391,7 +391,7 @@ class Learner:
     def _serve_metrics(self):
         if not self.opts.metrics_port or not self.group.is_main:
             return None
-        from .learner_main import serve_metrics
+        from diloco_trainer.learner.main import serve_metrics
 
         return serve_metrics(self.opts.metrics_port, lambda: self.metrics_state or self._record(Window()))
 

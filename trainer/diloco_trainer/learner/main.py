@@ -60,9 +60,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace):
     """LearnerOptions from parsed arguments; a bad value raises ValueError naming the flag."""
-    from .learner import LearnerOptions
-    from .shardmap import split_syncer_urls
-    from .wire import SubmissionMeta
+    from diloco_trainer.learner.loop import LearnerOptions
+    from diloco_trainer.protocol.shardmap import split_syncer_urls
+    from diloco_trainer.protocol.wire import SubmissionMeta
 
     token = os.environ.get(args.token_env, "")
     if not token:
@@ -111,9 +111,11 @@ def _warm_up(config: str | None = None) -> None:
     model."""
     import torch
 
-    from . import client, data, learner  # noqa: F401
-    from .config import MODEL_PRESETS, TrainConfig
-    from .model import build_model
+    from diloco_trainer.learner import client  # noqa
+    from diloco_trainer.data import corpus as data  # noqa
+    from diloco_trainer.learner import loop as learner  # noqa
+    from diloco_trainer.config import MODEL_PRESETS, TrainConfig
+    from diloco_trainer.model.gpt import build_model
 
     if config:
         import yaml
@@ -136,7 +138,7 @@ def _warm_up(config: str | None = None) -> None:
 
 def _assigned_args(directory: str, warm_up=_warm_up) -> argparse.Namespace:
     """Wait as a warm spare (runtime/spares.py) and return the arguments of the learner this process becomes."""
-    from .runtime.spares import redirect_output, wait_for_assignment
+    from diloco_trainer.runtime.spares import redirect_output, wait_for_assignment
 
     argv, log_path = wait_for_assignment(Path(directory), warm_up)
     redirect_output(log_path)
@@ -148,7 +150,7 @@ def _assigned_args(directory: str, warm_up=_warm_up) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     spare = args.standby
     if args.zygote:
-        from .runtime.zygote import serve
+        from diloco_trainer.runtime.zygote import serve
 
         # Returns only in a forked spare, already warm.
         spare = str(serve(Path(args.zygote), lambda: _warm_up(args.warm_config)))
@@ -168,8 +170,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"diloco learner: {exc}", flush=True)
         return 2
-    from .client import SyncerRefused
-    from .learner import Learner
+    from diloco_trainer.learner.client import SyncerRefused
+    from diloco_trainer.learner.loop import Learner
 
     try:
         return Learner(opts).run()

@@ -21,9 +21,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .client import Answer, Submission
-from .fragments import first_due_step
-from .wire import ErrorFeedback, SubmissionMeta, encode_submission
+from diloco_trainer.learner.client import Answer, Submission
+from diloco_trainer.protocol.fragments import first_due_step
+from diloco_trainer.protocol.wire import ErrorFeedback, SubmissionMeta, encode_submission
 
 AdoptMode = Literal["keep", "overwrite"]
 

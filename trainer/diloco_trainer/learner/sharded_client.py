@@ -16,8 +16,8 @@ from pathlib import Path
 
 from torch import Tensor
 
-from .client import Answer, Bootstrap, FragmentUpdate, Submission, SyncerClient, SyncerRefused
-from .shardmap import owned_fragments, shard_of
+from diloco_trainer.learner.client import Answer, Bootstrap, FragmentUpdate, Submission, SyncerClient, SyncerRefused
+from diloco_trainer.protocol.shardmap import owned_fragments, shard_of
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from diloco_trainer.config import ModelConfig
 
 
 class CausalSelfAttention(nn.Module):

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from .config import TrainConfig
+from diloco_trainer.config import TrainConfig
 
 
 def inner_lr(step: int, lr: float, warmup_steps: int) -> float:

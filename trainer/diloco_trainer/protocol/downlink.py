@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .model import build_model
-from .wire import WireError, decode_tensors, dequantize, encode_tensors, quantize
+from diloco_trainer.model.gpt import build_model
+from diloco_trainer.protocol.wire import WireError, decode_tensors, dequantize, encode_tensors, quantize
 
 QUANTIZED = ("int8", "int4", "int2")
 Parts = dict[str, dict[str, Tensor]]  # parameter name -> {"q", "scale"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .procs import Child
+from diloco_trainer.runtime.procs import Child
 
 PEER_LOST_EXIT = 75  # a worker's exit code when its collective failed because another worker died
 STOP_TIMEOUT_S = 5.0  # survivors blocked in a collective ignore SIGTERM: SIGKILL after this long

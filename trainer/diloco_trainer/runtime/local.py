@@ -13,15 +13,15 @@ import sys
 import time
 from pathlib import Path
 
-from .runtime import launch, procs
-from .runtime.procs import Child, StopFlag, Supervisor
-from .runtime.rundir import make_run_dir, write_config
-from .runtime.session import (DEFAULT_CONFIG, DEFAULT_MINUTES, DEFAULT_STEPS, RunSession, load_config,
+from diloco_trainer.runtime import launch, procs
+from diloco_trainer.runtime.procs import Child, StopFlag, Supervisor
+from diloco_trainer.runtime.rundir import make_run_dir, write_config
+from diloco_trainer.runtime.session import (DEFAULT_CONFIG, DEFAULT_MINUTES, DEFAULT_STEPS, RunSession, load_config,
                               parse_slowdown)
-from .runtime.shards import StandbyGroup, combine_final_checkpoints, syncer_names
-from .runtime.spares import SparePool
-from .runtime.standby import SyncerStandby
-from .tls import make_authority
+from diloco_trainer.runtime.shards import StandbyGroup, combine_final_checkpoints, syncer_names
+from diloco_trainer.runtime.spares import SparePool
+from diloco_trainer.runtime.standby import SyncerStandby
+from diloco_trainer.protocol.tls import make_authority
 
 
 

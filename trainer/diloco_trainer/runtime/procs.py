@@ -20,10 +20,10 @@ from pathlib import Path
 
 import diloco_trainer
 from diloco_trainer.fsutil import atomic_write_json
-from diloco_trainer.protocol import ProcessEntry, ProcessesDoc, RestartHold
+from diloco_trainer.protocol.messages import ProcessEntry, ProcessesDoc, RestartHold
 
-from .spares import SparePool
-from .standby import SyncerStandby
+from diloco_trainer.runtime.spares import SparePool
+from diloco_trainer.runtime.standby import SyncerStandby
 
 PACKAGE_ROOT = str(Path(diloco_trainer.__file__).resolve().parent.parent)
 

@@ -11,7 +11,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from ..protocol import MetricsRecord, SyncerStatus
+from diloco_trainer.protocol.messages import MetricsRecord, SyncerStatus
 
 
 @dataclass

@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config import TrainConfig
+from diloco_trainer.config import TrainConfig
 
 if TYPE_CHECKING:  # torch is imported only when a model is evaluated: `--help` and arg errors stay fast
     import torch
@@ -54,8 +54,8 @@ def evaluate_theta(cfg: TrainConfig, theta: "dict[str, torch.Tensor]", val_token
     """Validation loss of the model `cfg.model` with parameters `theta` (names as in named_parameters)."""
     import torch
 
-    from ..data import evaluate
-    from ..model import build_model
+    from diloco_trainer.data.corpus import evaluate
+    from diloco_trainer.model.gpt import build_model
 
     model = build_model(cfg.model, cfg.seed)
     expected = {name for name, _ in model.named_parameters()}

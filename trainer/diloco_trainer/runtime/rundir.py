@@ -13,10 +13,10 @@ from pathlib import Path
 
 import yaml
 
-from ..config import TrainConfig
-from ..fsutil import atomic_write_json, read_jsonl  # noqa: F401 - read_jsonl is part of this module's API
-from ..goodput import Slot, slot
-from ..protocol import MetricsRecord
+from diloco_trainer.config import TrainConfig
+from diloco_trainer.fsutil import atomic_write_json, read_jsonl  # noqa: F401 - read_jsonl is part of this module's API
+from diloco_trainer.goodput import Slot, slot
+from diloco_trainer.protocol.messages import MetricsRecord
 
 
 def make_run_dir(path: str | Path | None, root: str | Path = "runs") -> Path:

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import yaml
 
-from ..config import TrainConfig
-from ..goodput import goodput
-from ..protocol import MetricsRecord, SyncerSample, SyncerStatus
-from . import progress, report
-from .procs import Supervisor
-from .rundir import append_jsonl, last_jsonl, learner_slots, learner_totals, metrics_records
-from .summary import build_summary, write_outputs
-from .shards import ShardsClient
-from .syncer_client import SyncerClient, wait_for_endpoint
+from diloco_trainer.config import TrainConfig
+from diloco_trainer.goodput import goodput
+from diloco_trainer.protocol.messages import MetricsRecord, SyncerSample, SyncerStatus
+from diloco_trainer.runtime import progress, report
+from diloco_trainer.runtime.procs import Supervisor
+from diloco_trainer.runtime.rundir import append_jsonl, last_jsonl, learner_slots, learner_totals, metrics_records
+from diloco_trainer.runtime.summary import build_summary, write_outputs
+from diloco_trainer.runtime.shards import ShardsClient
+from diloco_trainer.runtime.syncer_client import SyncerClient, wait_for_endpoint
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "local.yaml"  # the repository's configs/
 # Sized with configs/local.yaml: the default run (4 learners on 2 cores) ends within 5 minutes, evaluation included.
@@ -38,7 +38,7 @@ def load_config(path: str | Path, overrides: list[str]) -> TrainConfig:
     if not path.is_file():
         raise SystemExit(f"config file {str(path)!r} not found (pass --config)")
     raw = yaml.safe_load(path.read_text()) or {}
-    from ..config import MODEL_PRESETS
+    from diloco_trainer.config import MODEL_PRESETS
 
     if isinstance(raw.get("model"), str):
         raw["model"] = MODEL_PRESETS[raw["model"]].model_dump()
@@ -106,7 +106,7 @@ class RunSession:
 
     def prepare_data(self) -> None:
         """Load (and cache) the corpus once, check every shard is big enough, compute the unigram baseline."""
-        from ..data import load_corpus, shard_bounds, unigram_loss
+        from diloco_trainer.data.corpus import load_corpus, shard_bounds, unigram_loss
 
         self.corpus = load_corpus(self.cfg.data)
         start, end = shard_bounds(len(self.corpus.train), self.n - 1, self.n)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..protocol import LearnerStatus, SyncerStatus
-from ..wire import decode_tensors, encode_tensors
-from .syncer_client import SyncerClient
+from diloco_trainer.protocol.messages import LearnerStatus, SyncerStatus
+from diloco_trainer.protocol.wire import decode_tensors, encode_tensors
+from diloco_trainer.runtime.syncer_client import SyncerClient
 
 _SUMMED = ("tokens_merged", "steps_merged", "submissions_merged")
 

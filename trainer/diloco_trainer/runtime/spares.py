@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..fsutil import atomic_write, atomic_write_json
-from .zygote import Adopted, become_subreaper, request
+from diloco_trainer.fsutil import atomic_write, atomic_write_json
+from diloco_trainer.runtime.zygote import Adopted, become_subreaper, request
 
 READY = "ready"
 WARM = "warm.json"

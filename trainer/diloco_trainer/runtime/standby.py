@@ -17,8 +17,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from ..syncer.takeover import SUCCESSOR, StateLock
-from .zygote import Adopted, become_subreaper
+from diloco_trainer.syncer.takeover import SUCCESSOR, StateLock
+from diloco_trainer.runtime.zygote import Adopted, become_subreaper
 
 RESPAWN_AFTER_S = 2.0  # after a takeover: how long to wait for the forked successor before starting one from scratch
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..config import TrainConfig
-from ..goodput import goodput
-from ..protocol import MetricsRecord
-from . import report
-from .plot import Curve, plot_run
-from .rundir import (as_record, learner_slots, learner_totals, metrics_records, read_jsonl, split_incarnations,
+from diloco_trainer.config import TrainConfig
+from diloco_trainer.goodput import goodput
+from diloco_trainer.protocol.messages import MetricsRecord
+from diloco_trainer.runtime import report
+from diloco_trainer.runtime.plot import Curve, plot_run
+from diloco_trainer.runtime.rundir import (as_record, learner_slots, learner_totals, metrics_records, read_jsonl, split_incarnations,
                      write_json)
 
 
@@ -57,7 +57,7 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
     """
     import torch
 
-    from ..model import build_model, count_parameters
+    from diloco_trainer.model.gpt import build_model, count_parameters
 
     events = read_jsonl(run_dir / "events.jsonl")
     starts = learner_starts(events)

@@ -11,8 +11,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ..protocol import SyncerStatus
-from ..tls import client_context
+from diloco_trainer.protocol.messages import SyncerStatus
+from diloco_trainer.protocol.tls import client_context
 
 
 class SyncerClient:

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..fsutil import atomic_write, atomic_write_json
+from diloco_trainer.fsutil import atomic_write, atomic_write_json
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -88,7 +88,7 @@ def _become_spare(directory: Path, log_path: str, supervisor: int) -> Path:
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != supervisor:  # the supervisor died in between
         os._exit(1)
-    from .spares import redirect_output
+    from diloco_trainer.runtime.spares import redirect_output
 
     redirect_output(log_path)
     directory.mkdir(parents=True, exist_ok=True)

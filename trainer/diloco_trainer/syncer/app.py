@@ -16,15 +16,15 @@ import torch
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from diloco_trainer.downlink import encode_chain, fragment_digest, full_nbytes, is_quantized
-from diloco_trainer.protocol import (FragmentQuery, HeartbeatAnswer, HeartbeatRequest, LearnerStatus, ProtocolError,
+from diloco_trainer.protocol.downlink import encode_chain, fragment_digest, full_nbytes, is_quantized
+from diloco_trainer.protocol.messages import (FragmentQuery, HeartbeatAnswer, HeartbeatRequest, LearnerStatus, ProtocolError,
                                      RegisterAnswer, RegisterRequest, SubmitAnswer, SyncerStatus, VersionsAnswer,
                                      parse)
-from diloco_trainer.tokens import token_learner
-from diloco_trainer.wire import WireError, decode_submission, encode_tensors
+from diloco_trainer.protocol.tokens import token_learner
+from diloco_trainer.protocol.wire import WireError, decode_submission, encode_tensors
 
-from .metrics import SyncerMetrics
-from .state import Rejected, SyncerState
+from diloco_trainer.syncer.metrics import SyncerMetrics
+from diloco_trainer.syncer.state import Rejected, SyncerState
 
 # GET /v1/fragments/{p}?dtype=...: how a fragment version travels to the learners (config outer.downlink).
 DOWNLINK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -14,7 +14,7 @@ from pathlib import Path
 from diloco_trainer.config import TrainConfig
 from diloco_trainer.fsutil import atomic_write_json
 
-from .takeover import Incarnation, StateLock, fork_successor, record_incarnation, wait_out_hold
+from diloco_trainer.syncer.takeover import Incarnation, StateLock, fork_successor, record_incarnation, wait_out_hold
 
 log = logging.getLogger("diloco.syncer")
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     ssl_context = None
     if args.tls_cert:
-        from ..tls import server_context
+        from diloco_trainer.protocol.tls import server_context
 
         try:
             ssl_context = server_context(Path(args.tls_cert), Path(args.tls_key))
@@ -137,10 +137,10 @@ def _warm_up(config: TrainConfig, build: bool) -> None:
     it loads its state."""
     from aiohttp import web  # noqa: F401
 
-    from . import app, state  # noqa: F401
+    from diloco_trainer.syncer import app, state  # noqa: F401
 
     if build:
-        from diloco_trainer.model import build_model
+        from diloco_trainer.model.gpt import build_model
 
         build_model(config.model, config.seed)
 
@@ -148,8 +148,8 @@ def _warm_up(config: TrainConfig, build: bool) -> None:
 async def _serve(args: argparse.Namespace, config: TrainConfig, token: str) -> int:
     from aiohttp import web
 
-    from .app import ServerLog, Syncer, SyncerOptions, make_app
-    from .state import SyncerState
+    from diloco_trainer.syncer.app import ServerLog, Syncer, SyncerOptions, make_app
+    from diloco_trainer.syncer.state import SyncerState
 
     state_dir = Path(args.state_dir)
     t0 = time.perf_counter()

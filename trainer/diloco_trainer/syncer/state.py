@@ -15,16 +15,16 @@ import torch
 from torch import Tensor
 
 from diloco_trainer.config import TrainConfig
-from diloco_trainer.downlink import Parts, Update, UpdateHistory, fragment_digest, is_quantized, publish, update_nbytes
-from diloco_trainer.fragments import fragment_of, plan_fragments
-from diloco_trainer.merge import NesterovOuter, merge_fragment, reanchor, token_weight
-from diloco_trainer.model import build_model, embedding_names
-from diloco_trainer.quorum import MergePolicy
-from diloco_trainer.shardmap import owned_fragments, shard_of
-from diloco_trainer.wire import SubmissionMeta
+from diloco_trainer.protocol.downlink import Parts, Update, UpdateHistory, fragment_digest, is_quantized, publish, update_nbytes
+from diloco_trainer.protocol.fragments import fragment_of, plan_fragments
+from diloco_trainer.syncer.merge import NesterovOuter, merge_fragment, reanchor, token_weight
+from diloco_trainer.model.gpt import build_model, embedding_names
+from diloco_trainer.syncer.quorum import MergePolicy
+from diloco_trainer.protocol.shardmap import owned_fragments, shard_of
+from diloco_trainer.protocol.wire import SubmissionMeta
 
-from .journal import JournalEntry, MergeJournal
-from .store import Checkpoint, Spool, SpoolEntry, VersionReservation, read_checkpoint, write_checkpoint
+from diloco_trainer.syncer.journal import JournalEntry, MergeJournal
+from diloco_trainer.syncer.store import Checkpoint, Spool, SpoolEntry, VersionReservation, read_checkpoint, write_checkpoint
 
 log = logging.getLogger(__name__)
 

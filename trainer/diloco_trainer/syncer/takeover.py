@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..fsutil import read_jsonl
+from diloco_trainer.fsutil import read_jsonl
 
 LOCK_FILE = "serve.lock"
 INCARNATIONS = "incarnations.jsonl"
@@ -151,7 +151,7 @@ def wait_out_hold(path: Path, poll_s: float = 0.05) -> float:
     """Block while the restart hold at `path` (protocol.RestartHold, written by `diloco chaos` for a downtime) is in
     force: a standby that took over must not serve before the downtime ends. Returns the seconds waited; a missing,
     expired or unreadable hold does not hold anything (a broken outside tool must not keep the syncer down)."""
-    from diloco_trainer.protocol import RestartHold
+    from diloco_trainer.protocol.messages import RestartHold
 
     t0 = time.monotonic()
     while True:

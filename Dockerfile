@@ -28,6 +28,7 @@ COPY README.md ./
 COPY trainer/ trainer/
 COPY operator/ operator/
 COPY chaos/ chaos/
+COPY kube/ kube/
 RUN pip install -c requirements.lock ".[operator]" \
  && python -c "import sys, diloco_operator.handlers; assert 'torch' not in sys.modules"
 COPY crds/ crds/
@@ -52,6 +53,7 @@ COPY README.md ./
 COPY trainer/ trainer/
 COPY operator/ operator/
 COPY chaos/ chaos/
+COPY kube/ kube/
 RUN pip install -c requirements.lock ".[trainer]" \
  && diloco --help >/dev/null
 USER 10001:10001

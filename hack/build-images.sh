@@ -5,7 +5,7 @@
 #   diloco-trainer:TAG, diloco-operator:TAG (+ :dev and :VERSION, the version in pyproject.toml, which the
 #   manifests/ name)   the project's Dockerfile on that base, torch from PyPI
 # TAG is a hash of what goes into the images (Dockerfile, .dockerignore, requirements.lock, pyproject.toml,
-# README.md, trainer/ operator/ chaos/ crds/ as in the working tree, the base image, the torch index), so an
+# README.md, trainer/ operator/ chaos/ kube/ crds/ as in the working tree, the base image, the torch index), so an
 # unchanged tree builds nothing. Both images are imported into containerd's k8s.io namespace for the kubelet.
 # Progress goes to stderr; the last two lines of stdout are, for `eval "$(hack/build-images.sh | tail -n 2)"`:
 #   DILOCO_TRAINER_IMAGE=diloco-trainer:TAG
@@ -21,7 +21,7 @@ DEBIAN_IMAGE=diloco.local/debian:bookworm
 PYTHON_IMAGE=diloco.local/python:3.11
 NETWORK=${DILOCO_BUILD_NETWORK:-host}
 TORCH_INDEX=${DILOCO_TORCH_INDEX:-pypi}
-CONTEXT_PATHS=(Dockerfile .dockerignore requirements.lock pyproject.toml README.md trainer operator chaos crds)
+CONTEXT_PATHS=(Dockerfile .dockerignore requirements.lock pyproject.toml README.md trainer operator chaos kube crds)
 export DOCKER_BUILDKIT=0
 
 T0=$(date +%s)

@@ -24,7 +24,7 @@ fi
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 deps_site=$("$DEPS/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "import site; site.addsitedir('$deps_site')" > "$site/_diloco_deps.pth"
-printf '%s\n' "$ROOT/trainer" "$ROOT/operator" "$ROOT/chaos" "$ROOT/bench" > "$site/_diloco_src.pth"
+printf '%s\n' "$ROOT/trainer" "$ROOT/operator" "$ROOT/chaos" "$ROOT/kube" "$ROOT/devcluster" "$ROOT/bench" > "$site/_diloco_src.pth"
 cat > .venv/bin/diloco <<SCRIPT
 #!$ROOT/.venv/bin/python
 import sys

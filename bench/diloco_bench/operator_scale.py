@@ -23,9 +23,10 @@ from pathlib import Path
 
 import yaml
 
-from diloco_operator import api, testbed
-from diloco_operator.devcluster import install_crds
-from diloco_operator.pools import DEFAULT_POOLS, NodePool
+from diloco_devcluster import testbed
+from diloco_devcluster.cli import install_crds
+from diloco_devcluster.pools import DEFAULT_POOLS, NodePool
+from diloco_operator import api
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL = "bench-cpu"

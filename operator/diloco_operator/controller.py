@@ -22,9 +22,9 @@ from diloco_operator import jobplan
 from diloco_operator import objects as O
 from diloco_operator import syncer_status, unitplan
 from diloco_operator.cache import Cache
-from diloco_operator.kube import (CONFIGMAPS, DEPLOYMENTS, DILOCOJOBS, LEARNERUNITS, NODES, PODS, PVCS, SECRETS,
+from diloco_kube.client import (CONFIGMAPS, DEPLOYMENTS, DILOCOJOBS, LEARNERUNITS, NODES, PODS, PVCS, SECRETS,
                                   SERVICES, ApiError, Kube, Resource, status_patch)
-from diloco_operator.pools import POOL_LABEL
+from diloco_kube.labels import POOL_LABEL
 from diloco_operator.remote import ClusterUnavailable, Remote, RemoteClusters, unreachable
 
 Key = tuple[str, str, str]  # (kind: "job" | "unit", namespace, name)

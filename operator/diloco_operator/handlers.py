@@ -17,7 +17,7 @@ from diloco_operator import objects as O
 from diloco_operator.cache import Cache
 from diloco_operator.chaosrun import run_job_chaos
 from diloco_operator.controller import Controller
-from diloco_operator.kube import Kube
+from diloco_kube.client import Kube
 
 
 def _env_float(name: str, default: float) -> float:

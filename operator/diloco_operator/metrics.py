@@ -9,6 +9,4 @@ RECONCILE_SECONDS = Histogram("diloco_operator_reconcile_seconds", "Duration of 
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 QUEUE_DEPTH = Gauge("diloco_operator_queue_depth", "Objects waiting for a reconcile")
 UNIT_RESTARTS = Counter("diloco_operator_unit_restarts_total", "Whole-unit restarts decided", ["namespace", "job"])
-API_REQUESTS = Counter("diloco_operator_api_requests_total", "Requests the operator's own client sent to the API server",
-                       ["verb", "resource"])
 RESYNCS = Counter("diloco_operator_resyncs_total", "Periodic resyncs (every known object re-queued)")

@@ -10,15 +10,10 @@ import json
 
 import yaml
 
+from diloco_kube.labels import (LABEL_COMPONENT, LABEL_INCARNATION, LABEL_JOB, LABEL_RANK,  # noqa: F401
+                                 LABEL_SHARD, LABEL_TEMPLATE, LABEL_UNIT)
 from diloco_operator import api
 
-LABEL_JOB = "diloco.dev/job"
-LABEL_COMPONENT = "diloco.dev/component"
-LABEL_UNIT = "diloco.dev/unit"
-LABEL_TEMPLATE = "diloco.dev/template"
-LABEL_INCARNATION = "diloco.dev/incarnation"
-LABEL_RANK = "diloco.dev/rank"
-LABEL_SHARD = "diloco.dev/shard"  # a syncer shard's objects, when the job has more than one (config.syncer.shards)
 ANNOTATION_SPEC_HASH = "diloco.dev/spec-hash"
 MANAGED_BY = {"app.kubernetes.io/name": "diloco", "app.kubernetes.io/managed-by": "diloco-operator"}
 TOKEN_KEY = "token"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import yaml
 
 from diloco_operator import api
-from diloco_operator.kube import NAMESPACES, SECRETS, ApiError, Kube
+from diloco_kube.client import NAMESPACES, SECRETS, ApiError, Kube
 
 REMOTE_TIMEOUT_S = 5.0  # a remote apiserver that does not answer within this is unreachable for this pass
 SECRET_TTL_S = 30.0  # the kubeconfig Secret is read again at most this often

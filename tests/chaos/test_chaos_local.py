@@ -54,7 +54,7 @@ def _pids(run: Path) -> dict[str, int]:
 def local_run(tmp_path_factory):
     """`diloco local` with 3 learners training until stopped; yields its run directory once all trained."""
     run = tmp_path_factory.mktemp("chaos") / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("trainer", "operator", "chaos"))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("trainer", "operator", "chaos", "kube"))}
     log = open(run.parent / "local.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "diloco_trainer.cli", "local", "--config", str(ROOT / "configs" / "tiny.yaml"),

@@ -18,8 +18,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))  # the operator tests' cluster kit
 
 from cluster_kit import ROOT, Kubectl, wait_for  # noqa: E402
-from diloco_operator import realnode, testbed as testbed_mod  # noqa: E402
-from diloco_operator.devcluster import install_crds  # noqa: E402
+from diloco_devcluster import realnode, testbed as testbed_mod  # noqa: E402
+from diloco_devcluster.cli import install_crds  # noqa: E402
 
 OPERATOR_NS = "diloco-system"
 

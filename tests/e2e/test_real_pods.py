@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from cluster_kit import wait_for
-from diloco_operator import realnode
+from diloco_devcluster import realnode
 from diloco_trainer.syncer.takeover import read_incarnations
 from e2e_kit import (SYNCER_PORT, container_id, container_of, job_namespace, learner_step, pv_dir,
                      syncer_status)

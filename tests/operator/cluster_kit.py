@@ -15,7 +15,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBECTL = shutil.which("kubectl")
-PYTHONPATH = os.pathsep.join(str(ROOT / p) for p in ("trainer", "operator", "chaos"))
+PYTHONPATH = os.pathsep.join(str(ROOT / p) for p in ("trainer", "operator", "chaos", "kube"))
 
 
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from diloco_operator import testbed as testbed_mod
-from diloco_operator.devcluster import install_crds
+from diloco_devcluster import testbed as testbed_mod
+from diloco_devcluster.cli import install_crds
 
 from cluster_kit import KUBECTL, PYTHONPATH, ROOT, Kubectl, wait_for
 

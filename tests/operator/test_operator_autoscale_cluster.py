@@ -9,7 +9,7 @@ import pytest
 
 from diloco_operator import api
 from diloco_operator import conditions as C
-from diloco_operator.pools import NodePool, node_objects
+from diloco_devcluster.pools import NodePool, node_objects
 
 from cluster_kit import wait_for
 from test_operator_cluster import FAST, condition, events, running, unit_pods

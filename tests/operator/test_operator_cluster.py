@@ -16,8 +16,7 @@ import urllib.request
 import pytest
 
 from diloco_operator import api
-from diloco_operator.pools import POOL_LABEL
-from diloco_operator.testbed import FAIL_POD_EXIT_CODE_ANNOTATION, FAIL_POD_LABEL
+from diloco_kube.labels import FAIL_POD_EXIT_CODE_ANNOTATION, FAIL_POD_LABEL, POOL_LABEL
 
 from cluster_kit import PYTHONPATH, wait_for
 

@@ -9,7 +9,7 @@ import pytest
 from diloco_operator import api
 from diloco_operator import conditions as C
 from diloco_operator import jobplan, objects, unitplan
-from diloco_operator.kube import status_patch
+from diloco_kube.client import status_patch
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 JOB = {"apiVersion": api.API_VERSION, "kind": "DilocoJob",

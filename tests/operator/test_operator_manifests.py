@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from diloco_operator.pools import DEFAULT_POOLS, POOL_LABEL
+from diloco_devcluster.pools import DEFAULT_POOLS
+from diloco_kube.labels import POOL_LABEL
 
 from cluster_kit import KUBECTL, PYTHONPATH, ROOT
 

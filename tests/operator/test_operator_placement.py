@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from diloco_operator import api, objects, pools
-from diloco_operator.pools import POOL_LABEL, NodePool
+from diloco_devcluster import pools
+from diloco_devcluster.pools import NodePool
+from diloco_kube.labels import POOL_LABEL
+from diloco_operator import api, objects
 
 from cluster_kit import wait_for
 

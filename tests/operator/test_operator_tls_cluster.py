@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from diloco_operator import certs
-from diloco_operator.pools import POOL_LABEL
+from diloco_kube.labels import POOL_LABEL
 
 from cluster_kit import PYTHONPATH, wait_for
 from test_operator_cluster import condition, cpu_units, events, job, pods, wait_job_ready

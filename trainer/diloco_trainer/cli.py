@@ -14,7 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "learner": ("diloco_trainer.learner.main", "run one learner unit (what the learner image runs)"),
     "baseline": ("diloco_trainer.baselines.train", "run a baseline: DDP or synchronous DiLoCo"),
     "operator": ("diloco_operator.main", "run the Kubernetes operator (kopf)"),
-    "devcluster": ("diloco_operator.devcluster", "a local Kubernetes control plane for trying the operator"),
+    "devcluster": ("diloco_devcluster.cli", "a local Kubernetes control plane for trying the operator"),
     "chaos": ("diloco_chaos.cli", "run a chaos experiment against local learners or a DilocoJob"),
     "simulate": ("diloco_chaos.simulate_cli", "goodput simulator and WAN bandwidth calculator"),
     "bench": ("diloco_bench.cli", "benchmarks: Decoupled DiLoCo vs DDP and synchronous DiLoCo"),

@@ -10,10 +10,9 @@ from __future__ import annotations
 import time
 from datetime import datetime, timezone
 
-from diloco_operator.kube import DILOCOJOBS, LEARNERUNITS, NODES, PODS, ApiError, Kube
-from diloco_operator.objects import LABEL_COMPONENT, LABEL_INCARNATION, LABEL_JOB, LABEL_SHARD, LABEL_UNIT
-from diloco_operator.pools import KWOK_ANNOTATION
-from diloco_operator.testbed import FAIL_POD_EXIT_CODE_ANNOTATION, FAIL_POD_LABEL
+from diloco_kube.client import DILOCOJOBS, LEARNERUNITS, NODES, PODS, ApiError, Kube
+from diloco_kube.labels import (FAIL_POD_EXIT_CODE_ANNOTATION, FAIL_POD_LABEL, KWOK_ANNOTATION, LABEL_COMPONENT,
+                                 LABEL_INCARNATION, LABEL_JOB, LABEL_SHARD, LABEL_UNIT)
 
 from ..experiment import Experiment
 from ..guards import Candidate

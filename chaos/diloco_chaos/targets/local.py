@@ -15,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from diloco_kube.labels import LABEL_COMPONENT, LABEL_UNIT  # the same label keys as the operator's pods
 from diloco_trainer.fsutil import atomic_write_json
 from diloco_trainer.protocol.messages import MetricsRecord, ProcessEntry, ProcessesDoc, RestartHold, SyncerSample
 
@@ -23,8 +24,6 @@ from ..guards import Candidate
 from ..record import UnitObservation
 from . import Fault
 
-LABEL_COMPONENT = "diloco.dev/component"  # the same label keys as the operator's pods
-LABEL_UNIT = "diloco.dev/unit"
 # Signals whose default action ends a process: usable for `fail` (exit code 128 + signal).
 FATAL_SIGNALS = {s for s in signal.Signals if s not in (
     signal.SIGSTOP, signal.SIGCONT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU, signal.SIGCHLD,

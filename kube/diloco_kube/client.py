@@ -13,14 +13,23 @@ import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from urllib.parse import quote
 
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
+from prometheus_client import Counter
 
-from diloco_operator import conditions as C
-from diloco_operator import metrics
+
+
+API_REQUESTS = Counter("diloco_operator_api_requests_total", "Requests the operator's own client sent to the API server",
+                       ["verb", "resource"])
+
+
+def _now_iso() -> str:
+    """RFC 3339 UTC timestamp with seconds precision, as Kubernetes writes them."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)
@@ -145,7 +154,7 @@ class Kube:
         base = "/api/v1" if res.group_version == "v1" else f"/apis/{res.group_version}"
         path = base + (f"/namespaces/{quote(namespace)}" if namespace and res.namespaced else "") + f"/{res.plural}"
         path += "".join(f"/{quote(p)}" for p in (name, subresource) if p)
-        metrics.API_REQUESTS.labels(method, res.plural).inc()
+        API_REQUESTS.labels(method, res.plural).inc()
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self._call, method, path, list((params or {}).items()),
                                           body, content_type)
@@ -194,7 +203,7 @@ class Kube:
                     labels: dict | None = None) -> None:
         """Record an Event on `obj` (what `kubectl describe` shows)."""
         meta = obj["metadata"]
-        now = C.now_iso()
+        now = _now_iso()
         ns = meta.get("namespace") or "default"
         ev = {
             "apiVersion": "v1", "kind": "Event",

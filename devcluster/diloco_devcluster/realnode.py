@@ -18,7 +18,7 @@ from typing import Callable
 
 import yaml
 
-from diloco_operator.pools import POOL_LABEL
+from diloco_kube.labels import POOL_LABEL
 
 NODE_NAME = "real-cpu-0"
 POOL = "real-cpu"

@@ -25,8 +25,9 @@ from typing import Callable
 
 import yaml
 
-from diloco_operator import realnode
-from diloco_operator.pools import DEFAULT_POOLS, KWOK_ANNOTATION, node_objects
+from diloco_devcluster import realnode
+from diloco_devcluster.pools import DEFAULT_POOLS, node_objects
+from diloco_kube.labels import KWOK_ANNOTATION
 
 VERSIONS = "k8s-1.36.3-etcd-3.6.8-kwok-0.8.0-coredns-1.15.0"  # must match hack/build-testbed.sh
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
@@ -38,9 +39,6 @@ STAGES = (
     "volume/fast/pv-bind.yaml", "volume/fast/pv-delete.yaml", "volume/fast/pvc-provision.yaml",
     "volume/fast/pvc-delete.yaml",
 )
-# A pod with this label is turned Failed by kwok's chaos stage about a second after it is Running.
-FAIL_POD_LABEL = "pod-container-running-failed.stage.kwok.x-k8s.io"
-FAIL_POD_EXIT_CODE_ANNOTATION = "pod-container-running-failed.stage.kwok.x-k8s.io/exit-code"
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "hack" / "build-testbed.sh"
 

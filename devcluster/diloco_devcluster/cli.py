@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from diloco_operator import testbed
+from diloco_devcluster import testbed
 from diloco_operator.schema import CRD_DIR
 
 DEFAULT_DIR = Path.home() / ".cache" / "diloco-testbed" / "devcluster"

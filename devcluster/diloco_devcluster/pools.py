@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KWOK_ANNOTATION = "kwok.x-k8s.io/node"
-POOL_LABEL = "cloud.google.com/gke-nodepool"
+from diloco_kube.labels import KWOK_ANNOTATION, POOL_LABEL
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import yaml
 from diloco_trainer.runtime.rundir import read_jsonl
 
 from . import kill_cost, report, runs
+from .companions import ChaosCompanion
 
 LEARNERS = 3
 RESTART_DELAY_S = 2.0
@@ -59,21 +60,19 @@ def measure(ctx: report.Context, extra: tuple[str, ...] = ()) -> dict:
     """Per seed, a failure-free run and right after it the run under that seed's schedule: the other work on this
     shared machine drifts over minutes, so each chaos run is compared with the failure-free run next to it. Also
     per CPU-second the run's own processes used, which that other work does not move."""
-    from .resilience import ChaosCompanion, _rates  # the companion that runs `diloco chaos` beside a run
-
     root = ctx.out_dir / "runs"
     root.mkdir(parents=True, exist_ok=True)
     per_seed = []
     for seed in seeds(ctx):
         ff = runs.ensure(ctx, spec(ctx, seed, kills=False, extra=extra))
-        ff_rates = _rates(ff)
+        ff_rates = runs.rates(ff)
         s = spec(ctx, seed, extra=extra)
         exp = experiment(seed, ctx.pick(*MTBF_PER_LEARNER_S))
         exp_path = root / f"{s.key}-experiment.yaml"
         exp_path.write_text(yaml.safe_dump(exp, sort_keys=False))
         record = root / f"{s.key}-chaos.jsonl"
         ch = runs.ensure(ctx, s, companion=ChaosCompanion(exp_path, record, root / f"{s.key}-chaos.log"))
-        rates = _rates(ch)
+        rates = runs.rates(ch)
         overwritten = max(0.0, 1.0 - ff_rates["goodput"])
         kills = kill_cost.kills(Path(ch["run_dir"]), read_jsonl(record), overwritten)
         kept = rates["useful_per_s"] / ff_rates["useful_per_s"]

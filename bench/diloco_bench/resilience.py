@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -30,10 +29,10 @@ from diloco_chaos.experiment import parse_experiment
 from diloco_chaos.record import summarize
 from diloco_chaos.schedule import Schedule
 from diloco_trainer.protocol.messages import ProcessEntry, ProcessesDoc, SyncerSample
-from diloco_trainer.runtime import procs
 from diloco_trainer.runtime.rundir import metrics_records, read_jsonl
 
 from . import harsh, quality, report, restart_state, runs
+from .companions import ChaosCompanion, training_started
 
 NAME = "resilience"
 MTBF_S = 60.0  # the issue's schedule
@@ -57,39 +56,6 @@ def experiment(seed: int, mtbf: float = MTBF_S) -> dict:
             "safety": {"minAliveUnits": 1, "maxConcurrent": 3, "maxDuration": "1h", "recoveryTimeout": "90s"}}
 
 
-def _training_started(run_dir: Path) -> bool:
-    return any(p.stat().st_size > 0 for p in (run_dir / "learners").glob("*/metrics.jsonl"))
-
-
-class ChaosCompanion:
-    """Runs `diloco chaos run EXPERIMENT --run-dir RUN` once the learners train; stops it when the run ends."""
-
-    def __init__(self, exp_path: Path, record: Path, log: Path):
-        self.exp_path, self.record, self.log = exp_path, record, log
-        self.proc: subprocess.Popen | None = None
-
-    def tick(self, run_dir: Path) -> None:
-        if self.proc is None and (run_dir / "processes.json").exists() and _training_started(run_dir):
-            with open(self.log, "w") as log:
-                self.proc = subprocess.Popen(
-                    procs.diloco_argv("chaos", "run", str(self.exp_path), "--run-dir", str(run_dir), "--plain",
-                                      "--record", str(self.record)),
-                    stdout=log, stderr=subprocess.STDOUT, env=procs.child_env(), cwd=report.REPO)
-
-    def close(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGINT)  # stop injecting; it waits (bounded) for open recoveries
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.send_signal(signal.SIGINT)  # second Ctrl+C: quit now
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
 class BaselineKiller:
     """The same seeded MTBF schedule against a synchronous baseline's workers: SIGKILL to the scheduled victim
     (its PID checked against its command line, as `diloco chaos` does). Faults are appended to `record`."""
@@ -103,7 +69,7 @@ class BaselineKiller:
         procs_doc = _processes(run_dir)
         workers = {p.name: p for p in procs_doc if p.role == "learner"}
         if self.schedule is None:
-            if workers and _training_started(run_dir):
+            if workers and training_started(run_dir):
                 self.schedule = Schedule(self.spec, time.time(), sorted(workers))
             return
         alive = sorted(n for n, p in workers.items() if p.alive)
@@ -172,7 +138,7 @@ def run(ctx: report.Context) -> dict:
     task.done()
     if runs.seeds(ctx) > 1:  # noise floor: two failure-free runs of the same method (quality's seeds 0 and 1)
         for method in methods:
-            other = _rates(runs.ensure(ctx, quality.spec(ctx, method, 1)))
+            other = runs.rates(runs.ensure(ctx, quality.spec(ctx, method, 1)))
             figures[method]["failure_free_repeat_ratio"] = other["useful_per_s"] / \
                 figures[method]["failure_free"]["useful_per_s"]
     result["figures"] = {"mtbf_s": mtbf_s(ctx), "experiment": exp, "methods": figures,
@@ -192,23 +158,9 @@ def _faults(record: Path) -> list[dict]:
     return [e for e in read_jsonl(record) if e.get("event") == "fault"]
 
 
-def _rates(s: dict) -> dict:
-    """Trained and useful tokens per second over the training span (runs.training_span)."""
-    span = runs.training_span(s)
-    seconds = span[1] - span[0] if span else float(s["wall_time_s"])
-    # Tokens that reached the model = merged fraction × tokens trained (summaries older than goodput.py called the
-    # merged fraction "goodput").
-    merged = float(s.get("merged_fraction", s.get("goodput")) or 0.0)
-    return {"wall_time_s": s["wall_time_s"], "training_s": seconds, "tokens_trained": s["tokens_trained"],
-            "tokens_per_s": s["tokens_trained"] / seconds, "goodput": s.get("goodput"), "merged_fraction": merged,
-            "useful_per_s": merged * s["tokens_trained"] / seconds, "val_loss": s.get("val_loss"),
-            "stop_reason": s.get("stop_reason"), "restarts": s.get("restarts") or {},
-            "lost_steps": s.get("lost_steps")}
-
-
 def _measure(method: str, ff: dict, ch: dict, record: Path) -> dict:
     """Failure-free vs chaos figures of one method, from the two runs' summaries and the fault record."""
-    out = {"failure_free": _rates(ff), "chaos": _rates(ch), "faults": _faults(record),
+    out = {"failure_free": runs.rates(ff), "chaos": runs.rates(ch), "faults": _faults(record),
            "chaos_run": ch["run_dir"], "failure_free_run": ff["run_dir"]}
     out["keep_tokens_per_s"] = out["chaos"]["tokens_per_s"] / out["failure_free"]["tokens_per_s"]
     out["keep_goodput"] = out["chaos"]["useful_per_s"] / out["failure_free"]["useful_per_s"] \

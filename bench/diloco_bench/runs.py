@@ -238,6 +238,20 @@ def training_span(summary: dict) -> tuple[float, float] | None:
     return (first, last) if first is not None and last > first else None
 
 
+def rates(s: dict) -> dict:
+    """Trained and useful tokens per second over the training span (runs.training_span)."""
+    span = runs.training_span(s)
+    seconds = span[1] - span[0] if span else float(s["wall_time_s"])
+    # Tokens that reached the model = merged fraction × tokens trained (summaries older than goodput.py called the
+    # merged fraction "goodput").
+    merged = float(s.get("merged_fraction", s.get("goodput")) or 0.0)
+    return {"wall_time_s": s["wall_time_s"], "training_s": seconds, "tokens_trained": s["tokens_trained"],
+            "tokens_per_s": s["tokens_trained"] / seconds, "goodput": s.get("goodput"), "merged_fraction": merged,
+            "useful_per_s": merged * s["tokens_trained"] / seconds, "val_loss": s.get("val_loss"),
+            "stop_reason": s.get("stop_reason"), "restarts": s.get("restarts") or {},
+            "lost_steps": s.get("lost_steps")}
+
+
 def learner_tokens_per_s(summary: dict) -> float:
     """Tokens trained by all learners per second while training: from the first training report of any learner
     to the last one, so the one-time launch is left out but every restart's start-up counts."""

@@ -19,7 +19,7 @@ from diloco_chaos import goodput as chaos_goodput
 from diloco_trainer.runtime.rundir import read_jsonl
 
 from . import report, runs
-from .resilience import ChaosCompanion
+from .companions import ChaosCompanion
 
 NAME = "syncer_recovery"
 EXPERIMENT = report.REPO / "chaos" / "examples" / "syncer-dies-every-15s.yaml"

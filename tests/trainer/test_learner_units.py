@@ -12,7 +12,8 @@ from diloco_trainer.learner.devices import UnitGroup
 from diloco_trainer.model.optimizer import inner_lr
 from diloco_trainer.learner.loop import step_sleep
 from diloco_trainer.learner.outer_sync import submission_id
-from diloco_trainer.learner.main import configure, options_from_args, serve_metrics
+from diloco_trainer.learner.exporter import serve_metrics
+from diloco_trainer.learner.main import configure, options_from_args
 from diloco_trainer.protocol.wire import SubmissionMeta
 
 

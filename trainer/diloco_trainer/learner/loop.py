@@ -391,7 +391,7 @@ class Learner:
     def _serve_metrics(self):
         if not self.opts.metrics_port or not self.group.is_main:
             return None
-        from diloco_trainer.learner.main import serve_metrics
+        from diloco_trainer.learner.exporter import serve_metrics
 
         return serve_metrics(self.opts.metrics_port, lambda: self.metrics_state or self._record(Window()))
 

@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -51,16 +50,6 @@ def wait_for_assignment(directory: Path, warm_up) -> tuple[list[str], str]:
         time.sleep(POLL_S)
     doc = json.loads(path.read_text())
     return list(doc["args"]), str(doc["log"])
-
-
-def redirect_output(log_path: str) -> None:
-    """From now on stdout and stderr append to the learner's own log (the spare was started with its own)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
 
 
 # ---------------------------------------------------------------------- supervisor side

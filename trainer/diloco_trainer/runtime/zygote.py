@@ -32,6 +32,16 @@ POLL_S = 0.02
 REPARENT_TIMEOUT_S = 5.0
 
 
+def redirect_output(log_path: str) -> None:
+    """From now on stdout and stderr append to the learner's own log (the spare was started with its own)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def _prctl(option: int, value: int) -> bool:
     try:
         return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
@@ -88,8 +98,6 @@ def _become_spare(directory: Path, log_path: str, supervisor: int) -> Path:
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != supervisor:  # the supervisor died in between
         os._exit(1)
-    from diloco_trainer.runtime.spares import redirect_output
-
     redirect_output(log_path)
     directory.mkdir(parents=True, exist_ok=True)
     return directory

@@ -1,0 +1,127 @@
+"""The import graph of every project package (the folders pyproject.toml lists), imports inside functions included:
+no cycle between files or between packages, and the layers the images rely on."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# What the operator image ships (Dockerfile): nothing there may import a package the image lacks.
+OPERATOR_IMAGE = {"diloco_operator", "diloco_kube", "diloco_chaos", "diloco_trainer"}
+
+
+def project_modules() -> dict[str, Path]:
+    """Module name -> file, for every package under the folders pyproject.toml's packages.find lists."""
+    where = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["where"]
+    mods = {}
+    for folder in where:
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return mods
+
+
+def _targets(module: str, path: Path, node: ast.Import | ast.ImportFrom) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    prefix = node.module or ""
+    if node.level:
+        base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        prefix = ".".join(base + ([node.module] if node.module else []))
+    return [prefix] + [f"{prefix}.{a.name}" for a in node.names]
+
+
+def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """Edges module -> project modules it imports anywhere in its file (top level or inside a function)."""
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for m, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for t in _targets(m, path, node):
+                    # a module importing its own package's __init__ is not a cycle worth reporting
+                    if t in mods and t != m and not m.startswith(t + "."):
+                        edges[m].add(t)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out = []
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(edges.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def package_graph(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    pkgs: dict[str, set[str]] = {}
+    for m, targets in edges.items():
+        pkgs.setdefault(m.split(".")[0], set()).update(t.split(".")[0] for t in targets)
+    return {p: ts - {p} for p, ts in pkgs.items()}
+
+
+def test_the_cycle_finder_finds_a_cycle_through_three_modules():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_graph_sees_imports_inside_functions():
+    edges = import_graph(project_modules())
+    # learner/main.py imports the learner loop only inside a function (torch stays out of `diloco --help`)
+    assert "diloco_trainer.learner.loop" in edges["diloco_trainer.learner.main"]
+
+
+def test_no_import_cycle_between_files():
+    found = cycles(import_graph(project_modules()))
+    assert not found, "file import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_no_import_cycle_between_packages():
+    found = cycles(package_graph(import_graph(project_modules())))
+    assert not found, "package import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_kubernetes_layer_imports_no_other_project_package():
+    assert package_graph(import_graph(project_modules()))["diloco_kube"] == set()
+
+
+def test_the_operator_image_packages_import_nothing_the_image_lacks():
+    pkgs = package_graph(import_graph(project_modules()))
+    for pkg in OPERATOR_IMAGE:
+        assert pkgs[pkg] <= OPERATOR_IMAGE, f"{pkg} imports {sorted(pkgs[pkg] - OPERATOR_IMAGE)}"

@@ -59,7 +59,9 @@ def _convert(node: dict, defs: dict) -> dict:
             out["properties"] = {k: _convert(v, defs) for k, v in node["properties"].items()}
             if node.get("required"):
                 out["required"] = list(node["required"])
-        elif isinstance(node.get("additionalProperties"), dict):
+        if node.get("additionalProperties") is True:  # free-form fields (e.g. config.model.hf): kept, not pruned
+            out["x-kubernetes-preserve-unknown-fields"] = True
+        elif "properties" not in node and isinstance(node.get("additionalProperties"), dict):
             out["additionalProperties"] = _convert(node["additionalProperties"], defs)
     if out.get("type") == "array":
         out["items"] = _convert(node.get("items", {}), defs)
@@ -125,8 +127,11 @@ def _default(model: type[BaseModel], field: str) -> object:
 
 _N_LAYERS = (f"(has(self.model) ? {_or_default('self.model', 'n_layers', _default(ModelConfig, 'n_layers'))} "
              f": {TrainConfig().model.n_layers})")
+# Only the built-in GPT's tensor count is known without building the model; for the other kinds the syncer checks
+# outer.fragments at its start.
+_NOT_GPT = "(has(self.model) && (has(self.model.hf) || has(self.model.path) || has(self.model.entrypoint)))"
 CONFIG_RULES = [
-    _rule(f"{_or_default('self', 'outer.fragments', _default(OuterConfig, 'fragments'))} <= "
+    _rule(f"{_NOT_GPT} || {_or_default('self', 'outer.fragments', _default(OuterConfig, 'fragments'))} <= "
           f"{TENSORS_FIXED} + {TENSORS_PER_LAYER} * {_N_LAYERS}",
           f"config.outer.fragments (P) must not exceed the model's parameter tensors "
           f"({TENSORS_FIXED} + {TENSORS_PER_LAYER} x config.model.n_layers)", ".outer.fragments"),

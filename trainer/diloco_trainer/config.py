@@ -6,10 +6,10 @@ Torch-free on purpose: the operator validates and forwards these models without 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 Compression = Literal["none", "bf16", "int8", "int4"]
 Device = Literal["cpu", "cuda", "xla", "auto"]
@@ -19,8 +19,54 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# Fields of the built-in GPT only; another model kind gets its sizes from its own config.
+GPT_ONLY_FIELDS = ("d_model", "n_layers", "n_heads", "mlp_ratio", "dropout")
+ModelKind = Literal["gpt", "hf", "path", "entrypoint"]
+
+
+class HFModelConfig(BaseModel):
+    """A Hugging Face transformers config given inline: `model_type` plus any field of that type's config class
+    (`AutoConfig.for_model`). The common sizes are checked here; the rest when the model is built."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model_type: str = Field(..., min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$",
+                            description="A transformers model type, e.g. llama, qwen2, gpt2, mistral.")
+    vocab_size: int = Field(..., ge=2, le=1_048_576, description="Token ids 0..vocab_size-1: the tokenizer's size.")
+    hidden_size: int | None = Field(None, ge=1, le=65536)
+    num_hidden_layers: int | None = Field(None, ge=1, le=1024)
+    num_attention_heads: int | None = Field(None, ge=1, le=1024)
+    num_key_value_heads: int | None = Field(None, ge=1, le=1024)
+    intermediate_size: int | None = Field(None, ge=1, le=1_048_576)
+    max_position_embeddings: int | None = Field(None, ge=1, le=1_048_576)
+    tie_word_embeddings: bool | None = None
+
+    @model_validator(mode="after")
+    def _heads_fit(self) -> "HFModelConfig":
+        width, heads, kv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
+        if width and heads and width % heads and "head_dim" not in (self.model_extra or {}):
+            raise ValueError(f"model.hf.hidden_size ({width}) must be divisible by model.hf.num_attention_heads "
+                             f"({heads}), or give model.hf.head_dim")
+        if heads and kv and heads % kv:
+            raise ValueError(f"model.hf.num_attention_heads ({heads}) must be a multiple of "
+                             f"model.hf.num_key_value_heads ({kv})")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_unset_sizes(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+    def kwargs(self) -> dict:
+        """The keyword arguments for AutoConfig.for_model (model_type apart, unset sizes left to its defaults)."""
+        return {k: v for k, v in self.model_dump(exclude={"model_type"}).items()}
+
+
 class ModelConfig(_Strict):
-    """A decoder-only transformer over a byte vocabulary."""
+    """What a learner trains: the built-in GPT (default), a transformers causal LM, or a user's module.
+
+    The GPT is a decoder-only transformer over bytes sized by the fields below; with `hf` a transformers causal LM
+    from an inline config, with `path` one from a local directory (config.json + safetensors), with `entrypoint` a
+    user's own module (docs/models.md)."""
 
     vocab_size: int = Field(256, ge=2, le=1_048_576, description="Token ids 0..vocab_size-1 (at most 2^20).")
     seq_len: int = Field(128, ge=8, le=1_048_576, description="Context length in tokens (8 to 1,048,576).")
@@ -29,12 +75,55 @@ class ModelConfig(_Strict):
     n_heads: int = Field(4, ge=1, le=1024, description="Attention heads (1 to 1024), dividing d_model.")
     mlp_ratio: int = Field(4, ge=1, le=64, description="MLP width as a multiple of d_model (1 to 64).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    hf: HFModelConfig | None = Field(None, description="A transformers config given inline (model_type, sizes).")
+    path: str | None = Field(None, min_length=1, max_length=4096,
+                             description="A local directory with config.json and safetensors weights to continue.")
+    entrypoint: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$",
+                                   description="A user's builder, 'pkg.module:build', returning an nn.Module.")
+    options: dict[str, Any] | None = Field(None, description="Keyword arguments for the entrypoint's builder.")
+
+    @property
+    def kind(self) -> ModelKind:
+        return "hf" if self.hf is not None else "path" if self.path else "entrypoint" if self.entrypoint else "gpt"
 
     @model_validator(mode="after")
-    def _heads_divide_width(self) -> "ModelConfig":
-        if self.d_model % self.n_heads:
+    def _one_kind(self) -> "ModelConfig":
+        chosen = [k for k in ("hf", "path", "entrypoint") if getattr(self, k) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"model.{chosen[0]} and model.{chosen[1]} exclude each other: choose one model")
+        if chosen:
+            kind = chosen[0]
+            stray = [f for f in GPT_ONLY_FIELDS if f in self.model_fields_set]
+            if kind != "entrypoint" and "vocab_size" in self.model_fields_set:
+                stray.insert(0, "vocab_size")
+            if stray:
+                where = {"hf": "in model.hf (e.g. model.hf.vocab_size, model.hf.hidden_size)",
+                         "path": "in the checkpoint's config.json", "entrypoint": "in model.options"}[kind]
+                raise ValueError(f"model.{stray[0]} applies to the built-in GPT only; with model.{kind} give it "
+                                 f"{where}")
+            if self.options is not None and kind != "entrypoint":
+                raise ValueError("model.options applies only with model.entrypoint")
+            if self.hf is not None and self.hf.max_position_embeddings is not None \
+                    and self.seq_len > self.hf.max_position_embeddings:
+                raise ValueError(f"model.seq_len ({self.seq_len}) must not exceed "
+                                 f"model.hf.max_position_embeddings ({self.hf.max_position_embeddings})")
+        elif self.options is not None:
+            raise ValueError("model.options applies only with model.entrypoint")
+        elif self.d_model % self.n_heads:
             raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
         return self
+
+    @model_serializer(mode="wrap")
+    def _only_what_applies(self, handler):
+        """Dump only the fields of this model's kind, so a dump validates again (and GPT dumps stay as before)."""
+        data = handler(self)
+        for key in ("hf", "path", "entrypoint", "options"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        if self.kind != "gpt":
+            for key in GPT_ONLY_FIELDS + (() if self.kind == "entrypoint" else ("vocab_size",)):
+                data.pop(key, None)
+        return data
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
@@ -51,8 +140,11 @@ TENSORS_FIXED = 4
 TENSORS_PER_LAYER = 8
 
 
-def tensor_count(model: ModelConfig) -> int:
-    """How many parameter tensors the model of this config has (what fragments split), without torch."""
+def tensor_count(model: ModelConfig) -> int | None:
+    """How many parameter tensors the model of this config has (what fragments split), without torch; None when
+    only building the model can tell (every kind but the built-in GPT: the syncer checks at its start)."""
+    if model.kind != "gpt":
+        return None
     return TENSORS_FIXED + TENSORS_PER_LAYER * model.n_layers
 
 
@@ -88,7 +180,7 @@ class OuterConfig(_Strict):
     """Decoupled DiLoCo synchronization: fragments, schedule, compression, merge and outer Nesterov."""
 
     fragments: int = Field(4, ge=1, le=1024, description="P: fragments (1 to 1024, and at most the model's "
-                                                         "parameter tensors, 4 + 8 x model.n_layers).")
+                                                         "parameter tensors; the built-in GPT has 4 + 8 x model.n_layers).")
     sync_every: int = Field(16, ge=1, le=100_000, description="H: inner steps between two sends of the same "
                                                               "fragment (1 to 100,000).")
     overlap: int = Field(2, ge=0, le=100_000, description="tau: steps a merged fragment is expected to take to "
@@ -144,7 +236,7 @@ class TrainConfig(_Strict):
     @model_validator(mode="after")
     def _fragments_fit_the_model(self) -> "TrainConfig":
         tensors = tensor_count(self.model)
-        if self.outer.fragments > tensors:
+        if tensors is not None and self.outer.fragments > tensors:
             raise ValueError(f"outer.fragments ({self.outer.fragments}) must not exceed the model's {tensors} "
                              f"parameter tensors ({TENSORS_FIXED} + {TENSORS_PER_LAYER} x model.n_layers): "
                              "every fragment holds at least one tensor")

@@ -204,7 +204,7 @@ def _worker(args: argparse.Namespace) -> int:
     from diloco_trainer.protocol.messages import MetricsRecord
     from diloco_trainer.learner.loop import step_sleep
     from diloco_trainer.syncer.merge import NesterovOuter
-    from diloco_trainer.model.gpt import build_model, count_parameters
+    from diloco_trainer.model.build import build_model, count_parameters
     from diloco_trainer.runtime.report import ring_allreduce_bytes
 
     torch.set_num_threads(1)

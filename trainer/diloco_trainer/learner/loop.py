@@ -27,7 +27,7 @@ from diloco_trainer.data.corpus import ShardSampler, load_corpus
 from diloco_trainer.fsutil import atomic_write_json
 from diloco_trainer.learner import inner_state
 from diloco_trainer.model.optimizer import inner_optimizer, set_lr
-from diloco_trainer.model.gpt import build_model
+from diloco_trainer.model.build import build_model, vocab_size_of
 from diloco_trainer.learner.outer_sync import OuterSync
 from diloco_trainer.protocol.messages import LearnerRecord
 
@@ -151,9 +151,10 @@ class Learner:
             self._restore_inner_state(versions)
 
         corpus = load_corpus(self.cfg.data, self.opts.data_cache)
-        if corpus.vocab_needed > self.cfg.model.vocab_size:
-            raise ValueError(f"the corpus needs a vocabulary of {corpus.vocab_needed} tokens, "
-                             f"model.vocab_size is {self.cfg.model.vocab_size}")
+        vocab = vocab_size_of(self.model, self.cfg.model)
+        if corpus.vocab_needed > vocab:
+            raise ValueError(f"the corpus needs a vocabulary of {corpus.vocab_needed} tokens, the model's "
+                             f"vocab_size is {vocab}")
         # One unit-wide sampler (same on every rank); each rank trains its own slice of the unit's batch, so the
         # position file describes the unit and survives a restart with a different number of processes.
         self.batch = self.cfg.inner.batch_size

@@ -115,7 +115,7 @@ def _warm_up(config: str | None = None) -> None:
     from diloco_trainer.data import corpus as data  # noqa
     from diloco_trainer.learner import loop as learner  # noqa
     from diloco_trainer.config import MODEL_PRESETS, TrainConfig
-    from diloco_trainer.model.gpt import build_model
+    from diloco_trainer.model.build import build_model
 
     if config:
         import yaml

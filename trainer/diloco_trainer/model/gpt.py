@@ -81,19 +81,11 @@ class GPT(nn.Module):
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> GPT:
-    """The same seed and config always give the same initial parameters (the syncer's Θ₀)."""
+    """The built-in GPT only (model/build.py builds every kind); the same seed and config always give the same
+    initial parameters."""
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
         return GPT(cfg)
     finally:
         torch.random.set_rng_state(gen_state)
-
-
-def embedding_names(model: nn.Module) -> set[str]:
-    """Parameters merged by weighted mean instead of RDA (the paper treats embeddings apart)."""
-    return {name for name, mod in model.named_modules() if isinstance(mod, nn.Embedding) for name in [f"{name}.weight"]}
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from diloco_trainer.model.gpt import build_model
+from diloco_trainer.model.build import build_model
 from diloco_trainer.protocol.wire import WireError, decode_tensors, dequantize, encode_tensors, quantize
 
 QUANTIZED = ("int8", "int4", "int2")

@@ -55,7 +55,7 @@ def evaluate_theta(cfg: TrainConfig, theta: "dict[str, torch.Tensor]", val_token
     import torch
 
     from diloco_trainer.data.corpus import evaluate
-    from diloco_trainer.model.gpt import build_model
+    from diloco_trainer.model.build import build_model
 
     model = build_model(cfg.model, cfg.seed)
     expected = {name for name, _ in model.named_parameters()}

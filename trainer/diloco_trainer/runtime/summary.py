@@ -57,7 +57,7 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
     """
     import torch
 
-    from diloco_trainer.model.gpt import build_model, count_parameters
+    from diloco_trainer.model.build import build_model, count_parameters
 
     events = read_jsonl(run_dir / "events.jsonl")
     starts = learner_starts(events)

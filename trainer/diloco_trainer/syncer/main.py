@@ -140,7 +140,7 @@ def _warm_up(config: TrainConfig, build: bool) -> None:
     from diloco_trainer.syncer import app, state  # noqa: F401
 
     if build:
-        from diloco_trainer.model.gpt import build_model
+        from diloco_trainer.model.build import build_model
 
         build_model(config.model, config.seed)
 

@@ -18,7 +18,7 @@ from diloco_trainer.config import TrainConfig
 from diloco_trainer.protocol.downlink import Parts, Update, UpdateHistory, fragment_digest, is_quantized, publish, update_nbytes
 from diloco_trainer.protocol.fragments import fragment_of, plan_fragments
 from diloco_trainer.syncer.merge import NesterovOuter, merge_fragment, reanchor, token_weight
-from diloco_trainer.model.gpt import build_model, embedding_names
+from diloco_trainer.model.build import build_model, embedding_names, tensor_bytes
 from diloco_trainer.syncer.quorum import MergePolicy
 from diloco_trainer.protocol.shardmap import owned_fragments, shard_of
 from diloco_trainer.protocol.wire import SubmissionMeta
@@ -132,7 +132,11 @@ class SyncerState:
         self.embeddings = embedding_names(model)
         theta = {n: p.detach().clone().float() for n, p in model.named_parameters()}
         self.shapes = {n: tuple(t.shape) for n, t in theta.items()}
-        self.plan = plan_fragments([(n, t.numel()) for n, t in theta.items()], out.fragments)
+        sizes = tensor_bytes(model)
+        if out.fragments > len(sizes):  # decidable at apply time only for the built-in GPT (config.tensor_count)
+            raise ValueError(f"outer.fragments ({out.fragments}) must not exceed the model's {len(sizes)} parameter "
+                             "tensors (tied weights counted once): every fragment holds at least one tensor")
+        self.plan = plan_fragments(sizes, out.fragments)
         self.fragment_of = fragment_of(self.plan)
         P = len(self.plan)
         self.owned = owned_fragments(shard, P, self.shards)

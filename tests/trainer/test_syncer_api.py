@@ -374,3 +374,47 @@ async def test_a_contribution_in_the_grace_window_joins_the_merge_and_the_window
     assert 0.5 < waited < 2.0, waited
     status = await (await client.get("/v1/status", headers=AUTH)).json()
     assert status["grace_s"] == pytest.approx(st.policy.grace_seconds()) and status["grace_s"] > 0
+
+
+async def _raw_request(client, head: bytes, parts: list[bytes], pause_s: float = 0.2) -> tuple[int, bytes]:
+    """Send `head` then each of `parts` as its own TCP write, `pause_s` apart; the status and body of the answer."""
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    try:
+        writer.write(head)
+        for part in parts:
+            writer.write(part)
+            await writer.drain()
+            await asyncio.sleep(pause_s)
+        answer = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+@pytest.mark.parametrize("path, document", [
+    ("/v1/register", {"learner_id": "learner-a", "unit": 0, "world_size": 1, "device": "cpu"}),
+    ("/v1/heartbeat", {"learner_id": "learner-a", "step": 3, "step_time_s": 0.1, "tokens": 512}),
+])
+async def test_a_register_or_heartbeat_body_split_over_two_tcp_writes_is_read_whole(aiohttp_client, tmp_path, path,
+                                                                                     document):
+    syncer = make_syncer(tmp_path)
+    client = await start(aiohttp_client, syncer)
+    data = json.dumps(document).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: syncer\r\nAuthorization: {AUTH['Authorization']}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
+    status, answer = await _raw_request(client, head, [data[:10], data[10:]])
+    assert status == 200, answer
+    assert "versions" in json.loads(answer)
+    assert "learner-a" in syncer.state.learners
+
+
+async def test_a_non_utf8_authorization_header_is_401_not_a_server_error(aiohttp_client, tmp_path):
+    syncer = make_syncer(tmp_path)
+    client = await start(aiohttp_client, syncer)
+    for value in (b"Bearer \xff\xfe", b"\xc3\x28", b"Bearer learner-a.\xe9"):
+        head = (b"GET /v1/status HTTP/1.1\r\nHost: syncer\r\nAuthorization: " + value +
+                b"\r\nConnection: close\r\n\r\n")
+        status, answer = await _raw_request(client, head, [], 0)
+        assert status == 401, (value, answer)
+        assert "token" in json.loads(answer)["error"]

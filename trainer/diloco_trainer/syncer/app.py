@@ -188,7 +188,7 @@ class Syncer:
         """The request's JSON body validated as `model`; Rejected (400 naming the field, 413 too large) if not."""
         if request.content_length is not None and request.content_length > MAX_JSON_BODY:
             raise _too_large(request.content_length, MAX_JSON_BODY)
-        body = await request.content.read(MAX_JSON_BODY + 1)
+        body = await _read_at_most(request, MAX_JSON_BODY + 1)
         if len(body) > MAX_JSON_BODY:
             raise _too_large(None, MAX_JSON_BODY)
         self.metrics.bytes_in.labels(request.path.rsplit("/", 1)[-1]).inc(len(body))
@@ -418,6 +418,15 @@ class ServerLog(logging.LoggerAdapter):
         super().exception(msg, *args, exc_info=exc_info, **kwargs)
 
 
+async def _read_at_most(request: web.Request, limit: int) -> bytes:
+    """The request's whole body, or its first `limit` bytes if it is longer: read until the end, since one read
+    returns only what has arrived (a body split over two TCP segments would otherwise be cut short)."""
+    body = bytearray()
+    while len(body) < limit and (chunk := await request.content.read(limit - len(body))):
+        body += chunk
+    return bytes(body)
+
+
 SYNCER = web.AppKey("syncer", Syncer)
 AUTH_LEARNER = web.RequestKey("learner", str)  # the learner a per-learner token belongs to (absent: the job's token)
 
@@ -431,6 +440,8 @@ def make_app(syncer: Syncer) -> web.Application:
         try:
             if request.path.startswith("/v1/"):
                 given = request.headers.get("Authorization", "")
+                if not given.isascii():  # tokens are ASCII; other bytes arrive as surrogates and cannot be compared
+                    raise Rejected(401, "missing or wrong bearer token", "unauthorized")
                 if not hmac.compare_digest(given.encode(), expected):
                     learner = given.startswith("Bearer ") and token_learner(syncer.opt.token, given[7:])
                     if not learner:

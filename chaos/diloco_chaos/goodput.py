@@ -6,7 +6,6 @@ system uptime = fraction of wall time in which the global model advanced (stalls
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import yaml
 
 from diloco_trainer.goodput import goodput
 from diloco_trainer.protocol.messages import SyncerSample
+from diloco_trainer.protocol.runfiles import BaselineFinalState, SyncerFinalState, read_final_state
 from diloco_trainer.runtime.rundir import learner_slots, metrics_records, read_jsonl
 
 MIN_STALL_S = 3.0  # the local runtime samples the syncer about once a second; shorter gaps are sampling noise
@@ -60,16 +60,14 @@ def _fragments(run_dir: Path, samples: list[dict]) -> int:
     raise ValueError(f"{run_dir}: cannot tell the number of fragments (no config.yaml, no syncer samples)")
 
 
-def _merged_steps(run_dir: Path, samples: list[SyncerSample]) -> dict[str, int]:
+def _merged_steps(final: SyncerFinalState | None, samples: list[SyncerSample]) -> dict[str, int]:
     """steps_merged per learner: the final checkpoint if the run finished, else the syncer's last status."""
     merged: dict[str, int] = {}
     for s in samples:
         for lid, info in (s.status.learners if s.status else {}).items():
             merged[lid] = max(merged.get(lid, 0), info.steps_merged)
-    state = run_dir / "final" / "state.json"
-    if state.exists():
-        for lid, info in (json.loads(state.read_text()).get("learners") or {}).items():
-            merged[lid] = max(merged.get(lid, 0), int(info.get("steps_merged", 0)))
+    for lid, info in (final.learners if final is not None else {}).items():
+        merged[lid] = max(merged.get(lid, 0), info.steps_merged)
     return merged
 
 
@@ -80,19 +78,24 @@ def from_run_dir(run_dir: str | Path, stall_threshold_s: float | None = None) ->
         raise ValueError(f"{run_dir} is not a run directory of `diloco local` (no learners/ inside)")
     events = read_jsonl(run_dir / "events.jsonl")
     samples = [SyncerSample.from_line(s) for s in read_jsonl(run_dir / "syncer.jsonl") if s.get("up")]
-    fragments = _fragments(run_dir, samples)
-    merged = _merged_steps(run_dir, samples)
-    slots = learner_slots(run_dir, merged, fragments)
+    final = read_final_state(run_dir)
+    if isinstance(final, BaselineFinalState):  # a synchronous job: no syncer; useful = the final model's steps
+        fragments, merged = None, None
+    else:
+        fragments = _fragments(run_dir, samples)
+        merged = _merged_steps(final, samples)
+    slots = learner_slots(run_dir, merged, fragments or 1)
     if not slots:
         raise ValueError(f"{run_dir}: no learner has started yet")
-    steady = learner_slots(run_dir, merged, fragments, after_startup=True)
+    steady = learner_slots(run_dir, merged, fragments or 1, after_startup=True)
 
     learners, t_trained = {}, None
     for name, sl in slots.items():
         starts = [float(e["time"]) for e in events if e.get("name") == name and e["event"] == "start"]
         learners[name] = {"incarnations": len(starts), "allocated_s": sl.allocated_s,
                           "allocated_after_startup_s": steady[name].allocated_s, "busy_s": sl.busy_s,
-                          "steps": sl.steps, "steps_merged": merged.get(name, 0),
+                          "steps": sl.steps,
+                          "steps_merged": merged.get(name, 0) if merged is not None else round(sl.useful_steps),
                           "merged_fraction": sl.merged_fraction, "useful_s": sl.useful_s}
         last_step = max((r.time for r in metrics_records(run_dir / "learners" / name / "metrics.jsonl")
                          if not r.final), default=None)
@@ -106,7 +109,7 @@ def from_run_dir(run_dir: str | Path, stall_threshold_s: float | None = None) ->
     first = advances[0] if advances else None
     # From the first merge to the last training report: the start-up before and the shutdown drain after
     # are not stalls of a running system (start-up is reported as first_merge_after_s).
-    up = {"uptime": 0.0, "stalls": []}
+    up = {"uptime": 0.0 if merged is not None else None, "stalls": []}  # a baseline has no global-model clock
     if first is not None and t_trained is not None:
         up = uptime(advances, first, max(first, t_trained), stall_threshold_s, origin=t_start)
     return {

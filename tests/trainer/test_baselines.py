@@ -109,6 +109,16 @@ def test_ddp_replicas_stay_identical_and_the_loss_decreases(tmp_path):
     assert (tmp_path / "run" / "plot.png").stat().st_size > 10_000
 
 
+def test_chaos_goodput_of_a_baseline_run_is_the_goodput_its_summary_reports(tmp_path):
+    summary = _baseline("ddp", tmp_path / "run", "--steps", "8")
+    out = subprocess.run([sys.executable, "-m", "diloco_trainer.cli", "chaos", "goodput", str(tmp_path / "run"),
+                          "--json"], env=child_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    g = json.loads(out.stdout)
+    assert g["goodput"] == pytest.approx(summary["goodput"]) and g["merged_fraction"] == 1.0
+    assert {n: v["steps"] for n, v in g["learners"].items()} == {"learner-0": 8, "learner-1": 8}
+
+
 def test_sync_diloco_workers_share_theta_after_each_outer_step_and_wait_for_the_slowest(tmp_path):
     summary = _baseline("sync-diloco", tmp_path / "run", "--steps", "24", "--slowdown", "1,4")
     assert len({v["param_sha256"] for v in summary["per_learner"].values()}) == 1

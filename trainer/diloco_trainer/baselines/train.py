@@ -22,6 +22,7 @@ from pathlib import Path
 
 from diloco_trainer import checkpoint
 from diloco_trainer.fsutil import atomic_write
+from diloco_trainer.protocol.runfiles import FINAL_STATE, BaselineFinalState
 from diloco_trainer.runtime import elastic, launch, procs
 from diloco_trainer.runtime.procs import Child, StopFlag, Supervisor
 from diloco_trainer.runtime.rundir import append_jsonl, make_run_dir, read_jsonl, write_config, write_json
@@ -338,8 +339,9 @@ def _worker(args: argparse.Namespace) -> int:
 
             final = theta if outer is not None else {n: p.detach() for n, p in model.named_parameters()}
             save_file({n: t.contiguous() for n, t in final.items()}, str(run_dir / "final" / "theta.safetensors"))
-            write_json(run_dir / "final" / "state.json", {"mode": args.mode, "steps": step, "outer_steps": syncs,
-                                                          "learners": world, "wall_s": time.time() - t0})
+            end = BaselineFinalState(mode=args.mode, steps=step, outer_steps=syncs, learners=world,
+                                     wall_s=time.time() - t0)
+            write_json(run_dir / FINAL_STATE, end.model_dump(mode="json"))
         metrics.close()
         _collective(dist.barrier)
     except PeerLost as exc:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from diloco_trainer.config import TrainConfig
 from diloco_trainer.goodput import goodput
 from diloco_trainer.protocol.messages import MetricsRecord
+from diloco_trainer.protocol.runfiles import FinalState, SyncerFinalState, read_final_state
 from diloco_trainer.runtime import report
 from diloco_trainer.runtime.plot import Curve, plot_run
 from diloco_trainer.runtime.rundir import (as_record, learner_slots, learner_totals, metrics_records, read_jsonl, split_incarnations,
@@ -41,11 +41,10 @@ def learner_curve(name: str, records: list, starts: list[float], t0: float, deat
     return curve
 
 
-def merged_by_learner(state: dict) -> dict[str, dict]:
-    """Per-learner merged counters from the syncer's state.json / status ({id: {tokens_merged, steps_merged}})."""
-    learners = state.get("learners") or {}
-    return {lid: {"tokens_merged": int(v.get("tokens_merged", 0)), "steps_merged": int(v.get("steps_merged", 0))}
-            for lid, v in learners.items() if isinstance(v, dict)}
+def merged_by_learner(state: FinalState | None) -> dict[str, dict]:
+    """Per-learner merged counters from the syncer's final state ({id: {tokens_merged, steps_merged}})."""
+    learners = state.learners if isinstance(state, SyncerFinalState) else {}
+    return {lid: {"tokens_merged": v.tokens_merged, "steps_merged": v.steps_merged} for lid, v in learners.items()}
 
 
 def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, val_tokens, unigram: float | None,
@@ -102,11 +101,11 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
         "per_learner": per_learner,
         "global_evals": [{"time_s": t, "tokens": n, "val_loss": v} for t, n, v in evals],
     }
-    state_path = run_dir / "final" / "state.json"
-    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    state = read_final_state(run_dir)
     if mode == "decoupled":
         merged = merged_by_learner(state)
-        summary["syncer"] = {k: state.get(k) for k in ("outer_steps", "versions") if k in state}
+        summary["syncer"] = ({"outer_steps": state.outer_steps, "versions": state.versions}
+                             if isinstance(state, SyncerFinalState) else {})
         summary["syncer"]["shards"] = cfg.syncer.shards
         summary["merged"] = merged
         summary["tokens_merged"] = sum(m["tokens_merged"] for m in merged.values())

@@ -149,10 +149,17 @@ def tensor_count(model: ModelConfig) -> int | None:
 
 
 class DataConfig(_Strict):
-    """Where tokens come from. 'stdlib' is the Python standard library's own source: on every machine."""
+    """Where tokens come from. 'stdlib' is the Python standard library's own source: on every machine.
+    'shards' reads pre-tokenized .bin/.npy files memory-mapped (docs/data.md)."""
 
-    source: Literal["stdlib", "folder", "tokens"] = "stdlib"
-    path: str | None = None  # folder of text files, or a .npy/.bin uint8/uint16 token file
+    source: Literal["stdlib", "folder", "tokens", "shards"] = "stdlib"
+    # folder of text files; a .npy/.bin token file; or (shards) a directory or glob of .bin/.npy token files
+    path: str | None = None
+    # "bytes" (token id == byte value) or the path of a Hugging Face `tokenizers` file (tokenizer.json) that turns
+    # the text of the stdlib/folder sources into tokens; with 'shards', checked against the manifest's tokenizer.
+    tokenizer: str = Field("bytes", min_length=1, description="'bytes' or the path of a tokenizer.json file.")
+    # Token type of raw .bin shards when no manifest.json says it (shards prepared by `diloco data prepare` have one).
+    dtype: Literal["uint16", "uint32"] | None = None
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
     # Cap on corpus size (tests use a small one); the corpus is held in memory, so at most 10^11.
     max_bytes: int | None = Field(None, ge=1024, le=10**11, description="Cap on corpus bytes (1024 to 10^11).")
@@ -161,6 +168,11 @@ class DataConfig(_Strict):
     def _path_when_needed(self) -> "DataConfig":
         if self.source != "stdlib" and not self.path:
             raise ValueError(f"data.path is required when data.source is {self.source!r}")
+        if self.source == "tokens" and self.tokenizer != "bytes":
+            raise ValueError("data.tokenizer applies to text (data.source stdlib or folder) and to shards; "
+                             "a data.source 'tokens' file is already tokenized")
+        if self.source == "shards" and self.max_bytes is not None:
+            raise ValueError("data.max_bytes caps text corpora held in memory; shards are memory-mapped, not capped")
         return self
 
 

@@ -200,7 +200,7 @@ def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from diloco_trainer.config import TrainConfig
-    from diloco_trainer.data.corpus import ShardSampler, load_corpus
+    from diloco_trainer.data.source import config_vocab, open_tokens
     from diloco_trainer.model.optimizer import inner_optimizer, set_lr
     from diloco_trainer.protocol.messages import MetricsRecord
     from diloco_trainer.learner.loop import step_sleep
@@ -220,8 +220,8 @@ def _worker(args: argparse.Namespace) -> int:
 
     dist.init_process_group("gloo", init_method=f"tcp://{args.master_addr}:{args.master_port}", rank=rank,
                             world_size=world)
-    corpus = load_corpus(cfg.data)
-    sampler = ShardSampler(corpus.train, rank, world, cfg.inner.batch_size, cfg.model.seq_len, cfg.seed)
+    tokens = open_tokens(cfg.data, config_vocab(cfg.model))
+    sampler = tokens.sampler(rank, world, cfg.inner.batch_size, cfg.model.seq_len, cfg.seed)
     model = build_model(cfg.model, cfg.seed)
     params = [p for p in model.parameters()]
     names = [n for n, _ in model.named_parameters()]

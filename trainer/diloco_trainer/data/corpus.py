@@ -1,5 +1,6 @@
 """Byte-level tokenizer, corpora (Python stdlib source / a folder of text / a token file) cached as token files,
-and per-learner shards with a deterministic batch sampler whose position survives a restart."""
+and per-learner shards with a deterministic batch sampler whose position survives a restart. Text corpora can be
+tokenized with a tokenizer.json instead of bytes (data.tokenizer); memory-mapped token shards live in shards.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from diloco_trainer.config import DataConfig
+from diloco_trainer.data.tokenizer import BYTES, Tokenizer, load_tokenizer
 from diloco_trainer.fsutil import atomic_write
 
 log = logging.getLogger(__name__)
@@ -24,7 +26,7 @@ log = logging.getLogger(__name__)
 VOCAB_SIZE = 256  # the byte tokenizer's vocabulary: token id == byte value
 DOC_SEPARATOR = 0  # NUL byte between documents (never appears inside a text file, so it marks file ends)
 CACHE_ENV = "DILOCO_DATA_CACHE"
-_CACHE_FORMAT = 1  # bump when the corpus layout changes so old cache files are not reused
+_CACHE_FORMAT = 2  # bump when the corpus layout changes so old cache files are not reused
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
@@ -49,12 +51,25 @@ class Corpus:
     val: torch.Tensor
     train_files: list[str] = field(default_factory=list)  # relative paths; empty for a token file
     val_files: list[str] = field(default_factory=list)
+    tokenizer_vocab: int = VOCAB_SIZE  # the vocabulary of the tokenizer that made the tokens
 
     @property
     def vocab_needed(self) -> int:
-        """Smallest model vocabulary that covers every token id in the corpus."""
+        """Smallest model vocabulary that covers the tokenizer and every token id in the corpus."""
         top = max(int(self.train.max()), int(self.val.max())) if len(self.train) and len(self.val) else 0
-        return max(VOCAB_SIZE, top + 1)
+        return max(self.tokenizer_vocab, top + 1)
+
+    @property
+    def train_tokens(self) -> int:
+        return len(self.train)
+
+    def sampler(self, shard: int, num_shards: int, batch_size: int, seq_len: int, seed: int = 0) -> "ShardSampler":
+        """A resumable batch sampler over contiguous shard `shard` of `num_shards` of the training tokens."""
+        return ShardSampler(self.train, shard, num_shards, batch_size, seq_len, seed)
+
+    def sample(self, split: str, max_tokens: int) -> torch.Tensor:
+        """The 'train' or 'val' tokens: all of them, whatever `max_tokens` (a corpus in memory is small)."""
+        return self.train if split == "train" else self.val
 
 
 # ---------------------------------------------------------------- file corpora (stdlib, folder)
@@ -138,6 +153,25 @@ def _concat(root: Path, rel_files: list[str], budget: int | None) -> np.ndarray:
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint8)
 
 
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Type of a text corpus's tokens in memory: uint8 for bytes, else int32 (torch has few uint16 kernels)."""
+    return np.dtype(np.uint8 if vocab_size <= 256 else np.int32)
+
+
+def _tokenize(joined: np.ndarray, tok: Tokenizer) -> np.ndarray:
+    """Byte-joined documents (DOC_SEPARATOR after each; the last one maybe cut by a budget) as tokens of `tok`, with
+    the tokenizer's end-of-text token after each complete document."""
+    docs = bytes(joined).split(bytes([DOC_SEPARATOR]))
+    complete = [True] * (len(docs) - 1) + [False]  # split leaves what follows the last separator
+    pieces = []
+    for ids, whole in zip(tok.encode_batch([d.decode("utf-8", errors="ignore") for d in docs]), complete):
+        pieces.append(ids)
+        if whole and tok.eos_id is not None:
+            pieces.append(np.array([tok.eos_id]))
+    dtype = token_dtype(tok.vocab_size)
+    return np.concatenate(pieces).astype(dtype) if pieces else np.zeros(0, dtype=dtype)
+
+
 def default_cache_dir() -> Path:
     """$DILOCO_DATA_CACHE, else ~/.cache/diloco/data."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "diloco" / "data")
@@ -153,8 +187,10 @@ def _file_corpus(root: Path, files: list[Path], cfg: DataConfig, cache_dir: Path
     rel = [str(p.relative_to(root)) for p in files]
     stats = [(r, st.st_size, st.st_mtime_ns) for r in rel for st in [(root / r).stat()]]
     train_files, val_files = split_files([(r, size) for r, size, _ in stats], cfg.val_fraction)
+    tok = load_tokenizer(cfg.tokenizer)
     # The key covers everything the tokens depend on, so a changed file or setting never reuses a stale cache.
-    key_src = json.dumps([_CACHE_FORMAT, str(root.resolve()), cfg.val_fraction, cfg.max_bytes, stats])
+    key_src = json.dumps([_CACHE_FORMAT, str(root.resolve()), cfg.val_fraction, cfg.max_bytes, stats,
+                          tok.fingerprint])
     key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
     cache = (cache_dir or default_cache_dir())
     train_path, val_path = cache / f"{cfg.source}-{key}.train.npy", cache / f"{cfg.source}-{key}.val.npy"
@@ -166,12 +202,15 @@ def _file_corpus(root: Path, files: list[Path], cfg: DataConfig, cache_dir: Path
         val_budget = None if cfg.max_bytes is None else max(1, int(cfg.max_bytes * cfg.val_fraction))
         val = _concat(root, val_files, val_budget)
         train = _concat(root, train_files, None if cfg.max_bytes is None else cfg.max_bytes - len(val))
+        if cfg.tokenizer != BYTES:  # max_bytes counts text bytes, whatever the tokenizer
+            train, val = _tokenize(train, tok), _tokenize(val, tok)
         try:
             _atomic_save(train_path, train)
             _atomic_save(val_path, val)
         except OSError as exc:  # a read-only home in a container must not stop training
             log.warning("could not cache the corpus in %s: %s", cache, exc)
-    return Corpus(torch.from_numpy(np.array(train)), torch.from_numpy(np.array(val)), train_files, val_files)
+    return Corpus(torch.from_numpy(np.array(train)), torch.from_numpy(np.array(val)), train_files, val_files,
+                  tok.vocab_size)
 
 
 # ---------------------------------------------------------------- token files

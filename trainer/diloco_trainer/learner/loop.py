@@ -23,7 +23,7 @@ from diloco_trainer.learner.client import FragmentUpdate, SyncerClient
 from diloco_trainer.learner.sharded_client import ShardedSyncerClient, make_client
 from diloco_trainer.protocol.shardmap import split_syncer_urls
 from diloco_trainer.config import TrainConfig
-from diloco_trainer.data.corpus import ShardSampler, load_corpus
+from diloco_trainer.data.source import open_tokens
 from diloco_trainer.fsutil import atomic_write_json
 from diloco_trainer.learner import inner_state
 from diloco_trainer.model.optimizer import inner_optimizer, set_lr
@@ -150,16 +150,12 @@ class Learner:
         if self.opts.restore_inner:
             self._restore_inner_state(versions)
 
-        corpus = load_corpus(self.cfg.data, self.opts.data_cache)
-        vocab = vocab_size_of(self.model, self.cfg.model)
-        if corpus.vocab_needed > vocab:
-            raise ValueError(f"the corpus needs a vocabulary of {corpus.vocab_needed} tokens, the model's "
-                             f"vocab_size is {vocab}")
+        tokens = open_tokens(self.cfg.data, vocab_size_of(self.model, self.cfg.model), self.opts.data_cache)
         # One unit-wide sampler (same on every rank); each rank trains its own slice of the unit's batch, so the
         # position file describes the unit and survives a restart with a different number of processes.
         self.batch = self.cfg.inner.batch_size
-        self.sampler = ShardSampler(corpus.train, self.opts.unit, self.opts.units, self.batch * self.group.world_size,
-                                    self.cfg.model.seq_len, seed=self.cfg.seed)
+        self.sampler = tokens.sampler(self.opts.unit, self.opts.units, self.batch * self.group.world_size,
+                                      self.cfg.model.seq_len, seed=self.cfg.seed)
         self._load_position()
         self.tokens_per_step = self.batch * self.group.world_size * self.cfg.model.seq_len
 

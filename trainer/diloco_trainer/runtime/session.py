@@ -98,6 +98,7 @@ class RunSession:
         self.budget_s: float | None = None
         self.train_started: float | None = None  # when the first learner logged a step
         self.corpus = None
+        self.val_tokens = None  # what the final evaluation reads (all of a small corpus, a bounded sample of shards)
         self.unigram: float | None = None
         self._live = None
         self._last_plain = 0.0
@@ -106,16 +107,20 @@ class RunSession:
 
     def prepare_data(self) -> None:
         """Load (and cache) the corpus once, check every shard is big enough, compute the unigram baseline."""
-        from diloco_trainer.data.corpus import load_corpus, shard_bounds, unigram_loss
+        from diloco_trainer.data.corpus import unigram_loss
+        from diloco_trainer.data.source import SAMPLE_TOKENS, config_vocab, open_tokens
 
-        self.corpus = load_corpus(self.cfg.data)
-        start, end = shard_bounds(len(self.corpus.train), self.n - 1, self.n)
-        if end - start < 2 * (self.cfg.model.seq_len + 1):
-            raise SystemExit(f"the training split ({len(self.corpus.train)} tokens) is too small for "
-                             f"{self.n} shards of seq_len {self.cfg.model.seq_len}")
-        self.unigram = unigram_loss(self.corpus.train, self.corpus.val)
-        self.message(f"corpus: {len(self.corpus.train):,} train / {len(self.corpus.val):,} validation bytes, "
-                     f"unigram baseline {self.unigram:.3f} nats/byte")
+        try:
+            tokens = open_tokens(self.cfg.data, config_vocab(self.cfg.model))
+            tokens.sampler(self.n - 1, self.n, 1, self.cfg.model.seq_len)  # every shard fits a window
+        except ValueError as exc:
+            raise SystemExit(f"data: {exc}") from None
+        self.corpus = tokens
+        self.val_tokens = tokens.sample("val", SAMPLE_TOKENS)
+        self.unigram = unigram_loss(tokens.sample("train", SAMPLE_TOKENS), self.val_tokens)
+        unit = "byte" if self.cfg.data.tokenizer == "bytes" and self.cfg.data.source != "shards" else "token"
+        self.message(f"corpus: {tokens.train_tokens:,} train / {len(self.val_tokens):,} validation {unit}s, "
+                     f"unigram baseline {self.unigram:.3f} nats/{unit}")
 
     def wait_for_shards(self, sup: Supervisor, names: list[str], endpoint_paths: list[Path], token: str,
                         timeout: float = 120.0, ca: Path | None = None) -> list[dict]:
@@ -398,7 +403,7 @@ class RunSession:
         self.message("evaluating the global model on the validation split ...")
         outer_bytes = sum(self.bytes_up.values()) if self.bytes_up else None
         summary, curves, evals = build_summary(
-            self.run_dir, self.cfg, self.mode, self.n, self.corpus.val, self.unigram, wall_time_s, stop_reason,
+            self.run_dir, self.cfg, self.mode, self.n, self.val_tokens, self.unigram, wall_time_s, stop_reason,
             self.eval_batches, self.started_wall, outer_bytes)
         write_outputs(self.run_dir, summary, curves, evals,
                       title=f"{self.mode}: {self.n} learners, {summary['params']:,} parameters")

@@ -1,0 +1,72 @@
+"""manifest.json of a directory of token shards: which tokenizer made them, their type and token counts, and the
+inputs they came from (what `diloco data prepare` compares to decide a re-run is a no-op). Torch-free."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from diloco_trainer.fsutil import atomic_write
+
+FILE = "manifest.json"
+FORMAT = "diloco-token-shards/1"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ShardEntry(_Strict):
+    """One file of tokens, raw little-endian `dtype` values, documents separated by `eos_id`."""
+
+    file: str = Field(description="File name inside the shard directory.")
+    tokens: int = Field(ge=0)
+    documents: int = Field(ge=0, description="Documents that end in this shard.")
+
+
+class InputFile(_Strict):
+    """What an input file looked like when it was tokenized."""
+
+    path: str
+    size: int = Field(ge=0)
+    mtime_ns: int
+
+
+class Manifest(_Strict):
+    format: Literal["diloco-token-shards/1"] = FORMAT
+    tokenizer: str = Field(description="'bytes' or the tokenizer.json path the shards were made with.")
+    tokenizer_fingerprint: str = Field(description="'bytes' or sha256 of the tokenizer.json file.")
+    vocab_size: int = Field(ge=2)
+    dtype: Literal["uint16", "uint32"]
+    eos_id: int | None = Field(None, description="Token after every document, if the tokenizer has one.")
+    text_field: str
+    inputs: list[InputFile]
+    shards: list[ShardEntry]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.tokens for s in self.shards)
+
+    @property
+    def recipe(self) -> dict:
+        """Everything the shards' content depends on: equal recipes mean a re-run would write the same files."""
+        return self.model_dump(include={"format", "tokenizer_fingerprint", "dtype", "text_field", "inputs"})
+
+
+def read_manifest(folder: Path) -> Manifest | None:
+    """The manifest of a shard directory, None if it has none; a damaged one raises ValueError naming it."""
+    path = Path(folder) / FILE
+    if not path.is_file():
+        return None
+    try:
+        return Manifest.model_validate(json.loads(path.read_text()))
+    except (ValueError, ValidationError) as exc:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{path} is not a valid token-shard manifest: {exc}") from exc
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> None:
+    """Crash-safe: a reader sees the old manifest or the new one."""
+    atomic_write(Path(folder) / FILE, manifest.model_dump_json(indent=1).encode())

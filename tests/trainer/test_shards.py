@@ -121,7 +121,7 @@ def test_a_manifest_gives_the_type_and_order_and_its_vocabulary_must_fit_the_mod
     for name, n in (("b.bin", 3000), ("a.bin", 2000)):
         np.full(n, 7, dtype="<u4").tofile(folder / name)
     manifest = Manifest(tokenizer="t.json", tokenizer_fingerprint="sha256:x", vocab_size=70_000, dtype="uint32",
-                        text_field="text", inputs=[],
+                        text_field="text", shard_tokens=3000, inputs=[],
                         shards=[ShardEntry(file="b.bin", tokens=3000, documents=1),
                                 ShardEntry(file="a.bin", tokens=2000, documents=1)])
     write_manifest(folder, manifest)

@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "syncer": ("diloco_trainer.syncer.main", "run the syncer service (what the syncer image runs)"),
     "learner": ("diloco_trainer.learner.main", "run one learner unit (what the learner image runs)"),
     "baseline": ("diloco_trainer.baselines.train", "run a baseline: DDP or synchronous DiLoCo"),
+    "data": ("diloco_trainer.data.cli", "tokenizers and token shards: train a BPE, prepare text/JSONL/Parquet"),
     "operator": ("diloco_operator.main", "run the Kubernetes operator (kopf)"),
     "devcluster": ("diloco_devcluster.cli", "a local Kubernetes control plane for trying the operator"),
     "chaos": ("diloco_chaos.cli", "run a chaos experiment against local learners or a DilocoJob"),

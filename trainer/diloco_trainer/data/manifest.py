@@ -42,7 +42,10 @@ class Manifest(_Strict):
     vocab_size: int = Field(ge=2)
     dtype: Literal["uint16", "uint32"]
     eos_id: int | None = Field(None, description="Token after every document, if the tokenizer has one.")
-    text_field: str
+    text_field: str = Field(description="The field of JSONL/Parquet records holding the text.")
+    sample_by: Literal["document", "paragraph", "line"] = Field(
+        "document", description="What one document of a plain text file is.")
+    shard_tokens: int = Field(ge=1, description="Tokens per shard (the last one holds the rest).")
     inputs: list[InputFile]
     shards: list[ShardEntry]
 
@@ -53,7 +56,8 @@ class Manifest(_Strict):
     @property
     def recipe(self) -> dict:
         """Everything the shards' content depends on: equal recipes mean a re-run would write the same files."""
-        return self.model_dump(include={"format", "tokenizer_fingerprint", "dtype", "text_field", "inputs"})
+        return self.model_dump(include={"format", "tokenizer_fingerprint", "dtype", "text_field", "sample_by",
+                                     "shard_tokens", "inputs"})
 
 
 def read_manifest(folder: Path) -> Manifest | None:

@@ -93,6 +93,9 @@ class UnitTemplate(_Api):
     """A kind of learner unit: how many, how many pods each, on which accelerators and node pool."""
 
     name: str = Field(..., min_length=1, max_length=20, pattern=DNS_LABEL)
+    image: str | None = Field(None, min_length=1, max_length=1024,
+                              description="The learner image of these units (default: spec.image), e.g. a TPU image "
+                                          "with torch_xla beside a CUDA one in a mixed job.")
     count: int = Field(1, ge=0, le=1000)
     minCount: int = Field(0, ge=0, le=1000)
     maxCount: int | None = Field(None, ge=0, le=1000)
@@ -131,6 +134,64 @@ class Checkpoint(_Api):
         if not float(mantissa) > 0:
             raise ValueError(f"size must be greater than zero, got {v!r}")
         return v
+
+
+class ClaimSource(_Api):
+    """An existing PersistentVolumeClaim (ReadOnlyMany or ReadWriteMany when pods land on several nodes)."""
+
+    claimName: str = Field(..., min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)
+
+
+class NfsSource(_Api):
+    """An NFS export."""
+
+    server: str = Field(..., min_length=1, max_length=253)
+    path: str = Field(..., min_length=1, max_length=4096, pattern=r"^/")
+
+
+class CsiSource(_Api):
+    """A CSI volume (e.g. a bucket through a FUSE CSI driver)."""
+
+    driver: str = Field(..., min_length=1, max_length=63)
+    volumeAttributes: dict[str, str] = Field(default_factory=dict)
+
+
+class DataVolume(_Api):
+    """Read-only training data: token shards, a tokenizer, a model checkpoint. Mounted read-only at mountPath into
+    every learner pod and the syncer (which builds the initial model from it); the config's paths point inside it."""
+
+    mountPath: str = Field("/data", min_length=2, max_length=256, pattern=r"^/[^:]*[^/:]$",
+                           description="Where the volume appears in the pods (an absolute path, not /).")
+    subPath: str | None = Field(None, min_length=1, max_length=4096, pattern=r"^[^/]",
+                                description="A directory inside the volume to mount instead of its root.")
+    persistentVolumeClaim: ClaimSource | None = None
+    nfs: NfsSource | None = None
+    csi: CsiSource | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataVolume":
+        given = [k for k in ("persistentVolumeClaim", "nfs", "csi") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"data must name exactly one volume source of persistentVolumeClaim, nfs, csi; "
+                             f"got {given or 'none'}")
+        return self
+
+    def volume(self, name: str) -> dict:
+        """The pod volume (read-only) for this source."""
+        if self.persistentVolumeClaim is not None:
+            return {"name": name, "persistentVolumeClaim": {"claimName": self.persistentVolumeClaim.claimName,
+                                                            "readOnly": True}}
+        if self.nfs is not None:
+            return {"name": name, "nfs": {"server": self.nfs.server, "path": self.nfs.path, "readOnly": True}}
+        assert self.csi is not None
+        return {"name": name, "csi": {"driver": self.csi.driver, "readOnly": True,
+                                      "volumeAttributes": dict(self.csi.volumeAttributes)}}
+
+    def mount(self, name: str) -> dict:
+        out = {"name": name, "mountPath": self.mountPath, "readOnly": True}
+        if self.subPath:
+            out["subPath"] = self.subPath
+        return out
 
 
 class SyncerTls(_Api):
@@ -244,12 +305,17 @@ class DilocoJobSpec(_Api):
     chaos: JobChaos | None = None  # a chaos schedule the operator runs on this job's own units (docs/chaos.md)
     autoscaling: Autoscaling | None = None  # capacity-aware: units follow the room on the templates' pools
     clusters: list[RemoteCluster] = Field(default_factory=list, max_length=16)  # units[].cluster names one
+    data: DataVolume | None = Field(None, description="A read-only volume with the data, tokenizer or model "
+                                                      "checkpoint the config's paths point into.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "DilocoJobSpec":
         names = [u.name for u in self.units]
         if len(set(names)) != len(names):
             raise ValueError(f"units[].name must be unique, got {names}")
+        if self.config.data.path is not None and not self.config.data.path.startswith("/"):
+            raise ValueError(f"config.data.path must be an absolute path in the pods (e.g. under "
+                             f"spec.data.mountPath), got {self.config.data.path!r}")
         clusters = [c.name for c in self.clusters]
         if len(set(clusters)) != len(clusters):
             raise ValueError(f"clusters[].name must be unique, got {clusters}")
@@ -323,6 +389,7 @@ class LearnerUnitSpec(_Api):
     syncerShards: int | None = Field(None, ge=2, le=1024)
     cluster: str | None = None  # the spec.clusters entry this unit runs in (None: the operator's own cluster)
     syncerUrl: str | None = None  # in a remote cluster: that cluster's syncerUrl (the learner's --syncer)
+    data: DataVolume | None = None  # the job's spec.data, mounted read-only
 
 
 JobPhase = Literal["Pending", "Running", "Succeeded", "Failed"]

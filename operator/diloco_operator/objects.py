@@ -24,6 +24,7 @@ LEARNER_CA_DIR = "/etc/diloco/ca"
 ANNOTATION_TLS_HASH = "diloco.dev/tls-cert-hash"  # a renewed certificate rolls the syncer onto it
 SYNCER_STATE_DIR = "/var/lib/diloco"
 LEARNER_STATE_DIR = "/var/lib/diloco-learner"
+DATA_VOLUME = "data"  # the pod volume of spec.data
 NODE_LOSS_GRACE_S = 30
 IMAGE_GID = 10001  # the Dockerfile's user
 
@@ -217,6 +218,9 @@ def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1, tls
               {"name": "state", "mountPath": SYNCER_STATE_DIR}]
     volumes = [{"name": "config", "configMap": {"name": config_name(name)}},
                {"name": "state", "persistentVolumeClaim": {"claimName": pvc_name(name, shard, shards)}}]
+    if spec.data is not None:  # the syncer builds the initial model, maybe from a checkpoint on this volume
+        mounts.append(spec.data.mount(DATA_VOLUME))
+        volumes.append(spec.data.volume(DATA_VOLUME))
     if tls_secret:
         command += ["--tls-cert", f"{SYNCER_TLS_DIR}/tls.crt", "--tls-key", f"{SYNCER_TLS_DIR}/tls.key"]
         mounts.append({"name": "tls", "mountPath": SYNCER_TLS_DIR, "readOnly": True})
@@ -281,7 +285,7 @@ def unit_spec(job_name: str, spec: api.DilocoJobSpec, template: api.UnitTemplate
     """The LearnerUnit spec for unit `index` of `template` (everything its pods need, copied from the job)."""
     return api.LearnerUnitSpec(
         jobName=job_name, template=template.name, index=index, unitIndex=unit_index,
-        shards=max(spec.data_shards(), unit_index + 1), image=spec.image,
+        shards=max(spec.data_shards(), unit_index + 1), image=template.image or spec.image,
         imagePullPolicy=spec.imagePullPolicy, podsPerUnit=template.podsPerUnit, accelerator=template.accelerator,
         nodeSelector=template.nodeSelector, tolerations=template.tolerations, resources=template.resources,
         steps=template.steps, stateVolume=template.stateVolume, restartPolicy=spec.restartPolicy,
@@ -289,6 +293,7 @@ def unit_spec(job_name: str, spec: api.DilocoJobSpec, template: api.UnitTemplate
         syncerShards=spec.config.syncer.shards if spec.config.syncer.shards > 1 else None,
         cluster=template.cluster,
         syncerUrl=next((c.syncerUrl for c in spec.clusters if c.name == template.cluster), None),
+        data=spec.data,
     )
 
 
@@ -370,6 +375,9 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
     mounts = [{"name": "state", "mountPath": LEARNER_STATE_DIR}]
     volumes = [{"name": "state", "persistentVolumeClaim": {"claimName": state_pvc_name(name, rank)}}
                if spec.stateVolume else {"name": "state", "emptyDir": {}}]
+    if spec.data is not None:
+        mounts.append(spec.data.mount(DATA_VOLUME))
+        volumes.append(spec.data.volume(DATA_VOLUME))
     if spec.syncerTls:
         command += ["--ca", f"{LEARNER_CA_DIR}/{CA_KEY}"]
         mounts.append({"name": "syncer-ca", "mountPath": LEARNER_CA_DIR, "readOnly": True})

@@ -155,6 +155,16 @@ VOLUME_RULES = [
     _rule("!has(self.size) || !isQuantity(self.size) || quantity(self.size).isGreaterThan(quantity('0'))",
           "size must be greater than zero", ".size"),
 ]
+DATA_RULES = [
+    _rule("[has(self.persistentVolumeClaim), has(self.nfs), has(self.csi)].filter(x, x).size() == 1",
+          "data must name exactly one volume source of persistentVolumeClaim, nfs, csi"),
+]
+# The pods have no working directory the user chose: a path in the config is absolute (inside spec.data's
+# mountPath, or baked into the image).
+DATA_PATH_RULES = [
+    _rule("!has(self.path) || self.path.startsWith('/')",
+          "config.data.path must be an absolute path in the pods (e.g. under spec.data.mountPath)", ".path"),
+]
 TLS_RULES = [
     _rule("!has(self.secretName) || !has(self.mode) || self.mode == 'Secret'",
           "secretName applies only with mode Secret (or no mode)", ".secretName"),
@@ -235,6 +245,8 @@ def dilocojob_crd() -> dict:
     config = spec["properties"]["config"]
     config["x-kubernetes-validations"] = CONFIG_RULES
     config["properties"]["outer"]["x-kubernetes-validations"] = OUTER_RULES
+    config["properties"]["data"]["x-kubernetes-validations"] = DATA_PATH_RULES
+    spec["properties"]["data"]["x-kubernetes-validations"] = DATA_RULES
     columns = [
         _col("Phase", ".status.phase"), _col("Ready", ".status.unitsReady", "integer"),
         _col("Desired", ".status.unitsDesired", "integer"), _col("Restarts", ".status.restarts", "integer"),
@@ -252,6 +264,7 @@ def learnerunit_crd() -> dict:
     spec = openapi(api.LearnerUnitSpec)
     spec["properties"]["accelerator"]["x-kubernetes-validations"] = ACCELERATOR_RULES
     spec["properties"]["stateVolume"]["x-kubernetes-validations"] = VOLUME_RULES
+    spec["properties"]["data"]["x-kubernetes-validations"] = DATA_RULES
     columns = [
         _col("Job", ".spec.jobName"), _col("Phase", ".status.phase"),
         _col("Pods-Ready", ".status.podsReady", "integer"), _col("Pods", ".status.podsDesired", "integer"),

@@ -108,6 +108,17 @@ BAD = [
         {"name": "west", "kubeconfigSecret": {"name": "w"}, "syncerUrl": "syncer:8470"}]), "spec.clusters[0].syncerUrl"),
     ("a remote cluster without a kubeconfig Secret", _with("spec.clusters", [
         {"name": "west", "syncerUrl": "https://s.w:8470"}]), "spec.clusters[0].kubeconfigSecret"),
+    # spec.data (issue 18): one read-only volume source, absolute paths in the config.
+    ("a data volume with no source", _with("spec.data", {"mountPath": "/data"}), "spec.data"),
+    ("a data volume with two sources", _with("spec.data", {"persistentVolumeClaim": {"claimName": "tokens"},
+                                                           "nfs": {"server": "nfs.local", "path": "/x"}}), "spec.data"),
+    ("a data mount at the root", _with("spec.data", {"mountPath": "/", "persistentVolumeClaim": {"claimName": "t"}}),
+     "spec.data.mountPath"),
+    ("a data claim with no name", _with("spec.data", {"persistentVolumeClaim": {}}),
+     "spec.data.persistentVolumeClaim.claimName"),
+    ("a relative data path", _with("spec.config.data", {"source": "tokens", "path": "tokens.bin"}),
+     "spec.config.data.path"),
+    ("an empty template image", _with("spec.units.0.image", ""), "spec.units[0].image"),
     # spec.autoscaling (issue 9).
     ("autoscaling minUnits above maxUnits", _with("spec.autoscaling", {"minUnits": 5, "maxUnits": 2}),
      "spec.autoscaling.minUnits"),

@@ -234,6 +234,40 @@ def test_a_unit_with_a_state_volume_mounts_one_claim_per_rank():
     assert objects.unit_pod(plain, 0, 0)["spec"]["volumes"][0] == {"name": "state", "emptyDir": {}}
 
 
+def test_a_data_volume_is_mounted_read_only_into_every_learner_pod_and_the_syncer():
+    spec = job_spec(data={"mountPath": "/data", "subPath": "run-1", "persistentVolumeClaim": {"claimName": "tokens"}})
+    unit = objects.learner_unit(JOB, objects.unit_spec("demo", spec, spec.units[0], 0, 0))
+    unit["metadata"]["uid"] = "lu-1"
+    want_volume = {"name": "data", "persistentVolumeClaim": {"claimName": "tokens", "readOnly": True}}
+    want_mount = {"name": "data", "mountPath": "/data", "readOnly": True, "subPath": "run-1"}
+    for rank in (0, 1):
+        pod_spec = objects.unit_pod(unit, 0, rank)["spec"]
+        assert want_volume in pod_spec["volumes"]
+        assert want_mount in pod_spec["containers"][0]["volumeMounts"]
+    syncer = objects.syncer_deployment(JOB, spec)["spec"]["template"]["spec"]
+    assert want_volume in syncer["volumes"]
+    assert all(want_mount in c["volumeMounts"] for c in syncer["containers"])  # the standby too
+    nfs = job_spec(data={"nfs": {"server": "10.0.0.2", "path": "/export/tokens"}}).data.volume("data")
+    assert nfs == {"name": "data", "nfs": {"server": "10.0.0.2", "path": "/export/tokens", "readOnly": True}}
+    plain = objects.learner_unit(JOB, objects.unit_spec("demo", job_spec(), job_spec().units[0], 0, 0))
+    plain["metadata"]["uid"] = "lu-2"
+    assert all(v["name"] != "data" for v in objects.unit_pod(plain, 0, 0)["spec"]["volumes"])
+
+
+def test_a_template_image_overrides_the_jobs_image_for_its_units_only():
+    spec = job_spec(units=[{"name": "tpu", "image": "trainer-xla:1", "accelerator": {"type": "tpu-v5p-slice",
+                                                                                   "count": 4}},
+                           {"name": "gpu", "accelerator": {"type": "nvidia-l4", "count": 1}}])
+    images = {}
+    for i, template in enumerate(spec.units):
+        unit = objects.learner_unit(JOB, objects.unit_spec("demo", spec, template, 0, i))
+        unit["metadata"]["uid"] = f"lu-{i}"
+        images[template.name] = objects.unit_pod(unit, 0, 0)["spec"]["containers"][0]["image"]
+    assert images == {"tpu": "trainer-xla:1", "gpu": "img:1"}
+    syncer = objects.syncer_deployment(JOB, spec)["spec"]["template"]["spec"]["containers"][0]
+    assert syncer["image"] == "img:1"
+
+
 def test_every_learner_pod_command_is_accepted_by_the_learner_itself(monkeypatch, tmp_path):
     """The pods' command lines go through the learner's own parser and checks: distinct, in-range data shards
     for every unit (also after scaling past the templates' counts), metrics served on the declared port."""

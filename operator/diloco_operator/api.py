@@ -313,9 +313,10 @@ class DilocoJobSpec(_Api):
         names = [u.name for u in self.units]
         if len(set(names)) != len(names):
             raise ValueError(f"units[].name must be unique, got {names}")
-        if self.config.data.path is not None and not self.config.data.path.startswith("/"):
-            raise ValueError(f"config.data.path must be an absolute path in the pods (e.g. under "
-                             f"spec.data.mountPath), got {self.config.data.path!r}")
+        for field, value in (("config.data.path", self.config.data.path), ("config.model.path", self.config.model.path)):
+            if value is not None and not value.startswith("/"):
+                raise ValueError(f"{field} must be an absolute path in the pods (e.g. under spec.data.mountPath), "
+                                 f"got {value!r}")
         clusters = [c.name for c in self.clusters]
         if len(set(clusters)) != len(clusters):
             raise ValueError(f"clusters[].name must be unique, got {clusters}")

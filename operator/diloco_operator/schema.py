@@ -165,6 +165,10 @@ DATA_PATH_RULES = [
     _rule("!has(self.path) || self.path.startsWith('/')",
           "config.data.path must be an absolute path in the pods (e.g. under spec.data.mountPath)", ".path"),
 ]
+MODEL_PATH_RULES = [
+    _rule("!has(self.path) || self.path.startsWith('/')",
+          "config.model.path must be an absolute path in the pods (e.g. under spec.data.mountPath)", ".path"),
+]
 TLS_RULES = [
     _rule("!has(self.secretName) || !has(self.mode) || self.mode == 'Secret'",
           "secretName applies only with mode Secret (or no mode)", ".secretName"),
@@ -246,6 +250,7 @@ def dilocojob_crd() -> dict:
     config["x-kubernetes-validations"] = CONFIG_RULES
     config["properties"]["outer"]["x-kubernetes-validations"] = OUTER_RULES
     config["properties"]["data"]["x-kubernetes-validations"] = DATA_PATH_RULES
+    config["properties"]["model"].setdefault("x-kubernetes-validations", []).extend(MODEL_PATH_RULES)
     spec["properties"]["data"]["x-kubernetes-validations"] = DATA_RULES
     columns = [
         _col("Phase", ".status.phase"), _col("Ready", ".status.unitsReady", "integer"),

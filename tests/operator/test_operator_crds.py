@@ -118,6 +118,7 @@ BAD = [
      "spec.data.persistentVolumeClaim.claimName"),
     ("a relative data path", _with("spec.config.data", {"source": "tokens", "path": "tokens.bin"}),
      "spec.config.data.path"),
+    ("a relative model checkpoint path", _with("spec.config.model", {"path": "ckpt"}), "spec.config.model.path"),
     ("an empty template image", _with("spec.units.0.image", ""), "spec.units[0].image"),
     # spec.autoscaling (issue 9).
     ("autoscaling minUnits above maxUnits", _with("spec.autoscaling", {"minUnits": 5, "maxUnits": 2}),

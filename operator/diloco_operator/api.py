@@ -313,7 +313,9 @@ class DilocoJobSpec(_Api):
         names = [u.name for u in self.units]
         if len(set(names)) != len(names):
             raise ValueError(f"units[].name must be unique, got {names}")
-        for field, value in (("config.data.path", self.config.data.path), ("config.model.path", self.config.model.path)):
+        tokenizer = self.config.data.tokenizer if self.config.data.tokenizer != "bytes" else None
+        for field, value in (("config.data.path", self.config.data.path), ("config.model.path", self.config.model.path),
+                             ("config.data.tokenizer", tokenizer)):
             if value is not None and not value.startswith("/"):
                 raise ValueError(f"{field} must be an absolute path in the pods (e.g. under spec.data.mountPath), "
                                  f"got {value!r}")

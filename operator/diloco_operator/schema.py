@@ -163,7 +163,8 @@ DATA_RULES = [
 # mountPath, or baked into the image).
 DATA_PATH_RULES = [
     _rule("!has(self.path) || self.path.startsWith('/')",
-          "config.data.path must be an absolute path in the pods (e.g. under spec.data.mountPath)", ".path"),
+          "config.data.path must be an absolute path in the pods (e.g. under spec.data.mountPath)", ".path"),    _rule("!has(self.tokenizer) || self.tokenizer == 'bytes' || self.tokenizer.startsWith('/')",
+          "config.data.tokenizer must be 'bytes' or an absolute path in the pods", ".tokenizer"),
 ]
 MODEL_PATH_RULES = [
     _rule("!has(self.path) || self.path.startsWith('/')",

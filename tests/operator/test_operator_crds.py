@@ -119,6 +119,7 @@ BAD = [
     ("a relative data path", _with("spec.config.data", {"source": "tokens", "path": "tokens.bin"}),
      "spec.config.data.path"),
     ("a relative model checkpoint path", _with("spec.config.model", {"path": "ckpt"}), "spec.config.model.path"),
+    ("a relative tokenizer path", _with("spec.config.data", {"tokenizer": "tok.json"}), "spec.config.data.tokenizer"),
     ("an empty template image", _with("spec.units.0.image", ""), "spec.units[0].image"),
     # spec.autoscaling (issue 9).
     ("autoscaling minUnits above maxUnits", _with("spec.autoscaling", {"minUnits": 5, "maxUnits": 2}),

@@ -157,7 +157,7 @@ class DataConfig(_Strict):
     path: str | None = None
     # "bytes" (token id == byte value) or the path of a Hugging Face `tokenizers` file (tokenizer.json) that turns
     # the text of the stdlib/folder sources into tokens; with 'shards', checked against the manifest's tokenizer.
-    tokenizer: str = Field("bytes", min_length=1, description="'bytes' or the path of a tokenizer.json file.")
+    tokenizer: str = Field("bytes", min_length=1, max_length=4096, description="'bytes' or the path of a tokenizer.json file.")
     # Token type of raw .bin shards when no manifest.json says it (shards prepared by `diloco data prepare` have one).
     dtype: Literal["uint16", "uint32"] | None = None
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5)

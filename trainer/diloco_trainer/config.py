@@ -186,6 +186,22 @@ class InnerConfig(_Strict):
     warmup_steps: int = Field(20, ge=0, le=1_000_000, description="Linear warmup steps (0 to 1,000,000).")
     grad_clip: float = Field(1.0, gt=0)
     batch_size: int = Field(16, ge=1, le=65536, description="Sequences per inner step and learner (1 to 65536).")
+    micro_batches: int = Field(1, ge=1, le=65536, description="Gradient accumulation: the batch is trained in this "
+                                                              "many equal micro-batches (dividing batch_size); the "
+                                                              "step equals the full-batch step.")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="fp32, or bf16 autocast on the device (master "
+                                                                  "weights, outer state and outer gradients stay fp32).")
+    parallel: Literal["ddp", "fsdp"] = Field("ddp", description="Inside a multi-process unit: DistributedDataParallel "
+                                                               "(a full replica per process) or FSDP2 (fully_shard: "
+                                                               "parameters, gradients and AdamW state sharded).")
+    compile: bool = Field(False, description="Run the model through torch.compile.")
+
+    @model_validator(mode="after")
+    def _micro_batches_divide_the_batch(self) -> "InnerConfig":
+        if self.batch_size % self.micro_batches:
+            raise ValueError(f"inner.micro_batches ({self.micro_batches}) must divide inner.batch_size "
+                             f"({self.batch_size})")
+        return self
 
 
 class OuterConfig(_Strict):

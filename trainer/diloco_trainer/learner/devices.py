@@ -124,21 +124,15 @@ class UnitGroup:
                 t.copy_(flat[offset: offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-    def average_grads(self, params: list[torch.Tensor], loss: torch.Tensor) -> float:
-        """All-reduce the gradients (mean over the unit, one flat bucket) and return the unit's mean loss."""
+    def mean(self, value: torch.Tensor) -> float:
+        """The unit's mean of a scalar every rank holds (e.g. its loss)."""
         if self.world_size == 1:
-            return float(loss)
+            return float(value)
         import torch.distributed as dist
 
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads] + [loss.reshape(1).to(grads[0].dtype)]).to(self.comm_device)
+        flat = value.detach().reshape(1).to(self.comm_device, torch.float32)
         dist.all_reduce(flat)
-        flat /= self.world_size
-        offset = 0
-        for p, g in zip(params, grads):
-            p.grad = flat[offset: offset + g.numel()].view_as(g).to(g.device)
-            offset += g.numel()
-        return float(flat[-1])
+        return float(flat[0]) / self.world_size
 
     def step_header(self, stop: bool, adopted: list[tuple[int, int]], slots: int) -> tuple[bool, list[tuple[int, int]]]:
         """One collective per step: whether any rank must stop, and rank 0's (fragment, version) adoptions."""

@@ -26,7 +26,7 @@ from diloco_trainer.config import TrainConfig
 from diloco_trainer.data.source import open_tokens
 from diloco_trainer.fsutil import atomic_write_json
 from diloco_trainer.learner import inner_state
-from diloco_trainer.model.optimizer import inner_optimizer, set_lr
+from diloco_trainer.learner.inner_step import InnerStep
 from diloco_trainer.model.build import build_model, vocab_size_of
 from diloco_trainer.learner.outer_sync import OuterSync
 from diloco_trainer.protocol.messages import LearnerRecord
@@ -130,6 +130,7 @@ class Learner:
 
         self.model = build_model(self.cfg.model, self.cfg.seed).to(self.device)
         self.params = dict(self.model.named_parameters())
+        self.names = list(self.params)
         planned = [n for frag in self.plan for n in frag]
         if sorted(planned) != sorted(self.params) or len(self.plan) != self.cfg.outer.fragments:
             raise ValueError("the syncer's fragment plan does not match this learner's model "
@@ -142,13 +143,20 @@ class Learner:
                 for name, p in self.params.items():
                     p.copy_(boot.theta[name].to(self.device, p.dtype))
         self.group.broadcast_tensors([p.data for p in self.params.values()])
+        # From here the outer sync reads and writes the parameters through the inner step's `params` (the model's
+        # own, or the gathered full tensors of an FSDP2 unit's fragments in use).
+        self.inner = InnerStep(self.model, self.cfg, self.device, self.group)
+        self.params, self.opt = self.inner.params, self.inner.opt
         outer = self.cfg.outer
-        self.outer = OuterSync(self.plan, versions, self.params, sync_every=outer.sync_every, adopt=outer.adopt,
-                               compression=outer.compression, block_size=outer.block_size, step=self.step,
-                               sends=self.group.is_main, keep_fraction=outer.keep_fraction)
-        self.opt, self.lr_at = inner_optimizer(self.model, self.cfg)
-        if self.opts.restore_inner:
+        with self.inner.full(self.names):
+            self.outer = OuterSync(self.plan, versions, self.params, sync_every=outer.sync_every, adopt=outer.adopt,
+                                   compression=outer.compression, block_size=outer.block_size, step=self.step,
+                                   sends=self.group.is_main, keep_fraction=outer.keep_fraction)
+        if self.opts.restore_inner and not self.inner.sharded:
             self._restore_inner_state(versions)
+        elif self.inner.sharded:
+            log.info("FSDP2 unit: AdamW moments start afresh and are not snapshotted (inner-state restore covers "
+                     "replicated units only)")
 
         tokens = open_tokens(self.cfg.data, vocab_size_of(self.model, self.cfg.model), self.opts.data_cache)
         # One unit-wide sampler (same on every rank); each rank trains its own slice of the unit's batch, so the
@@ -185,7 +193,7 @@ class Learner:
         path = self._position_path()
         if path is not None and self.group.is_main:
             atomic_write_json(path, self.sampler.state_dict())
-            if self.step:  # an optimizer that has not stepped has no state worth a snapshot
+            if self.step and not self.inner.sharded:  # an optimizer that has not stepped has no state worth a snapshot
                 inner_state.save(self.opts.state_dir / inner_state.FILE, self.opt, self.outer.ef,
                                  self.steps_before + self.step, self.outer.unsent_work(), self.nonce,
                                  self.outer.held(), self.run_digest)
@@ -246,9 +254,11 @@ class Learner:
             self._book_answers()
             # Due fragments go out before adoption: a version landing on the step p is due must not erase
             # the work this Δ carries.
-            if self.client is not None:
-                for sub in self.outer.send_due(self.step, self.opts.learner_id, self.nonce):
-                    self.client.submit(sub)
+            due = [n for p in self.outer.due_fragments(self.step) for n in self.plan[p]]
+            with self.inner.full(due):
+                subs = self.outer.send_due(self.step, self.opts.learner_id, self.nonce)
+            for sub in subs:
+                self.client.submit(sub)
             stop = self._adopt_updates()
 
             step_s = time.monotonic() - started
@@ -269,20 +279,12 @@ class Learner:
         return self._finish(window, server)
 
     def _inner_step(self) -> float:
-        """One AdamW step on this rank's slice of the unit batch; gradients averaged across the unit."""
+        """One AdamW step on this rank's slice of the unit batch (inner_step.py); returns the unit's mean loss."""
         x, y = self.sampler.next_batch()
         r = self.group.rank
         mine = slice(r * self.batch, (r + 1) * self.batch)
         x, y = x[mine].to(self.device), y[mine].to(self.device)
-        set_lr(self.opt, self.lr_at(self.steps_before + self.step + 1))
-        _, loss = self.model(x, y)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        loss_value = self.group.average_grads(list(self.params.values()), loss.detach())
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
-        self.opt.step()
-        devices.sync(self.device)
-        return loss_value
+        return self.inner.step(x, y, self.inner.lr_at(self.steps_before + self.step + 1))
 
     # ------------------------------------------------------------------ outer gradients
 
@@ -306,9 +308,9 @@ class Learner:
                                                slots=len(self.plan))
         by_fragment = {u.fragment: u for u in updates}
         for p, version in adopted:
-            # The AdamW moments are kept (Decision); rank 0 computes the new θ_p, the unit gets it by broadcast.
-            self.outer.adopt(p, version, by_fragment[p].tensors if self.group.is_main else None, self.step)
-            self.group.broadcast_tensors([self.params[n].data for n in self.plan[p]])
+            # The AdamW moments are kept (Decision); rank 0 computes the new θ_p, the unit gets it from rank 0.
+            with self.inner.full(self.plan[p], write_back=True):
+                self.outer.adopt(p, version, by_fragment[p].tensors if self.group.is_main else None, self.step)
         return stop
 
     # ------------------------------------------------------------------ reporting and shutdown
@@ -347,9 +349,13 @@ class Learner:
 
     def _finish(self, window: Window, server) -> int:
         self._save_position()
-        if self.client is not None:
+        with self.inner.full(self.names):
             # Leaving: what no acknowledged Δ covers goes out now, so a finished run's last steps are merged too.
-            for sub in self.outer.flush(self.opts.learner_id, self.nonce):
+            subs = self.outer.flush(self.opts.learner_id, self.nonce)
+            if self.opts.save_params is not None:
+                self._dump_params(self.opts.save_params / f"params-rank{self.group.rank}.safetensors")
+        if self.client is not None:
+            for sub in subs:
                 self.client.submit(sub)
             drained = self.client.close(self.opts.drain_s)
             if not drained:
@@ -357,8 +363,6 @@ class Learner:
                             self.client.pending(), self.opts.drain_s)
             self._book_answers()
         self._log(window, final=True)
-        if self.opts.save_params is not None:
-            self._dump_params(self.opts.save_params / f"params-rank{self.group.rank}.safetensors")
         if server is not None:
             server.shutdown()
         self.group.close()

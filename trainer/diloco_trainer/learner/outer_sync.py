@@ -91,6 +91,10 @@ class OuterSync:
             fs.c_steps += 1
             fs.c_tokens += tokens
 
+    def due_fragments(self, step: int) -> list[int]:
+        """The fragments `send_due(step)` sends (every rank of a unit knows them: the clocks move on every rank)."""
+        return [p for p, fs in enumerate(self.frags) if step >= fs.next_due]
+
     def send_due(self, step: int, learner_id: str, nonce: str) -> list[Submission]:
         """Δs of the fragments due after local step `step`; each fragment's clock moves H steps on."""
         out = []

@@ -1,11 +1,12 @@
-"""The inner optimizer every trainer here uses: AdamW without weight decay on norms and biases, and a linear
-warm-up to a constant learning rate. The learner and the synchronous baselines build it the same way."""
+"""The inner optimizer every trainer here uses: AdamW without weight decay on norms, biases and embeddings, and a
+linear warm-up to a constant learning rate. The learner and the synchronous baselines build it the same way."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from diloco_trainer.config import TrainConfig
 
@@ -15,12 +16,23 @@ def inner_lr(step: int, lr: float, warmup_steps: int) -> float:
     return lr * min(1.0, step / warmup_steps) if warmup_steps else lr
 
 
-def inner_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> tuple[torch.optim.AdamW, Callable[[int], float]]:
-    """(AdamW over the model's parameters, step -> learning rate). Matrices decay, vectors (norms, biases) do not."""
+def decay_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(decayed, not decayed) parameters of any model, each once (tied weights too), decided by module type and
+    shape, never by name: embedding tables (and a head tied to one) and every tensor of fewer than 2 dimensions
+    (norm scales, biases) are not decayed; the other matrices are."""
+    embedded = {id(p) for mod in model.modules() if isinstance(mod, nn.Embedding) for p in mod.parameters(False)}
+    decayed, plain = [], []
+    for p in model.parameters():  # parameters() yields a tied tensor once
+        (plain if p.dim() < 2 or id(p) in embedded else decayed).append(p)
+    return decayed, plain
+
+
+def inner_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.AdamW, Callable[[int], float]]:
+    """(AdamW over the model's parameters, step -> learning rate); weight decay as `decay_groups` splits them."""
     inner = cfg.inner
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": inner.weight_decay},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+    decayed, plain = decay_groups(model)
+    opt = torch.optim.AdamW([{"params": decayed, "weight_decay": inner.weight_decay},
+                             {"params": plain, "weight_decay": 0.0}],
                             lr=inner.lr, betas=(inner.beta1, inner.beta2))
     return opt, lambda step: inner_lr(step, inner.lr, inner.warmup_steps)
 

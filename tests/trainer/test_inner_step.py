@@ -15,7 +15,7 @@ from torch import nn
 from diloco_trainer.config import MODEL_PRESETS, InnerConfig, TrainConfig
 from diloco_trainer.learner.devices import UnitGroup
 from diloco_trainer.learner.inner_step import InnerStep, shard_units
-from diloco_trainer.model.gpt import build_model
+from diloco_trainer.model.build import build_model
 from diloco_trainer.model.optimizer import decay_groups
 
 from learner_kit import ROOT, child_env, free_port
@@ -77,6 +77,26 @@ def test_adamw_decays_matrices_but_not_embeddings_norms_or_biases_of_any_model()
     decayed, plain = decay_groups(model)
     assert [id(p) for p in decayed] == [id(model.mix.weight)]
     assert {id(p) for p in plain} == {id(model.wte.weight), id(model.mix.bias), id(model.norm.weight)}
+
+
+def test_a_transformers_model_with_tied_embeddings_gets_its_groups_and_micro_batched_bf16_steps():
+    from diloco_trainer.config import ModelConfig
+
+    cfg = TrainConfig(model=ModelConfig.model_validate({"seq_len": 32, "hf": {
+        "model_type": "qwen2", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64,
+        "tie_word_embeddings": True}}), inner={"batch_size": 4, "micro_batches": 2, "precision": "bf16"})
+    model = build_model(cfg.model, 0)
+    decayed, plain = decay_groups(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert len(decayed) + len(plain) == len(names), "every tensor once, the tied head too"
+    assert [names[id(p)] for p in plain if p.dim() == 2] == [n for n in names.values() if "embed_tokens" in n]
+    assert all(p.dim() == 2 and "proj" in names[id(p)] for p in decayed)
+    assert len(shard_units(model)) == 2, "FSDP2 shards each decoder layer"
+    step = InnerStep(model, cfg, CPU, UnitGroup())
+    x = torch.randint(0, 300, (4, 33), generator=torch.Generator().manual_seed(0))
+    losses = [step.step(x[:, :-1], x[:, 1:], 3e-3) for _ in range(4)]
+    assert losses[-1] < losses[0] and all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def test_fsdp_shards_the_blocks_of_a_module_list_apart_from_the_root():

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from diloco_trainer.config import MODEL_PRESETS, TrainConfig
 from diloco_trainer.learner.devices import UnitGroup
 from diloco_trainer.learner.inner_step import InnerStep
-from diloco_trainer.model.gpt import build_model
+from diloco_trainer.model.build import build_model
 
 ADOPTED = ["tok_emb.weight", "blocks.0.attn.qkv.weight", "blocks.1.ln2.bias"]
 

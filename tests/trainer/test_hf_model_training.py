@@ -1,14 +1,11 @@
 """A transformers Llama-style model (inline config, tied embeddings) trained by a real syncer and two learner processes
-over loopback (issue 18); a fragment count the model cannot hold stops the syncer at its start, naming the field."""
-
-import subprocess
-import sys
+over loopback (issue 18)."""
 
 import pytest
 import yaml
 from safetensors import safe_open
 
-from learner_kit import ROOT, SyncerProcess, child_env, finish, metrics, start_learner, wait_for
+from learner_kit import SyncerProcess, finish, metrics, start_learner, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -17,11 +14,11 @@ LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "num_hidde
          "max_position_embeddings": 64, "tie_word_embeddings": True}
 
 
-def _config(path, fragments=4):
+def _config(path):
     path.write_text(yaml.safe_dump({
         "model": {"hf": LLAMA, "seq_len": 32}, "data": {"max_bytes": 200_000},
         "inner": {"batch_size": 8, "warmup_steps": 5},
-        "outer": {"fragments": fragments, "sync_every": 8, "compression": "int4"}}))
+        "outer": {"fragments": 4, "sync_every": 8, "compression": "int4"}}))
     return path
 
 
@@ -50,12 +47,3 @@ def test_two_learners_train_an_inline_llama_with_a_real_syncer_and_the_tied_embe
         names = set(f.keys())
     assert "hf.model.embed_tokens.weight" in names and "hf.lm_head.weight" not in names
     assert "hf.model.layers.1.self_attn.k_proj.weight" in names
-
-
-def test_a_syncer_whose_model_has_fewer_tensors_than_fragments_stops_at_start_naming_outer_fragments(tmp_path):
-    # 2 layers x 9 tensors + embedding + final norm = 20 (the tied head is the embedding): 21 fragments cannot be.
-    cmd = [sys.executable, "-m", "diloco_trainer.cli", "syncer", "--config", str(_config(tmp_path / "run.yaml", 21)),
-           "--host", "127.0.0.1", "--port", "0", "--state-dir", str(tmp_path / "syncer")]
-    done = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "outer.fragments (21) must not exceed the model's 20 parameter tensors" in done.stdout + done.stderr

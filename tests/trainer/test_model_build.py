@@ -195,3 +195,14 @@ def test_an_entrypoint_that_breaks_the_contract_is_refused_naming_model_entrypoi
         build_model(ModelConfig(entrypoint="nowhere_at_all:build"))
     with pytest.raises(ValueError, match=r"calling it with vocab_size, seq_len and model\.options failed"):
         build_model(ModelConfig(entrypoint=f"{user_module}:build", options={"depth": 3}))
+
+
+def test_a_syncer_whose_model_has_fewer_tensors_than_fragments_refuses_to_start_naming_outer_fragments(tmp_path):
+    from diloco_trainer.syncer.state import SyncerState
+
+    model = {"hf": QWEN2_TIED, "seq_len": 32}
+    tensors = len(tensor_bytes(build_model(ModelConfig.model_validate(model))))  # the tied head counted once
+    cfg = TrainConfig.model_validate({"model": model, "outer": {"fragments": tensors + 1}})
+    with pytest.raises(ValueError, match=rf"outer\.fragments \({tensors + 1}\) must not exceed the model's "
+                                         rf"{tensors} parameter tensors"):
+        SyncerState(cfg, tmp_path / "syncer")

@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chaos": ("diloco_chaos.cli", "run a chaos experiment against local learners or a DilocoJob"),
     "simulate": ("diloco_chaos.simulate_cli", "goodput simulator and WAN bandwidth calculator"),
     "bench": ("diloco_bench.cli", "benchmarks: Decoupled DiLoCo vs DDP and synchronous DiLoCo"),
+    "export": ("diloco_trainer.model.export", "write the global model of a checkpoint as a transformers directory"),
 }
 
 

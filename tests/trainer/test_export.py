@@ -1,0 +1,93 @@
+"""`diloco export --format hf` (issue 18): a syncer checkpoint becomes a directory transformers loads, whose logits
+equal the trainer's forward (fp32, max abs diff <= 1e-5): an inline Llama with tied embeddings and a BPE tokenizer,
+the built-in GPT mapped onto GPT-2, and a sharded syncer's global model from every shard's state dir."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from diloco_trainer.cli import main as diloco
+from diloco_trainer.config import MODEL_PRESETS, TrainConfig
+from diloco_trainer.model.build import build_model
+from diloco_trainer.syncer.state import SyncerState
+from diloco_trainer.syncer.store import write_checkpoint
+
+LLAMA = {"model_type": "llama", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+         "max_position_embeddings": 64, "tie_word_embeddings": True}
+
+
+def _trained_checkpoint(state_dir, cfg: TrainConfig, shard: int = 0) -> dict[str, torch.Tensor]:
+    """A syncer's checkpoint whose Θ moved away from Θ₀ (every tensor, norms included, so a mapping mistake shows)."""
+    state = SyncerState(cfg, state_dir, shard=shard)
+    g = torch.Generator().manual_seed(100 + shard)
+    state.theta = {n: t + 0.2 * torch.randn(t.shape, generator=g) for n, t in state.theta.items()}
+    write_checkpoint(state_dir, state.checkpoint_job().checkpoint)
+    return dict(state.theta)
+
+
+def _trainer_logits(cfg: TrainConfig, theta: dict[str, torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+    model = build_model(cfg.model, cfg.seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(theta[n])
+        return model.eval()(idx)[0]
+
+
+def _max_diff(out, cfg: TrainConfig, theta, vocab: int) -> float:
+    idx = torch.randint(0, vocab, (2, cfg.model.seq_len), generator=torch.Generator().manual_seed(7))
+    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    with torch.no_grad():
+        theirs = loaded.eval()(input_ids=idx).logits
+    return float((theirs - _trainer_logits(cfg, theta, idx)).abs().max())
+
+
+def _bpe(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["the quick brown fox jumps over the lazy dog"] * 50 + ["decoupled diloco trains on many learners"] * 50
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<eos>"]))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_an_inline_llama_exports_with_its_tokenizer_and_transformers_gives_the_trainers_logits(tmp_path, capsys):
+    cfg = TrainConfig.model_validate({"model": {"hf": LLAMA, "seq_len": 32}, "outer": {"fragments": 4}, "seed": 4})
+    theta = _trained_checkpoint(tmp_path / "syncer", cfg)
+    out = tmp_path / "export"
+    assert diloco(["export", str(tmp_path / "syncer"), "--format", "hf", str(out),
+                   "--tokenizer", str(_bpe(tmp_path))]) == 0
+    assert "LlamaForCausalLM and its tokenizer" in capsys.readouterr().out
+    assert _max_diff(out, cfg, theta, 300) <= 1e-5
+    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr(), "the head stays tied"
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert tok.decode(tok("the lazy fox")["input_ids"]).strip() == "the lazy fox"
+
+
+def test_the_built_in_gpt_exports_as_gpt2_with_the_same_logits(tmp_path):
+    cfg = TrainConfig(model=MODEL_PRESETS["tiny"].model_copy(), seed=2)
+    theta = _trained_checkpoint(tmp_path / "syncer", cfg)
+    out = tmp_path / "export"
+    assert diloco(["export", str(tmp_path / "syncer" / "checkpoint"), str(out)]) == 0
+    assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "gpt2"
+    assert _max_diff(out, cfg, theta, 256) <= 1e-5
+
+
+def test_a_sharded_syncers_model_needs_every_shards_state_dir(tmp_path, capsys):
+    cfg = TrainConfig.model_validate({"model": MODEL_PRESETS["tiny"].model_dump(), "outer": {"fragments": 4},
+                                      "syncer": {"shards": 2}})
+    theta = _trained_checkpoint(tmp_path / "s0", cfg, 0) | _trained_checkpoint(tmp_path / "s1", cfg, 1)
+    assert diloco(["export", str(tmp_path / "s0"), str(tmp_path / "half")]) == 2
+    assert "for a sharded syncer give every shard's state dir" in capsys.readouterr().out
+    assert diloco(["export", str(tmp_path / "s0"), str(tmp_path / "s1"), str(tmp_path / "whole")]) == 0
+    assert _max_diff(tmp_path / "whole", cfg, theta, 256) <= 1e-5
+    assert diloco(["export", str(tmp_path / "nothing-here"), str(tmp_path / "x")]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().out

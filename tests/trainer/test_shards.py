@@ -163,3 +163,12 @@ def test_a_glob_selects_files_and_a_shard_too_small_for_a_window_is_a_clear_erro
         TokenShards.open(cfg_for(str(folder / "part-002.npy"))).sampler(0, 1, 2, 64)
     with pytest.raises(ValueError, match="max_bytes"):
         DataConfig(source="shards", path="x", max_bytes=4096)
+
+
+def test_shards_are_not_preloaded_nor_loaded_as_a_corpus(tmp_path):
+    from diloco_trainer.data.corpus import load_corpus, preload
+
+    cfg = cfg_for(write_positions(tmp_path / "d", [3000, 3000]))
+    assert preload(cfg) is None, "a warm spare has nothing to preload: the files are mapped when read"
+    with pytest.raises(ValueError, match="memory-mapped, not loaded"):
+        load_corpus(cfg)

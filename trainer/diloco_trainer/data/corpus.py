@@ -257,12 +257,15 @@ def _preload_key(cfg: DataConfig, cache_dir: Path | None) -> str:
     return json.dumps([cfg.model_dump(mode="json"), str(cache_dir)], sort_keys=True)
 
 
-def preload(cfg: DataConfig, cache_dir: Path | None = None) -> Corpus:
+def preload(cfg: DataConfig, cache_dir: Path | None = None) -> Corpus | None:
     """Load a corpus now and hand it, unchecked, to this process's later `load_corpus` calls with the same arguments.
 
     Only for a process that becomes a learner within the run that loaded it (a warm spare forked from the local
     runtime's zygote inherits it): its start then skips walking, hashing and reading the corpus files — measured
-    (issue 11), 2.2 s of a 2.9 s learner start on the busy 2-core machine."""
+    (issue 11), 2.2 s of a 2.9 s learner start on the busy 2-core machine. Shards need none: they open in
+    milliseconds and are memory-mapped (None)."""
+    if cfg.source == "shards":
+        return None
     corpus = _PRELOADED[_preload_key(cfg, cache_dir)] = load_corpus(cfg, cache_dir)
     return corpus
 
@@ -272,6 +275,8 @@ def load_corpus(cfg: DataConfig, cache_dir: Path | None = None) -> Corpus:
     preloaded = _PRELOADED.get(_preload_key(cfg, cache_dir))
     if preloaded is not None:
         return preloaded
+    if cfg.source == "shards":
+        raise ValueError("data.source 'shards' is memory-mapped, not loaded: open it with data.source.open_tokens")
     if cfg.source == "tokens":
         return _token_corpus(cfg)
     if cfg.source == "stdlib":

@@ -2,6 +2,7 @@
 hold for them: measured from outside, its anonymous memory is that of a learner on a tiny shard set, and the pages of
 the shard files resident in it stay a small fraction of the set."""
 
+import json
 import os
 import re
 import shutil
@@ -120,3 +121,33 @@ def test_a_learner_trains_on_memory_mapped_shards_six_times_larger_than_the_memo
         for syncer in syncers.values():
             syncer.stop()
         shutil.rmtree(big, ignore_errors=True)
+
+
+def test_a_learner_trains_on_bpe_shards_prepared_from_text_and_a_restart_resumes_its_position(tmp_path):
+    from diloco_trainer.data.corpus import list_stdlib_files
+    from diloco_trainer.data.prepare import PrepareOptions, prepare
+    from diloco_trainer.data.tokenizer import train_bpe
+
+    texts = [f for f in list_stdlib_files() if f.parent.name == "json" or f.name in ("argparse.py", "textwrap.py")]
+    tok = train_bpe(texts, 512, tmp_path / "tokenizer.json")
+    manifest, wrote = prepare(PrepareOptions(inputs=[str(f) for f in texts], tokenizer=tok.name,
+                                             out=tmp_path / "shards", shard_tokens=16_384, progress=False))
+    assert wrote and len(manifest.shards) >= 3
+    cfg = {"model": {"vocab_size": 512, "seq_len": 64, "d_model": 64, "n_layers": 2, "n_heads": 2},
+           "data": {"source": "shards", "path": str(tmp_path / "shards"), "tokenizer": tok.name},
+           "inner": {"batch_size": 8, "warmup_steps": 5}, "outer": {"fragments": 4, "sync_every": 8}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    syncer = SyncerProcess(tmp_path / "run.yaml", tmp_path / "syncer", tmp_path / "syncer.log").start()
+    state, log = tmp_path / "l0", tmp_path / "l0.log"
+    try:
+        for steps in (STEPS, 10):
+            proc = start_learner(syncer.url, "l0", state, steps, log_path=log)
+            assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        syncer.stop()
+    first_run = [r for r in metrics(state) if r["step"] <= STEPS][: STEPS // 5]
+    assert first_run[-1]["loss"] < first_run[0]["loss"] - 0.5, "it trains"
+    position = json.loads((state / "position.json").read_text())
+    train_tokens = sum(s.tokens - int(s.tokens * 0.05) for s in manifest.shards)
+    assert position == {"shard": 0, "num_shards": 1, "offset": (STEPS + 10) * 8, "epoch": 0, "tokens": train_tokens}
+    assert f"resuming shard 0/1 at epoch 0, offset {STEPS * 8}" in log.read_text()

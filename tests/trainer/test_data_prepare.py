@@ -104,3 +104,15 @@ def test_the_tokenizer_command_trains_a_bpe_from_local_files(tmp_path, inputs, c
     assert main(["data", "tokenizer", "--vocab", "300", "--out", str(out), str(inputs / "t1.txt"),
                  str(inputs / "t2.txt")]) == 0
     assert load_tokenizer(str(out)).vocab_size <= 300 and "byte-level BPE" in capsys.readouterr().out
+
+
+def test_prepared_shards_manifest_and_tokenizer_are_readable_by_the_pods_user(tmp_path, inputs):
+    """Pods run as another user (UID 10001) and mount the data read-only: files made private (0600) would be
+    unreadable there."""
+    tok = train_bpe([f for f in list_stdlib_files() if f.name == "textwrap.py"], 300, tmp_path / "tok.json")
+    out = tmp_path / "shards"
+    assert run(inputs, "--tokenizer", tok.name, "--out", out, "--text-field", "body", "--shard-tokens", 1024) == 0
+    made = [tmp_path / "tok.json", *out.iterdir()]
+    assert len(made) > 2
+    for path in made:
+        assert path.stat().st_mode & 0o777 == 0o644, f"{path.name}: {oct(path.stat().st_mode & 0o777)}"

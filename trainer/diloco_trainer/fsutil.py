@@ -27,11 +27,14 @@ def write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` atomically and durably (unique temp file, fsync, rename, fsync dir)."""
+def atomic_write(path: Path, data: bytes, mode: int | None = None) -> None:
+    """Replace `path` with `data` atomically and durably (unique temp file, fsync, rename, fsync dir). The file is
+    private to its owner (0600) unless `mode` says otherwise (e.g. 0o644 for data other users' pods read)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp")
+    if mode is not None:
+        os.fchmod(fd, mode)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -45,12 +48,15 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 @contextmanager
-def atomic_open(path: Path):
+def atomic_open(path: Path, mode: int | None = None):
     """A binary file to stream into that replaces `path` atomically and durably when the block ends without an
-    exception (for files too large to hold in memory); on an exception `path` is left as it was."""
+    exception (for files too large to hold in memory); on an exception `path` is left as it was. Private (0600)
+    unless `mode` says otherwise."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp")
+    if mode is not None:
+        os.fchmod(fd, mode)
     try:
         with os.fdopen(fd, "wb") as f:
             yield f

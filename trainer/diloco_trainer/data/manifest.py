@@ -71,6 +71,11 @@ def read_manifest(folder: Path) -> Manifest | None:
         raise ValueError(f"{path} is not a valid token-shard manifest: {exc}") from exc
 
 
+# Shards, manifests and tokenizers are data that learner and syncer pods read under another user (the images run
+# as UID 10001): readable by all, writable by their owner, unlike the 0600 of private state files.
+READABLE = 0o644
+
+
 def write_manifest(folder: Path, manifest: Manifest) -> None:
     """Crash-safe: a reader sees the old manifest or the new one."""
-    atomic_write(Path(folder) / FILE, manifest.model_dump_json(indent=1).encode())
+    atomic_write(Path(folder) / FILE, manifest.model_dump_json(indent=1).encode(), mode=READABLE)

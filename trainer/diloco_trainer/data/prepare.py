@@ -15,6 +15,7 @@ import numpy as np
 from diloco_trainer.data.manifest import FILE, InputFile, Manifest, ShardEntry, read_manifest, write_manifest
 from diloco_trainer.data.tokenizer import Tokenizer, load_tokenizer
 from diloco_trainer.fsutil import atomic_open, fsync_dir
+from diloco_trainer.data.manifest import READABLE
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # anything else is read as text
 SHARD_NAME = re.compile(r"^[0-9a-f]{10}-\d{5}\.bin(\..*\.tmp)?$")  # what prepare writes (and may delete)
@@ -98,7 +99,7 @@ class ShardWriter:
         while pos < len(tokens):
             if self._f is None:
                 name = f"{self.build}-{len(self.shards):05d}.bin"
-                self._cm = atomic_open(self.out / name)
+                self._cm = atomic_open(self.out / name, mode=READABLE)
                 self._f, self._name = self._cm.__enter__(), name
             take = min(len(tokens) - pos, self.shard_tokens - self._count)
             self._f.write(tokens[pos: pos + take].astype(self.dtype).tobytes())

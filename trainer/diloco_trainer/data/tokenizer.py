@@ -93,5 +93,5 @@ def train_bpe(files: list[Path], vocab_size: int, out: Path) -> HFTokenizer:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT[0]], initial_alphabet=alphabet,
                                   show_progress=False)
     tok.train([str(f) for f in files], trainer)
-    atomic_write(out, tok.to_str().encode())
+    atomic_write(out, tok.to_str().encode(), mode=0o644)  # read by pods under another user, like the shards
     return HFTokenizer(out)

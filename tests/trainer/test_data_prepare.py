@@ -34,6 +34,9 @@ def inputs(tmp_path):
         for doc in DOCS[10:25]:
             f.write(json.dumps({"body": doc, "id": 1}) + "\n")
     pq.write_table(pa.table({"body": DOCS[25:], "n": list(range(15))}), src / "part.parquet")
+    (src / "__pycache__").mkdir()
+    (src / "__pycache__" / "t0.cpython-311.pyc").write_bytes(b"\xa7\r\r\n\x00compiled")
+    (src / "blob.dat").write_bytes(b"\x00\x01binary")  # skipped in a directory: not text
     return src
 
 
@@ -59,7 +62,8 @@ def test_text_jsonl_and_parquet_become_bounded_shards_that_decode_to_the_documen
     tok = load_tokenizer(bpe.name)
     docs = tok.decode(tokens.tolist()).split("<|endoftext|>")
     assert sorted(docs[:-1]) == sorted(DOCS) and docs[-1] == "", "every document once, each ended by <|endoftext|>"
-    assert {f.path.rsplit("/", 1)[-1] for f in manifest.inputs} == {f.name for f in inputs.iterdir()}
+    assert {f.path.rsplit("/", 1)[-1] for f in manifest.inputs} == \
+        {f.name for f in inputs.iterdir()} - {"__pycache__", "blob.dat"}
     shards = TokenShards.open(DataConfig(source="shards", path=str(out), tokenizer=bpe.name))
     assert shards.vocab_needed == 400 and shards.train_tokens + shards.val_tokens == len(tokens)
 

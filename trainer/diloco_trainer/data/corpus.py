@@ -89,8 +89,10 @@ def list_stdlib_files(root: Path | None = None) -> list[Path]:
     return sorted(files)
 
 
-def _looks_like_text(path: Path) -> bool:
-    head = path.read_bytes()[:8192]
+def looks_like_text(path: Path) -> bool:
+    """UTF-8 without NUL bytes in its first 8 KiB."""
+    with open(path, "rb") as f:
+        head = f.read(8192)
     if b"\x00" in head:
         return False
     try:
@@ -109,7 +111,7 @@ def list_text_files(folder: Path) -> list[Path]:
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
         for name in filenames:
             path = Path(dirpath) / name
-            if not name.startswith(".") and path.is_file() and _looks_like_text(path):
+            if not name.startswith(".") and path.is_file() and looks_like_text(path):
                 files.append(path)
     return sorted(files)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from diloco_trainer.data.corpus import looks_like_text
 from diloco_trainer.data.manifest import FILE, InputFile, Manifest, ShardEntry, read_manifest, write_manifest
 from diloco_trainer.data.tokenizer import Tokenizer, load_tokenizer
 from diloco_trainer.fsutil import atomic_open, fsync_dir
@@ -39,7 +40,9 @@ class PrepareOptions:
 
 
 def expand_inputs(inputs: list[str]) -> list[Path]:
-    """Input files: each file as given, each directory's non-hidden files (sorted); a missing one is a ValueError."""
+    """Input files: each file as given; in a directory, its JSON/Parquet files and the files that look like text
+    (UTF-8, no NUL: compiled or binary files are skipped), hidden and __pycache__ left out, sorted. A missing input
+    is a ValueError."""
     files = []
     for name in inputs:
         path = Path(name).expanduser()
@@ -47,7 +50,9 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
             files.append(path)
         elif path.is_dir():
             files.extend(sorted(p for p in path.rglob("*") if p.is_file()
-                                and not any(part.startswith(".") for part in p.relative_to(path).parts)))
+                                and not any(part.startswith(".") or part == "__pycache__"
+                                            for part in p.relative_to(path).parts)
+                                and (p.suffix.lower() in BUILDERS or looks_like_text(p))))
         else:
             raise ValueError(f"input {name!r} is neither a file nor a directory")
     if not files:

@@ -56,6 +56,7 @@ class Reason:
     # Remote clusters (spec.clusters): conditions ClusterReachable (unit) and ClustersReachable (job)
     CLUSTER_REACHABLE = "ClusterReachable"
     CLUSTER_UNREACHABLE = "ClusterUnreachable"
+    KUBECONFIG_REFUSED = "KubeconfigRefused"  # exec plugin, auth-provider or file path: never loaded
     CLUSTERS_REACHABLE = "AllClustersReachable"
     REMOTE_CLEANUP = "RemoteCleanup"
     REMOTE_CLEANUP_FAILED = "RemoteCleanupFailed"

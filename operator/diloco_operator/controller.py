@@ -584,21 +584,22 @@ class Controller:
         self.remotes.answered(ns, spec.jobName, spec.cluster)
         return remote, [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
-    async def _unit_unreachable(self, unit: dict, spec: api.LearnerUnitSpec, why: str) -> None:
+    async def _unit_unreachable(self, unit: dict, spec: api.LearnerUnitSpec, why: str,
+                                reason: str = C.Reason.CLUSTER_UNREACHABLE) -> None:
         """A remote unit whose cluster cannot be used: its status says so (its pods there are left alone, they
         may well be training), an Event on the change, the job follows, and it is looked at again soon."""
         ns, name = unit["metadata"]["namespace"], unit["metadata"]["name"]
         written = unit.get("status") or {}
         before = C.get_condition(written.get("conditions", []), C.CLUSTER_REACHABLE)
         conds = C.set_condition(written.get("conditions", []), C.CLUSTER_REACHABLE, False,
-                                C.Reason.CLUSTER_UNREACHABLE, why, datetime.now(timezone.utc),
+                                reason, why, datetime.now(timezone.utc),
                                 unit["metadata"].get("generation"))
         new = {**written, "conditions": conds, "message": why}
         if (patch := status_patch(written, new)) is not None:
             self.cache.wrote(LEARNERUNITS.plural,
                              await self.kube.merge_patch(LEARNERUNITS, ns, name, {"status": patch}, "status"))
         if (before or {}).get("status") != "False":
-            await self._events(unit, [("Warning", C.Reason.CLUSTER_UNREACHABLE, why)])
+            await self._events(unit, [("Warning", reason, why)])
         self.enqueue(("job", ns, spec.jobName))
         self.enqueue(("unit", ns, name), REMOTE_RETRY_S)
 
@@ -627,7 +628,7 @@ class Controller:
             try:
                 remote, pod_list = await self._remote_unit_pods(job, spec, name)
             except ClusterUnavailable as exc:
-                await self._unit_unreachable(unit, spec, str(exc))
+                await self._unit_unreachable(unit, spec, str(exc), exc.reason)
                 return
             pod_objs = {p["metadata"]["name"]: p for p in pod_list}
         else:

@@ -1,7 +1,8 @@
 """Clients of the remote clusters a DilocoJob names in spec.clusters (docs/operator.md "Remote clusters").
 
-Each (job, cluster) gets its own official-client `Kube`, built from the kubeconfig in the job's Secret (contexts
-and exec plugins as kubectl reads them) and rebuilt when that Secret changes. Whether a cluster answered the last
+Each (job, cluster) gets its own official-client `Kube`, built from the kubeconfig in the job's Secret (inline
+credentials only: kubeconfig_policy refuses exec plugins, auth-providers and file paths before any client is built)
+and rebuilt when that Secret changes. Whether a cluster answered the last
 call is remembered per (job, cluster): the job's `ClustersReachable` condition is made from it.
 """
 
@@ -14,16 +15,38 @@ from dataclasses import dataclass
 
 import yaml
 
-from diloco_operator import api
 from diloco_kube.client import NAMESPACES, SECRETS, ApiError, Kube
+
+from diloco_operator import api
+from diloco_operator import conditions as C
+from diloco_operator.kubeconfig_policy import KubeconfigRefused, check_inline
 
 REMOTE_TIMEOUT_S = 5.0  # a remote apiserver that does not answer within this is unreachable for this pass
 SECRET_TTL_S = 30.0  # the kubeconfig Secret is read again at most this often
 
 
 class ClusterUnavailable(Exception):
-    """A remote cluster cannot be used now: its kubeconfig is missing or broken, or its apiserver does not answer.
-    The message says which and why."""
+    """A remote cluster cannot be used now: its kubeconfig is missing, broken or refused, or its apiserver does not
+    answer. The message says which and why; `reason` is the condition reason to show."""
+
+    def __init__(self, message: str, reason: str = C.Reason.CLUSTER_UNREACHABLE):
+        super().__init__(message)
+        self.reason = reason
+
+
+def parse_kubeconfig(raw: str) -> dict:
+    """The kubeconfig in a Secret's base64 `raw` value, if the operator may load it (KubeconfigRefused otherwise,
+    naming the field). Parse errors give a position, never the Secret's content."""
+    try:
+        config = yaml.safe_load(base64.b64decode(raw))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise KubeconfigRefused(f"not YAML{where}") from None
+    except ValueError:
+        raise KubeconfigRefused("not base64") from None
+    check_inline(config)
+    return config
 
 
 @dataclass
@@ -75,7 +98,10 @@ class RemoteClusters:
                 raise ClusterUnavailable(f"{where}: Secret {cluster.kubeconfigSecret.name} has no key "
                                          f"{cluster.kubeconfigSecret.key!r}")
             try:
-                config = yaml.safe_load(base64.b64decode(raw))
+                config = parse_kubeconfig(raw)
+            except KubeconfigRefused as exc:
+                raise ClusterUnavailable(f"{where}: kubeconfig refused: {exc}", C.Reason.KUBECONFIG_REFUSED) from None
+            try:
                 kube = await Kube.from_kubeconfig(config, cluster.context, timeout_s=self.timeout_s, pool=4)
             except Exception as exc:  # noqa: BLE001 - any broken kubeconfig is the user's to fix, said in status
                 raise ClusterUnavailable(f"{where}: not a usable kubeconfig: {exc}") from None

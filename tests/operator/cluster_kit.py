@@ -40,7 +40,7 @@ PATHS = {
 PLURALS = {"dj": "dilocojobs", "dilocojob": "dilocojobs", "lu": "learnerunits", "node": "nodes", "pod": "pods",
            "secret": "secrets", "configmap": "configmaps", "pvc": "persistentvolumeclaims",
            "deployment": "deployments", "serviceaccount": "serviceaccounts"}
-CLUSTER_SCOPED = {"nodes"}
+CLUSTER_SCOPED = {"nodes", "namespaces"}
 
 
 class Kubectl:

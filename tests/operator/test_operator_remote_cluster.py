@@ -1,5 +1,6 @@
 """Learner units in another cluster (spec.clusters): a second real control plane stands for it. The operator puts
-the units' pods there from the kubeconfig in a Secret, heals and scales them there, shows the cluster in
+the units' pods there from the kubeconfig in a Secret (inline credentials only: an exec plugin or a token file is
+refused, and never runs nor is read), heals and scales them there, shows the cluster in
 `kubectl get lu`, degrades only those units while that cluster does not answer (its apiserver frozen with SIGSTOP), and removes its
 objects there when the job is deleted (a finalizer: ownerReferences do not cross clusters)."""
 
@@ -39,22 +40,19 @@ def remote():
     tb.stop()
 
 
-def kubeconfig_secret(kubectl: Kubectl, ns: str, remote) -> dict:
-    """The remote cluster's kubeconfig in a Secret of `ns`, and the spec.clusters entry naming it. As clouds
-    hand them out: the credential comes from an exec plugin (here a shell printing an ExecCredential), in a context
-    that is not the current one (whose user's token is wrong: using it would fail every call)."""
+def kubeconfig_secret(kubectl: Kubectl, ns: str, remote, user: dict | None = None,
+                      secret: str = "west-kubeconfig") -> dict:
+    """The remote cluster's kubeconfig in a Secret of `ns`, and the spec.clusters entry naming it. The credential
+    is inline (a token; `user` replaces it), in a context that is not the current one (whose user's token is wrong:
+    using it would fail every call)."""
     config = yaml.safe_load(open(remote.kubeconfig).read())
-    credential = json.dumps({"apiVersion": "client.authentication.k8s.io/v1", "kind": "ExecCredential",
-                             "status": {"token": remote.token}})
     config["users"][0]["user"] = {"token": "not-the-token"}
-    config["users"].append({"name": "west-exec", "user": {"exec": {
-        "apiVersion": "client.authentication.k8s.io/v1", "command": "/bin/sh",
-        "args": ["-c", f"printf '%s' '{credential}'"], "interactiveMode": "Never"}}})
+    config["users"].append({"name": "west-user", "user": user or {"token": remote.token}})
     cluster = config["contexts"][0]["context"]["cluster"]
-    config["contexts"].append({"name": "west-admin", "context": {"cluster": cluster, "user": "west-exec"}})
-    kubectl.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "west-kubeconfig"},
+    config["contexts"].append({"name": "west-admin", "context": {"cluster": cluster, "user": "west-user"}})
+    kubectl.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret},
                    "stringData": {"kubeconfig": yaml.safe_dump(config)}}, "-n", ns)
-    return {"name": "west", "kubeconfigSecret": {"name": "west-kubeconfig"}, "context": "west-admin",
+    return {"name": "west", "kubeconfigSecret": {"name": secret}, "context": "west-admin",
             "syncerUrl": SYNCER_URL}
 
 
@@ -170,3 +168,39 @@ def test_an_autoscaled_job_falls_back_to_a_remote_cluster_and_grows_there_when_n
         assert st["runningUnits"] == 2 and any(p["name"].startswith("grow-near-") for p in st["parkedUnits"]), st
     finally:
         far_nodes.delete_all()
+
+
+def test_a_kubeconfig_with_an_exec_plugin_or_a_token_file_is_refused_and_nothing_runs_or_is_read(kubectl, operator,
+                                                                                                ns, remote, tmp_path):
+    """Both would work if loaded (the plugin prints the remote's token, the file holds it): the operator must refuse
+    them by field before building a client, so the plugin never runs (its marker file stays absent) and the file is
+    never read (the cluster stays unreachable)."""
+    marker = tmp_path / "exec-plugin-ran"
+    credential = json.dumps({"apiVersion": "client.authentication.k8s.io/v1", "kind": "ExecCredential",
+                             "status": {"token": remote.token}})
+    exec_user = {"exec": {"apiVersion": "client.authentication.k8s.io/v1", "command": "/bin/sh",
+                          "args": ["-c", f"touch {marker}; printf '%s' '{credential}'"], "interactiveMode": "Never"}}
+    token_file = tmp_path / "token"
+    token_file.write_text(remote.token)
+    cases = {"plug": (exec_user, "users[1].user.exec"), "file": ({"tokenFile": str(token_file)},
+                                                                 "users[1].user.tokenFile")}
+    for name, (user, field) in cases.items():
+        west = kubeconfig_secret(kubectl, ns, remote, user, secret=f"{name}-kubeconfig")
+        kubectl.apply(job(name, [{"name": "far", "count": 1, "cluster": "west",
+                                  "nodeSelector": {POOL_LABEL: "cpu"}}], clusters=[west]), "-n", ns)
+    for name, (user, field) in cases.items():
+        cond = wait_for(lambda: (c := condition(kubectl.get("lu", f"{name}-far-0", ns=ns) or {},
+                                                "ClusterReachable")) and c.get("status") == "False" and c, 60, 0.5,
+                        f"ClusterReachable=False on {name}-far-0")
+        assert cond["reason"] == "KubeconfigRefused", cond
+        assert field in cond["message"] and "inline" in cond["message"], cond["message"]
+        dj = wait_for(lambda: (d := kubectl.get("dj", name, ns=ns)) and
+                      condition(d, "ClustersReachable").get("status") == "False" and d, 60, 0.5,
+                      f"ClustersReachable=False on job {name}")
+        assert field in condition(dj, "ClustersReachable")["message"]
+    assert not marker.exists(), "the exec plugin ran inside the operator"
+    assert Kubectl(remote).get("namespaces", ns) is None, "the operator reached the remote cluster"
+    for name in cases:  # a cluster never reached holds the job's deletion (its finalizer): give up on it, as users would
+        kubectl.run("delete", "dj", name, "-n", ns, "--wait=false")
+        kubectl.run("patch", "dj", name, "-n", ns, "--type=merge", "-p", '{"metadata": {"finalizers": null}}')
+        wait_for(lambda: kubectl.get("dj", name, ns=ns) is None, 60, 0.5, f"job {name} gone")

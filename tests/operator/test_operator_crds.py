@@ -211,3 +211,20 @@ def test_the_apiserver_refuses_to_reshard_an_existing_job_and_keeps_it_as_it_was
     assert kubectl.get("dilocojob", "good", ns=ns)["spec"]["config"]["syncer"]["shards"] == 2
     # Other changes to the config are still accepted.
     kubectl.apply(_with("spec.config", {"outer": {"quorum": 1}, "syncer": {"shards": 2}}), "-n", ns)
+
+
+
+@pytest.mark.cluster
+def test_the_apiserver_keeps_an_inline_transformers_config_whole_and_leaves_its_fragment_count_to_the_syncer(
+        kubectl, crds, ns):
+    hf = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 50000.0, "rms_norm_eps": 1e-5}
+    # Only the built-in GPT's tensor count is known at apply time: 100 fragments are the syncer's to judge here.
+    doc = _with("spec.config", {"model": {"seq_len": 32, "hf": hf}, "outer": {"fragments": 100}})
+    api.DilocoJobSpec.model_validate(doc["spec"])
+    kubectl.apply(doc, "-n", ns)
+    stored = kubectl.get("dilocojob", "good", ns=ns)["spec"]["config"]
+    assert stored["model"]["hf"] == hf, "fields of model.hf (rope_theta, rms_norm_eps) must not be pruned"
+    out = kubectl.apply(_with("spec.config", {"model": {"n_layers": 2}, "outer": {"fragments": 100}}), "-n", ns,
+                        check=False)
+    assert out.returncode != 0 and "spec.config.outer.fragments" in out.stderr, out.stderr

@@ -120,3 +120,17 @@ def test_prepared_shards_manifest_and_tokenizer_are_readable_by_the_pods_user(tm
     assert len(made) > 2
     for path in made:
         assert path.stat().st_mode & 0o777 == 0o644, f"{path.name}: {oct(path.stat().st_mode & 0o777)}"
+
+
+def test_a_vocabulary_beyond_uint16_is_written_as_uint32_and_read_back_exactly(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70_000)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "big.json"))
+    (tmp_path / "doc.txt").write_text("w1 w65535 w65536 w69999 w2")
+    out = tmp_path / "shards"
+    assert run(tmp_path / "doc.txt", "--tokenizer", tmp_path / "big.json", "--out", out) == 0
+    manifest = read_manifest(out)
+    assert manifest.dtype == "uint32" and manifest.vocab_size == 70_000 and manifest.eos_id is None
+    assert np.fromfile(out / manifest.shards[0].file, dtype="<u4").tolist() == [1, 65535, 65536, 69999, 2]

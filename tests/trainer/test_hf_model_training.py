@@ -1,11 +1,14 @@
 """A transformers Llama-style model (inline config, tied embeddings) trained by a real syncer and two learner processes
-over loopback (issue 18)."""
+over loopback (issue 18); a syncer that cannot build the run's model exits 2, saying why where Kubernetes shows it."""
+
+import subprocess
+import sys
 
 import pytest
 import yaml
 from safetensors import safe_open
 
-from learner_kit import SyncerProcess, finish, metrics, start_learner, wait_for
+from learner_kit import ROOT, SyncerProcess, child_env, finish, metrics, start_learner, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -47,3 +50,19 @@ def test_two_learners_train_an_inline_llama_with_a_real_syncer_and_the_tied_embe
         names = set(f.keys())
     assert "hf.model.embed_tokens.weight" in names and "hf.lm_head.weight" not in names
     assert "hf.model.layers.1.self_attn.k_proj.weight" in names
+
+
+@pytest.mark.parametrize("standby", [False, True], ids=["cold", "standby"])
+def test_a_syncer_that_cannot_build_the_model_exits_2_naming_the_field_in_its_termination_message(tmp_path, standby):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"entrypoint": "nowhere_at_all:build"}}))
+    message = tmp_path / "termination-log"
+    message.touch()  # as the kubelet provides /dev/termination-log
+    cmd = [sys.executable, "-m", "diloco_trainer.cli", "syncer", "--config", str(config), "--host", "127.0.0.1",
+           "--port", "0", "--state-dir", str(tmp_path / "syncer"), *(["--standby"] if standby else [])]
+    done = subprocess.run(cmd, env=child_env(DILOCO_TERMINATION_LOG=str(message)), cwd=ROOT, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    expected = "diloco syncer: model.entrypoint 'nowhere_at_all:build': cannot import nowhere_at_all"
+    assert expected in done.stdout and message.read_text().startswith(expected)

@@ -97,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, _leave)
     args.started_at = time.time()
     t0 = time.monotonic()
-    _warm_up(config, build=args.standby)
+    try:
+        _warm_up(config, build=args.standby)
+    except ValueError as exc:  # a model the config cannot build (model.entrypoint, model.hf, model.path)
+        return _refuse(exc)
     args.warm_s = time.monotonic() - t0
     while True:
         lock = StateLock(Path(args.state_dir))
@@ -121,9 +124,24 @@ def run(args: argparse.Namespace) -> int:
         args.locked_at = time.time()
     try:
         return asyncio.run(_serve(args, config, token))
-    except ValueError as exc:  # e.g. a checkpoint written for another model
-        print(f"diloco syncer: {exc}", flush=True)
-        return 2
+    except ValueError as exc:  # e.g. too many fragments for the model, a checkpoint written for another model
+        return _refuse(exc)
+
+
+# Where Kubernetes reads a container's termination message (the pod status shows it: `kubectl describe pod`).
+TERMINATION_LOG = "/dev/termination-log"
+
+
+def _refuse(exc: ValueError) -> int:
+    """Exit 2 on a run the syncer cannot serve, saying why on stdout and in the container's termination message."""
+    print(f"diloco syncer: {exc}", flush=True)
+    path = Path(os.environ.get("DILOCO_TERMINATION_LOG", TERMINATION_LOG))
+    if path.exists():
+        try:
+            path.write_text(f"diloco syncer: {exc}"[:4096])  # the kubelet keeps at most 4096 bytes
+        except OSError:
+            pass
+    return 2
 
 
 def _leave(signum: int, frame) -> None:

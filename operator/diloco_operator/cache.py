@@ -37,6 +37,7 @@ class Cache:
 
     def __init__(self, indexes: Mapping[str, Mapping[Any, Iterable[dict]]]):
         self.indexes = indexes  # "jobs" | "units" | "pods" | "deployments" | "nodes" -> kopf.Index
+        self.watches_nodes = "nodes" in indexes  # not with --no-watch-nodes (a namespaced install)
         # (plural, namespace, name) -> (object or GONE, resourceVersion the write produced/saw, when)
         self.overlay: dict[Key, tuple[dict | str, int, float]] = {}
         self.deleting: set[Key] = set()  # overlay entries that are the answer to a delete
@@ -129,7 +130,7 @@ class Cache:
         return [*self._by_label.get((plural, ns, label, value), ()), *self._unlabeled.get((plural, ns), ())]
 
     def _lookup(self, index: str, key) -> list[dict]:
-        store = self.indexes[index].get(key)
+        store = self.indexes.get(index, {}).get(key)
         return list(store) if store is not None else []
 
     def job(self, namespace: str, name: str) -> dict | None:
@@ -165,4 +166,4 @@ class Cache:
         return next(iter(self._lookup("nodes", name)), None)
 
     def nodes(self) -> list[dict]:
-        return [n for store in self.indexes["nodes"].values() for n in store]
+        return [n for store in self.indexes.get("nodes", {}).values() for n in store]

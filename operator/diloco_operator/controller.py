@@ -266,7 +266,8 @@ class Controller:
         decision = None
         if not finished:
             if spec.autoscaling is not None:
-                free = autoscale.free_by_template(name, spec, self.cache.nodes(), self.cache.all_pods())
+                free = (autoscale.free_by_template(name, spec, self.cache.nodes(), self.cache.all_pods())
+                        if self.cache.watches_nodes else {t.name: None for t in spec.units})  # None: unknown
                 if spec.clusters:  # templates in remote clusters: the room on those clusters' nodes
                     free.update(await self._remote_free(job, spec))
                     self.enqueue(("job", ns, name), REMOTE_POLL_S)  # their Nodes are listed, not watched

@@ -27,7 +27,7 @@ def _env_float(name: str, default: float) -> float:
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger,
                   diloco_jobs: kopf.Index, diloco_units: kopf.Index, diloco_pods: kopf.Index,
-                  diloco_deployments: kopf.Index, diloco_nodes: kopf.Index, **_) -> None:
+                  diloco_deployments: kopf.Index, **indexes) -> None:
     # Watches end and restart on their own: a silently stalled stream can never hide changes for long.
     settings.watching.server_timeout = int(_env_float("DILOCO_WATCH_SERVER_TIMEOUT", 120))  # sent as ?timeoutSeconds=
     settings.watching.client_timeout = _env_float("DILOCO_WATCH_CLIENT_TIMEOUT", 150)
@@ -40,13 +40,17 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     settings.watching.label_selectors["apps", "v1", "deployments"] = f"{O.LABEL_COMPONENT}=syncer"
     settings.posting.level = logging.WARNING  # our own Events carry the decisions; kopf posts only its errors
     settings.peering.standalone = True  # one replica (Deployment with Recreate); no peering objects needed
+    # The CRDs are installed before the operator starts and the namespaces are given by name (or all): no
+    # cluster-wide list/watch of CRDs or namespaces, so a namespaced install needs no cluster-scoped rights.
+    settings.scanning.disabled = True
     # Every API call and every watch event would otherwise be an INFO line; decisions are logged by the controller.
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
     logging.getLogger("urllib3").setLevel(logging.WARNING)
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     kube = await Kube.connect()
     cache = Cache({"jobs": diloco_jobs, "units": diloco_units, "pods": diloco_pods,
-                   "deployments": diloco_deployments, "nodes": diloco_nodes})
+                   "deployments": diloco_deployments,
+                   **({"nodes": indexes["diloco_nodes"]} if "diloco_nodes" in indexes else {})})
     controller = Controller(kube, cache, workers=int(_env_float("DILOCO_OPERATOR_WORKERS", 16)),
                             resync_s=_env_float("DILOCO_OPERATOR_RESYNC_SECONDS", 30))
     memo["controller"] = controller
@@ -94,7 +98,6 @@ def diloco_deployments(body: kopf.Body, namespace: str, labels: kopf.Labels, **_
     return {(namespace, labels.get(O.LABEL_JOB)): _snapshot(body)}
 
 
-@kopf.index("", "v1", "nodes")
 def diloco_nodes(body: kopf.Body, name: str, **_) -> dict:
     return {name: {"metadata": {"name": name, "labels": dict(body.get("metadata", {}).get("labels") or {}),
                                 "resourceVersion": body.get("metadata", {}).get("resourceVersion")},
@@ -131,10 +134,17 @@ async def pod_event(body: kopf.Body, memo: kopf.Memo, **_) -> None:
         memo["controller"].enqueue(("unit", body["metadata"]["namespace"], unit))
 
 
-@kopf.on.event("", "v1", "nodes")
 async def node_event(memo: kopf.Memo, **_) -> None:
     """Capacity may have appeared or gone: autoscaled jobs look again (reads only, from the caches)."""
     memo["controller"].enqueue_jobs()
+
+
+# Nodes are cluster-scoped: watched unless `diloco operator --no-watch-nodes` (a namespaced install without any
+# cluster-wide right); then unit pools are not shown and accelerator capacity is unknown to the autoscaler.
+WATCH_NODES = os.environ.get("DILOCO_OPERATOR_WATCH_NODES", "1") != "0"
+if WATCH_NODES:
+    kopf.index("", "v1", "nodes")(diloco_nodes)
+    kopf.on.event("", "v1", "nodes")(node_event)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={O.LABEL_COMPONENT: "syncer"})

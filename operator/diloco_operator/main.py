@@ -10,6 +10,9 @@ import sys
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--namespace", action="append", default=[],
                         help="watch this namespace (repeatable; default: all namespaces)")
+    parser.add_argument("--watch-nodes", action=argparse.BooleanOptionalAction, default=True,
+                        help="watch Nodes (cluster-scoped: needs list/watch on nodes) for unit pools and the "
+                             "autoscaler's accelerator capacity; --no-watch-nodes runs with namespaced rights only")
     parser.add_argument("--workers", type=int, default=16, help="reconciles running at once")
     parser.add_argument("--resync-seconds", type=float, default=30.0,
                         help="look at every known object at least this often, events or not")
@@ -39,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     env = {**os.environ, "DILOCO_OPERATOR_WORKERS": str(args.workers),
            "DILOCO_OPERATOR_RESYNC_SECONDS": str(args.resync_seconds),
-           "DILOCO_OPERATOR_METRICS_PORT": str(args.metrics_port)}
+           "DILOCO_OPERATOR_METRICS_PORT": str(args.metrics_port),
+           "DILOCO_OPERATOR_WATCH_NODES": "1" if args.watch_nodes else "0"}
     os.execve(sys.executable, cmd, env)  # replaces this process: signals reach kopf directly
     return 0  # not reached

@@ -55,8 +55,9 @@ def _free_port() -> int:
 class OperatorProcess:
     """`diloco operator` as a subprocess, authenticated as the ServiceAccount from manifests/operator.yaml."""
 
-    def __init__(self, kubeconfig: str, logdir: Path):
+    def __init__(self, kubeconfig: str, logdir: Path, args: tuple[str, ...] = ()):
         self.kubeconfig = kubeconfig
+        self.args = args  # more `diloco operator` flags (e.g. --namespace, --no-watch-nodes)
         self.logdir = logdir
         self.proc: subprocess.Popen | None = None
         self.metrics_port = _free_port()
@@ -70,7 +71,8 @@ class OperatorProcess:
         env = {**os.environ, "KUBECONFIG": self.kubeconfig, "PYTHONPATH": PYTHONPATH}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "diloco_trainer.cli", "operator", "--resync-seconds", str(resync_seconds),
-             "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port), "--verbose"],
+             "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port), "--verbose",
+             *self.args],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         log.close()
 

@@ -23,21 +23,63 @@ def test_there_are_sample_jobs_and_operator_manifests():
     assert {"cpu-job.yaml", "mixed-gpu-tpu-job.yaml", "operator.yaml"} <= names
 
 
+def _docs(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((ROOT / "manifests" / name).read_text()) if d]
+
+
+def _grants(role: dict) -> dict[tuple[str, str], set[str]]:
+    return {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+
+
 def test_the_operator_role_is_least_privilege():
-    docs = [d for d in yaml.safe_load_all((ROOT / "manifests" / "operator.yaml").read_text()) if d]
-    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
-    grants = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    (role,) = [d for d in _docs("operator.yaml") if d["kind"] == "ClusterRole"]
+    grants = _grants(role)
     assert not any("*" in key or "*" in verbs for key, verbs in grants.items())
     # patch: renewing its own syncer certificate (spec.syncer.tls.mode Auto); never list or watch.
     assert grants[("", "secrets")] == {"get", "create", "patch"}, "the operator never lists or watches Secrets"
     # patch: kopf's finalizer on jobs with a spec.chaos daemon, and the chaos start-time annotation (never spec).
     assert grants[("diloco.dev", "dilocojobs")] == {"get", "list", "watch", "patch"}
+    # The one cluster-scoped kind it touches is read-only; no CRD or namespace scanning (kopf's scanning is off).
+    assert grants[("", "nodes")] == {"get", "list", "watch"}
+    assert not {k for k in grants if k[1] in ("customresourcedefinitions", "namespaces")}
+    assert grants[("", "services")] == grants[("", "persistentvolumeclaims")] == {"create"}
+
+
+def test_the_namespaced_install_has_no_cluster_wide_right_and_the_same_namespaced_rules():
+    docs = _docs("operator-namespaced.yaml")
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    (binding,) = [d for d in docs if d["kind"] == "RoleBinding"]
+    (sa,) = [d for d in docs if d["kind"] == "ServiceAccount"]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    watched = role["metadata"]["namespace"]
+    assert binding["metadata"]["namespace"] == watched and binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
+                                    "namespace": sa["metadata"]["namespace"]}]
+    command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert f"--namespace={watched}" in command and "--no-watch-nodes" in command
+    (cluster_role,) = [d for d in _docs("operator.yaml") if d["kind"] == "ClusterRole"]
+    assert _grants(role) == {k: v for k, v in _grants(cluster_role).items() if k != ("", "nodes")}
+
+
+def test_the_operator_command_watches_only_the_namespaces_given_and_nodes_only_when_asked():
+    def command(*args: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "diloco_trainer.cli", "operator", "--dry-print", *args],
+                             env={**os.environ, "PYTHONPATH": PYTHONPATH}, capture_output=True, text=True, check=True)
+        return out.stdout
+    assert "--all-namespaces" in command()
+    namespaced = command("--namespace", "a", "-n", "b", "--no-watch-nodes")
+    assert "--namespace=a --namespace=b" in namespaced and "--all-namespaces" not in namespaced
 
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
 def test_each_manifest_passes_a_server_side_dry_run(kubectl, operator, ns, path):
     # operator.yaml is already installed by the operator fixture; the dry run must still accept it unchanged.
+    # Namespaces a manifest creates are created for real first: a dry run does not create what later documents need.
+    for doc in yaml.safe_load_all(path.read_text()):
+        if doc and doc["kind"] == "Namespace":
+            kubectl.run("create", "namespace", doc["metadata"]["name"], check=False)
     args = ["apply", "--dry-run=server", "-f", str(path)]
     if "namespace:" not in path.read_text():
         args += ["-n", ns]

@@ -64,8 +64,9 @@ class Controller:
     """Reconciles DilocoJobs and LearnerUnits from a queue fed by watch events and a periodic resync."""
 
     def __init__(self, kube: Kube, cache: Cache, workers: int = 4, resync_s: float = 30.0,
-                 ensure_ttl_s: float = 300.0, first_launch_wait_s: float = 5.0):
+                 ensure_ttl_s: float = 300.0, first_launch_wait_s: float = 5.0, trust_syncer_url: bool = False):
         self.kube = kube
+        self.trust_syncer_url = trust_syncer_url  # follow the diloco.dev/syncer-url annotation (syncer_address)
         self.cache = cache
         # Objects that are not watched (Secret, ConfigMap, PVCs, Services) are read back at most every
         # ensure_ttl_s: (plural, namespace, name) -> (hash ensured, when).
@@ -490,7 +491,7 @@ class Controller:
         reconciles read the cached answer, so a slow or unreachable syncer never delays healing."""
         ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
         url = syncer_status.syncer_address(job, api.SYNCER_PORT, tls=tls.secret is not None, shard=shard,
-                                           shards=shards)
+                                           shards=shards, trust_annotation=self.trust_syncer_url)
         key = (ns, name, url)
         last = self.syncer_polled.get(key)
         if last is not None and time.monotonic() - last < self.syncer_poll_s:

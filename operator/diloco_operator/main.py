@@ -13,6 +13,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--watch-nodes", action=argparse.BooleanOptionalAction, default=True,
                         help="watch Nodes (cluster-scoped: needs list/watch on nodes) for unit pools and the "
                              "autoscaler's accelerator capacity; --no-watch-nodes runs with namespaced rights only")
+    parser.add_argument("--trust-syncer-url-annotation", action="store_true",
+                        help="follow a job's diloco.dev/syncer-url annotation (an operator outside the cluster, "
+                             "e.g. against `diloco devcluster`); off: a job's author could send its token anywhere")
     parser.add_argument("--workers", type=int, default=16, help="reconciles running at once")
     parser.add_argument("--resync-seconds", type=float, default=30.0,
                         help="look at every known object at least this often, events or not")
@@ -43,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     env = {**os.environ, "DILOCO_OPERATOR_WORKERS": str(args.workers),
            "DILOCO_OPERATOR_RESYNC_SECONDS": str(args.resync_seconds),
            "DILOCO_OPERATOR_METRICS_PORT": str(args.metrics_port),
-           "DILOCO_OPERATOR_WATCH_NODES": "1" if args.watch_nodes else "0"}
+           "DILOCO_OPERATOR_WATCH_NODES": "1" if args.watch_nodes else "0",
+           "DILOCO_OPERATOR_TRUST_SYNCER_URL": "1" if args.trust_syncer_url_annotation else "0"}
     os.execve(sys.executable, cmd, env)  # replaces this process: signals reach kopf directly
     return 0  # not reached

@@ -14,13 +14,16 @@ from diloco_operator import conditions as C
 URL_ANNOTATION = "diloco.dev/syncer-url"  # overrides the in-cluster address (an operator outside the cluster)
 
 
-def syncer_address(job: dict, port: int, tls: bool = False, shard: int = 0, shards: int = 1) -> str:
-    """Where the operator reaches one syncer shard: the annotation if set (one URL per shard, comma-separated, in
-    shard order), else the shard's in-cluster Service (https with TLS)."""
+def syncer_address(job: dict, port: int, tls: bool = False, shard: int = 0, shards: int = 1,
+                   trust_annotation: bool = False) -> str:
+    """Where the operator reaches one syncer shard: the shard's in-cluster Service (https with TLS). The annotation
+    (one URL per shard, comma-separated, in shard order) is followed only when the operator trusts it
+    (`diloco operator --trust-syncer-url-annotation`, for an operator outside the cluster): the operator sends the
+    job's token there, so a job's author alone must not pick where."""
     meta = job["metadata"]
     override = [u.strip().rstrip("/") for u in ((meta.get("annotations") or {}).get(URL_ANNOTATION) or "").split(",")
                 if u.strip()]
-    if len(override) == shards:
+    if trust_annotation and len(override) == shards:
         return override[shard]
     service = f"{meta['name']}-syncer" if shards == 1 else f"{meta['name']}-syncer-{shard}"
     return f"{'https' if tls else 'http'}://{service}.{meta['namespace']}.svc:{port}"

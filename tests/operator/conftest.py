@@ -57,7 +57,9 @@ class OperatorProcess:
 
     def __init__(self, kubeconfig: str, logdir: Path, args: tuple[str, ...] = ()):
         self.kubeconfig = kubeconfig
-        self.args = args  # more `diloco operator` flags (e.g. --namespace, --no-watch-nodes)
+        # More `diloco operator` flags; by default it follows diloco.dev/syncer-url (the syncers the tests start
+        # run on this machine, outside the cluster's Service network).
+        self.args = args
         self.logdir = logdir
         self.proc: subprocess.Popen | None = None
         self.metrics_port = _free_port()
@@ -72,7 +74,7 @@ class OperatorProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "diloco_trainer.cli", "operator", "--resync-seconds", str(resync_seconds),
              "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port), "--verbose",
-             *self.args],
+             *(self.args or ("--trust-syncer-url-annotation",))],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         log.close()
 

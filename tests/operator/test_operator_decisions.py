@@ -216,7 +216,20 @@ def test_syncer_status_summary_and_address():
     with_ckpt = syncer_status.summarize({**doc, "last_checkpoint": 1767225660})
     assert with_ckpt["lastCheckpoint"] == "2026-01-01T00:01:00Z"
     annotated = {**JOB, "metadata": {**JOB["metadata"], "annotations": {syncer_status.URL_ANNOTATION: "http://x:1/"}}}
-    assert syncer_status.syncer_address(annotated, 8470) == "http://x:1"
+    assert syncer_status.syncer_address(annotated, 8470, trust_annotation=True) == "http://x:1"
+
+
+def test_the_syncer_url_annotation_is_followed_only_when_the_operator_trusts_it():
+    from diloco_operator import syncer_status
+    def annotated(url: str) -> dict:
+        return {**JOB, "metadata": {**JOB["metadata"], "annotations": {syncer_status.URL_ANNOTATION: url}}}
+    # The operator sends the job's token to that address: a job's author alone must not choose it.
+    assert syncer_status.syncer_address(annotated("http://attacker.example"), 8470) == "http://demo-syncer.ns.svc:8470"
+    assert syncer_status.syncer_address(annotated("https://attacker.example"), 8470, tls=True) == \
+        "https://demo-syncer.ns.svc:8470"
+    # Trusted (an operator outside the cluster, by its admin's choice): followed.
+    assert syncer_status.syncer_address(annotated("https://127.0.0.1:9"), 8470, tls=True, trust_annotation=True) == \
+        "https://127.0.0.1:9"
 
 
 def test_a_unit_with_a_state_volume_mounts_one_claim_per_rank():
@@ -382,7 +395,7 @@ def test_the_jobs_syncer_numbers_add_up_over_its_shards():
     assert syncer_status.combine([]) is None
     annotated = {**JOB, "metadata": {**JOB["metadata"], "annotations": {
         syncer_status.URL_ANNOTATION: "http://x:1/, http://y:2"}}}
-    assert syncer_status.syncer_address(annotated, 8470, shard=1, shards=2) == "http://y:2"
+    assert syncer_status.syncer_address(annotated, 8470, shard=1, shards=2, trust_annotation=True) == "http://y:2"
     assert syncer_status.syncer_address(JOB, 8470, tls=True, shard=1, shards=2) == "https://demo-syncer-1.ns.svc:8470"
 
 
@@ -410,3 +423,4 @@ def test_an_object_for_a_remote_cluster_names_its_home_owner_instead_of_an_owner
     assert "ownerReferences" not in pod["metadata"] and pod["metadata"]["namespace"] == "far-ns"
     assert pod["metadata"]["annotations"][objects.ANNOTATION_HOME_OWNER] == "LearnerUnit/demo-cpu-0/lu-9"
     assert pod["metadata"]["labels"][objects.LABEL_JOB] == "demo"  # how the operator finds it there again
+

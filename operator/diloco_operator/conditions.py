@@ -38,6 +38,7 @@ class Reason:
     ALL_UNITS_SUCCEEDED = "AllUnitsSucceeded"
     TOO_FEW_UNITS = "TooFewUnits"
     INVALID_SPEC = "InvalidSpec"
+    OBJECT_NOT_OURS = "ObjectNotOurs"  # an object the job needs exists under its name and is someone else's
     # Autoscaling (condition ScalingLimited and the Events of its decisions)
     TARGET_MET = "TargetMet"
     CAPACITY_UNAVAILABLE = "CapacityUnavailable"

@@ -32,6 +32,7 @@ log = logging.getLogger("diloco_operator")
 PARALLEL_WRITES = 16  # the client's thread pool: more in flight would only queue there
 REMOTE_POLL_S = 5.0  # a unit in a remote cluster is looked at this often (its pods there are listed, not watched)
 REMOTE_RETRY_S = 10.0  # after a remote cluster did not answer
+NOT_CONTROLLED_RETRY_S = 10.0  # a job blocked by someone else's object looks again this often (it may be gone)
 REMOTE_SWEEP_S = 15.0  # a job's objects left in a remote cluster by removed units are swept at most this often
 FINALIZER = "diloco.dev/remote-cleanup"  # a job with spec.clusters: its objects there are removed before it goes
 
@@ -47,6 +48,23 @@ async def _bounded(coros: list) -> None:
     for r in results:
         if isinstance(r, BaseException):
             raise r
+
+
+class NotControlled(Exception):
+    """An object the job needs exists under its name and is not the job's (another job's, or the user's): never
+    used, patched or adopted. The message names it."""
+
+    def __init__(self, kind: str, namespace: str, name: str, owner: str | None):
+        by = f"controlled by uid {owner}" if owner else "controlled by nothing"
+        super().__init__(f"{kind} {namespace}/{name} exists and is not this job's ({by}): rename the job, or remove "
+                         "that object if it is a leftover")
+
+
+def _check_controller(res: Resource, desired: dict, current: dict | None) -> None:
+    if current is not None and not O.same_controller(desired, current):
+        meta = desired["metadata"]
+        raise NotControlled(desired.get("kind") or res.plural, meta["namespace"], meta["name"],
+                            O.controller_uid(current))
 
 
 @dataclass
@@ -194,18 +212,24 @@ class Controller:
             # Create-only objects (update=False, e.g. the random token) are never compared, only re-created if gone.
             if done and (done[0] == want or not update) and time.monotonic() - done[1] < self.ensure_ttl_s:
                 return desired
-            if not update:  # create-only: one POST (AlreadyExists is fine) instead of a GET first
-                current = await kube.create(res, desired) or desired
+            if not update:  # create-only: one POST instead of a GET first; who holds an existing one is checked
+                current = await kube.create(res, desired)
+                if current is None:
+                    current = await kube.get(res, meta["namespace"], meta["name"])
+                    _check_controller(res, desired, current)
                 self.ensured[key] = (want, time.monotonic())
-                return current
+                return current or desired
             current = await kube.get(res, meta["namespace"], meta["name"])
         else:
             current = cached
         written = None
         if current is None:
             written = await kube.create(res, desired)
-            current = written or desired
-        elif update and current["metadata"].get("annotations", {}).get("diloco.dev/hash") != want:
+            if written is None:  # there, but not in the watch (e.g. a Deployment without our labels)
+                current = await kube.get(res, meta["namespace"], meta["name"])
+            current = written or current or desired
+        _check_controller(res, desired, current)
+        if update and current["metadata"].get("annotations", {}).get("diloco.dev/hash") != want:
             patch = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind")}
             current = written = await kube.merge_patch(res, meta["namespace"], meta["name"], patch)
         if cached is False:
@@ -240,23 +264,22 @@ class Controller:
             spec = api.DilocoJobSpec.model_validate(job["spec"])
         except ValidationError as exc:
             msg = "; ".join(f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            conds = C.set_condition(old_status.get("conditions", []), C.READY, False, C.Reason.INVALID_SPEC,
-                                    msg, now, job["metadata"].get("generation"))
-            new = {**old_status, "conditions": conds, "message": f"invalid spec: {msg}"}
-            if (patch := status_patch(old_status, new)) is not None:
-                self.cache.wrote(DILOCOJOBS.plural,
-                                 await self.kube.merge_patch(DILOCOJOBS, ns, name, {"status": patch}, "status"))
-                await self._events(job, [("Warning", C.Reason.INVALID_SPEC, msg)])
+            await self._job_blocked(job, old_status, C.Reason.INVALID_SPEC, msg, now, prefix="invalid spec: ")
             return
         finished = old_status.get("phase") in jobplan.TERMINAL_JOB
         await self._remote_finalizer(job, want=bool(spec.clusters))
-        await self._ensure(SECRETS, O.token_secret(job, base64.urlsafe_b64encode(os.urandom(32)).decode()),
-                           update=False)
-        await self._ensure(CONFIGMAPS, O.config_map(job, spec))
-        tls = await self._syncer_tls(job, spec, now)
         shards = spec.config.syncer.shards
-        ready = await asyncio.gather(*(self._ensure_syncer_shard(job, spec, tls, shard, finished)
-                                       for shard in range(shards)))
+        try:
+            await self._ensure(SECRETS, O.token_secret(job, base64.urlsafe_b64encode(os.urandom(32)).decode()),
+                               update=False)
+            await self._ensure(CONFIGMAPS, O.config_map(job, spec))
+            tls = await self._syncer_tls(job, spec, now)
+            ready = await asyncio.gather(*(self._ensure_syncer_shard(job, spec, tls, shard, finished)
+                                           for shard in range(shards)))
+        except NotControlled as exc:  # nothing of the job is started on top of someone else's object
+            await self._job_blocked(job, old_status, C.Reason.OBJECT_NOT_OURS, str(exc), now)
+            self.enqueue(("job", ns, name), NOT_CONTROLLED_RETRY_S)
+            return
         syncer_ready = all(ready)
         infos = {i: self.syncer_info.get((ns, name, i)) for i in range(shards)}
         info = syncer_status.combine([x for x in infos.values() if x is not None])
@@ -335,6 +358,19 @@ class Controller:
             for unit, last in info["learners"].items():
                 if unit in seen and seen[unit] != last:
                     self.enqueue(("unit", ns, unit))
+
+    async def _job_blocked(self, job: dict, old_status: dict, reason: str, msg: str, now: datetime,
+                           prefix: str = "") -> None:
+        """A job that cannot go on until its user acts: Ready=False with `reason` and `msg`, a Warning Event when
+        that status is new."""
+        ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+        conds = C.set_condition(old_status.get("conditions", []), C.READY, False, reason, msg, now,
+                                job["metadata"].get("generation"))
+        new = {**old_status, "conditions": conds, "message": prefix + msg}
+        if (patch := status_patch(old_status, new)) is not None:
+            self.cache.wrote(DILOCOJOBS.plural,
+                             await self.kube.merge_patch(DILOCOJOBS, ns, name, {"status": patch}, "status"))
+            await self._events(job, [("Warning", reason, msg)])
 
     # --- remote clusters (spec.clusters) --------------------------------------------------------------------
     async def _remote_finalizer(self, job: dict, want: bool) -> None:
@@ -459,6 +495,8 @@ class Controller:
         if cached and time.monotonic() - cached[1] < (self.ensure_ttl_s if not cached[0].problem else 5.0):
             return cached[0]
         obj = await self.kube.get(SECRETS, ns, secret)
+        if spec.syncer.tls.effective_mode == "Auto":  # the operator's own Secret: never someone else's of that name
+            _check_controller(SECRETS, O.auto_tls_secret(job, {}), obj)
         data = None if obj is None else {k: base64.b64decode(v).decode(errors="replace")
                                          for k, v in (obj.get("data") or {}).items()}
         state = SyncerTls(secret=secret)

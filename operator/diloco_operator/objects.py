@@ -109,6 +109,23 @@ def _meta(name: str, owner: dict, labels: dict, annotations: dict | None = None)
 ANNOTATION_HOME_OWNER = "diloco.dev/home-owner"  # on objects in a remote cluster: what owns them at home
 
 
+def controller_uid(obj: dict) -> str | None:
+    """The UID of the object's controller: its controller ownerReference, or in a remote cluster the owner named by
+    the home-owner annotation ("Kind/name/uid"); None if nothing controls it."""
+    meta = obj.get("metadata") or {}
+    ref = next((o for o in meta.get("ownerReferences") or [] if o.get("controller")), None)
+    if ref is not None:
+        return ref.get("uid")
+    home = ((meta.get("annotations") or {}).get(ANNOTATION_HOME_OWNER) or "").split(",")[0]
+    return home.rsplit("/", 1)[-1] if home.count("/") == 2 else None
+
+
+def same_controller(desired: dict, current: dict) -> bool:
+    """Whether `current` (an existing object of `desired`'s name) is controlled by whatever controls `desired`:
+    only then may the operator use, patch or later delete it."""
+    return controller_uid(current) == controller_uid(desired)
+
+
 def in_remote_cluster(obj: dict, namespace: str) -> dict:
     """`obj` as created in a remote cluster (spec.clusters): in `namespace`, without ownerReferences (their owner
     lives in the home cluster: that cluster's garbage collector would delete the object at once); the owner is

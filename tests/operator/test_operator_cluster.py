@@ -459,3 +459,29 @@ def test_each_syncer_shard_runs_heals_and_reports_on_its_own(kubectl, operator, 
         for p in procs:
             p.terminate()
             p.wait(timeout=30)
+
+
+def test_a_job_never_takes_over_objects_of_its_names_that_are_not_its_own(kubectl, operator, ns):
+    # A job named like someone's objects: their ConfigMap "<job>-config" and Secret "<job>-token" exist already.
+    kubectl.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "nginx-config"},
+                   "data": {"nginx.conf": "worker_processes 1;"}}, "-n", ns)
+    kubectl.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "nginx-token"},
+                   "stringData": {"token": "someone-elses"}}, "-n", ns)
+    kubectl.apply(job("nginx", cpu_units(1)), "-n", ns)
+
+    def blocked_by(kind: str, name: str):
+        ready = condition(kubectl.get("dj", "nginx", ns=ns) or {}, "Ready")
+        return ready.get("reason") == "ObjectNotOurs" and f"{kind} {ns}/{name} " in ready["message"] and ready
+    ready = wait_for(lambda: blocked_by("Secret", "nginx-token"), 60, 0.2, "Ready=False naming the Secret")
+    assert ready["status"] == "False" and "not this job's" in ready["message"]
+    secret = kubectl.get("secret", "nginx-token", ns=ns)
+    assert "ownerReferences" not in secret["metadata"] and kubectl.get("lu", ns=ns) == []
+    assert kubectl.get("deployment", ns=ns) == [], "nothing of the job started on someone else's token"
+    # Once the Secret is gone the job creates its own, then stops at the ConfigMap, which it leaves as it was.
+    kubectl.run("delete", "secret", "nginx-token", "-n", ns)
+    wait_for(lambda: blocked_by("ConfigMap", "nginx-config"), 60, 0.2, "Ready=False naming the ConfigMap")
+    cm = kubectl.get("configmap", "nginx-config", ns=ns)
+    assert cm["data"] == {"nginx.conf": "worker_processes 1;"} and "ownerReferences" not in cm["metadata"]
+    kubectl.run("delete", "configmap", "nginx-config", "-n", ns)
+    wait_job_ready(kubectl, ns, "nginx", 1, timeout=90)
+    assert kubectl.get("configmap", "nginx-config", ns=ns)["metadata"]["ownerReferences"][0]["name"] == "nginx"

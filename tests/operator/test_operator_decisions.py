@@ -424,3 +424,18 @@ def test_an_object_for_a_remote_cluster_names_its_home_owner_instead_of_an_owner
     assert pod["metadata"]["annotations"][objects.ANNOTATION_HOME_OWNER] == "LearnerUnit/demo-cpu-0/lu-9"
     assert pod["metadata"]["labels"][objects.LABEL_JOB] == "demo"  # how the operator finds it there again
 
+
+def test_an_existing_object_is_the_jobs_only_if_the_job_controls_it():
+    desired = objects.config_map(JOB, job_spec())
+    ours = {"metadata": {"name": "demo-config", "ownerReferences": [objects.owner_ref(JOB)]}}
+    assert objects.same_controller(desired, ours)
+    assert not objects.same_controller(desired, {"metadata": {"name": "demo-config"}})  # a user's ConfigMap
+    other_job = {**JOB, "metadata": {**JOB["metadata"], "uid": "u-2"}}
+    assert not objects.same_controller(desired, {"metadata": {"ownerReferences": [objects.owner_ref(other_job)]}})
+    not_controller = {**objects.owner_ref(JOB), "controller": False}
+    assert not objects.same_controller(desired, {"metadata": {"ownerReferences": [not_controller]}})
+    # In a remote cluster the owner is named by annotation, and the same rule holds.
+    remote = objects.in_remote_cluster(desired, "far")
+    assert objects.controller_uid(remote) == "u-1" and objects.same_controller(remote, remote)
+    assert not objects.same_controller(remote, objects.in_remote_cluster(objects.config_map(other_job, job_spec()),
+                                                                         "far"))

@@ -42,7 +42,8 @@ def test_the_operator_role_is_least_privilege():
     # The one cluster-scoped kind it touches is read-only; no CRD or namespace scanning (kopf's scanning is off).
     assert grants[("", "nodes")] == {"get", "list", "watch"}
     assert not {k for k in grants if k[1] in ("customresourcedefinitions", "namespaces")}
-    assert grants[("", "services")] == grants[("", "persistentvolumeclaims")] == {"create"}
+    # Create-only; get: an existing object of that name is used only if the job controls it.
+    assert grants[("", "services")] == grants[("", "persistentvolumeclaims")] == {"get", "create"}
 
 
 def test_the_namespaced_install_has_no_cluster_wide_right_and_the_same_namespaced_rules():

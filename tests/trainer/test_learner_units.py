@@ -91,7 +91,7 @@ def test_unit_zero_alone_is_shard_one_of_one(monkeypatch):
 
 def test_a_unit_of_one_process_needs_no_collectives():
     group = UnitGroup()
-    assert group.is_main and group.world_size == 1
+    assert group.is_main and group.world_size == 1 and group.device is None
     assert group.broadcast_json({"a": [1, 2]}) == {"a": [1, 2]}
     assert group.step_header(True, [(1, 5)], slots=4) == (True, [(1, 5)])
     assert group.mean(torch.tensor(1.5)) == 1.5

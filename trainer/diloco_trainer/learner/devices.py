@@ -75,6 +75,7 @@ class UnitGroup:
     def __init__(self, rank: int = 0, world_size: int = 1, device: torch.device | None = None):
         self.rank, self.world_size = rank, world_size
         self.is_main = rank == 0
+        self.device = device  # this rank's device when the group chose it (cuda:LOCAL_RANK), else None
         # gloo moves CPU tensors; nccl needs them on the GPU.
         self.comm_device = device if device is not None and dist_backend(device) != "gloo" else torch.device("cpu")
 

@@ -109,6 +109,7 @@ class Learner:
         """Pull Θ, versions, plan and config from the syncer (rank 0; broadcast to the unit), build everything."""
         self.device = devices.select_device(self.opts.device)
         self.group = UnitGroup.from_env(self.device)
+        self.device = self.group.device or self.device  # a multi-GPU unit: each rank on its cuda:LOCAL_RANK
         if self.group.is_main:
             self.client = make_client(split_syncer_urls(self.opts.syncer), self.opts.token, self.opts.learner_id,
                                       unit=self.opts.unit, world_size=self.group.world_size,

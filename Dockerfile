@@ -2,6 +2,7 @@
 #   docker build --target operator -t diloco-operator:0.1.0 .     (kopf operator; no torch)
 #   docker build --target trainer  -t diloco-trainer:0.1.0 .      (syncer + learner; CPU torch)
 #   docker build --target trainer --build-arg TORCH_VARIANT=cu128 -t diloco-trainer:0.1.0-cuda .
+#   docker build --target trainer-xla -t diloco-trainer:0.1.0-xla .  (syncer + learner; torch + torch_xla for TPUs)
 # Build arguments:
 #   BASE_IMAGE     any image with Python 3.11 and pip on PATH and groupadd/useradd (default python:3.11-slim;
 #                  hack/build-images.sh builds diloco.local/python:3.11 from Debian where Docker Hub is out of reach)
@@ -9,6 +10,8 @@
 #                  TORCH_INDEX=pypi installs torch from PyPI instead: its CUDA build, with the nvidia-* wheels
 #                  pinned by requirements.lock (a ~6 GB image), for networks that reach PyPI but not that index.
 #   TORCH_VARIANT  cpu (default) or a CUDA build such as cu128; unused with TORCH_INDEX=pypi
+#   LIBTPU         trainer-xla: the TPU runtime, default libtpu==0.0.21 (what torch_xla 2.9.0's [tpu] extra pins);
+#                  none leaves it out (then only torch_xla's CPU device, PJRT_DEVICE=CPU, and its CUDA plugin remain)
 # Plain Dockerfile syntax: builds with BuildKit or the legacy builder (DOCKER_BUILDKIT=0).
 # The dependencies (requirements.lock as constraints, the extras of pyproject.toml) are installed before the
 # sources are copied, so a code change rebuilds only the last layers. Both images run as UID 10001.
@@ -56,6 +59,27 @@ COPY chaos/ chaos/
 COPY kube/ kube/
 RUN pip install -c requirements.lock ".[trainer]" \
  && diloco --help >/dev/null
+USER 10001:10001
+EXPOSE 8470 8471
+CMD ["diloco", "--help"]
+
+FROM base AS trainer-xla
+# torch_xla pins its own torch (2.9.0), older than the trainer target's, so this image installs requirements-xla.lock
+# (torch, torch_xla and what the learner and syncer import, at requirements.lock's versions) instead; its learners
+# and syncer interoperate with the trainer image's (docs/xla.md). torch from PyPI brings its CUDA wheels (~7 GB).
+ARG LIBTPU=libtpu==0.0.21
+COPY requirements-xla.lock ./
+RUN pip install -r requirements-xla.lock \
+ && if [ "${LIBTPU}" != none ]; then pip install "${LIBTPU}"; fi
+COPY pyproject.toml README.md ./
+COPY trainer/ trainer/
+COPY operator/ operator/
+COPY chaos/ chaos/
+COPY kube/ kube/
+# --no-deps: the trainer extra would pull requirements.lock's torch over torch_xla's
+RUN pip install --no-deps . \
+ && diloco --help >/dev/null \
+ && PJRT_DEVICE=CPU python -c "import torch_xla, diloco_trainer.learner.loop, diloco_trainer.syncer.main"
 USER 10001:10001
 EXPOSE 8470 8471
 CMD ["diloco", "--help"]

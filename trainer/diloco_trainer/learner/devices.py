@@ -15,10 +15,10 @@ log = logging.getLogger(__name__)
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "xla")
 
 
-def _xla_model():
-    """torch_xla's xla_model module, or None when torch_xla is not installed (or fails to import)."""
+def _torch_xla():
+    """The torch_xla module, or None when torch_xla is not installed (or fails to import)."""
     try:
-        return importlib.import_module("torch_xla.core.xla_model")
+        return importlib.import_module("torch_xla")
     except Exception as exc:  # noqa: BLE001 - a broken torch_xla install must read as "no XLA"
         log.debug("torch_xla unavailable: %s", exc)
         return None
@@ -35,20 +35,48 @@ def select_device(name: str = "auto") -> torch.device:
     if name == "cuda":
         raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False on this machine")
     if name in ("xla", "auto"):
-        xm = _xla_model()
-        if xm is not None:
-            return xm.xla_device()
+        xla = _torch_xla()
+        if xla is not None:
+            return xla.device()
         if name == "xla":
-            raise ValueError("device 'xla' requested but torch_xla is not installed (pip install torch_xla)")
+            raise ValueError("device 'xla' requested but torch_xla is not installed (see docs/xla.md)")
     return torch.device("cpu")
 
 
 def sync(device: torch.device) -> None:
     """Make queued work run: mark_step on XLA (where ops are lazy), a stream sync on CUDA, nothing on CPU."""
     if device.type == "xla":
-        _xla_model().mark_step()
+        _torch_xla().sync()
     elif device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def run_lazy(device: torch.device) -> None:
+    """Run the operations queued on an XLA device as a graph of their own (nothing elsewhere): what the outer sync
+    changed (an adoption) must not ride into the next inner step's graph, which would then differ from the one
+    compiled and compile again."""
+    if device.type == "xla":
+        _torch_xla().sync()
+
+
+def outer_state_device(device: torch.device) -> torch.device | None:
+    """Where a learner keeps its outer state (bases, outer gradients, their compression): in host memory for XLA
+    (each tensor's compression and checks would otherwise compile graphs of their own), beside the parameters
+    elsewhere (None)."""
+    return torch.device("cpu") if device.type == "xla" else None
+
+
+def xla_graph_counts(device: torch.device) -> dict[str, float]:
+    """torch_xla's own count of graph compilations and executions so far, and the seconds spent compiling
+    (torch_xla.debug.metrics); empty off XLA. A step whose graph changes compiles again: the count shows it."""
+    if device.type != "xla":
+        return {}
+    import torch_xla.debug.metrics as met
+
+    compiled, executed = met.metric_data("CompileTime"), met.metric_data("ExecuteTime")
+    return {"xla_compiles": compiled[0] if compiled else 0,
+            "xla_compile_s": compiled[1] / 1e9 if compiled else 0.0,  # the metric accumulates nanoseconds
+            "xla_executions": executed[0] if executed else 0}
 
 
 def dist_backend(device: torch.device) -> str:

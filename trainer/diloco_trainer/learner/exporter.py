@@ -19,7 +19,8 @@ _COUNTERS = {"tokens": "tokens trained since (re)start", "queued": "outer gradie
              "bytes_down_full": "of bytes_down: whole fragments and the start-up state",
              "versions_rebuilt": "fragment versions rebuilt from down-link updates",
              "versions_full": "fragment versions fetched whole",
-             "digest_mismatches": "rebuilt versions whose digest differed from the syncer's"}
+             "digest_mismatches": "rebuilt versions whose digest differed from the syncer's",
+             "xla_compiles": "XLA graphs compiled (torch_xla's CompileTime count; 0 off XLA)"}
 
 
 def serve_metrics(port: int, snapshot):

@@ -152,7 +152,8 @@ class Learner:
         with self.inner.full(self.names):
             self.outer = OuterSync(self.plan, versions, self.params, sync_every=outer.sync_every, adopt=outer.adopt,
                                    compression=outer.compression, block_size=outer.block_size, step=self.step,
-                                   sends=self.group.is_main, keep_fraction=outer.keep_fraction)
+                                   sends=self.group.is_main, keep_fraction=outer.keep_fraction,
+                                   state_device=devices.outer_state_device(self.device))
         if self.opts.restore_inner and not self.inner.sharded:
             self._restore_inner_state(versions)
         elif self.inner.sharded:
@@ -312,6 +313,7 @@ class Learner:
             # The AdamW moments are kept (Decision); rank 0 computes the new θ_p, the unit gets it from rank 0.
             with self.inner.full(self.plan[p], write_back=True):
                 self.outer.adopt(p, version, by_fragment[p].tensors if self.group.is_main else None, self.step)
+            devices.run_lazy(self.device)
         return stop
 
     # ------------------------------------------------------------------ reporting and shutdown
@@ -331,7 +333,7 @@ class Learner:
             versions=self._versions(), queued=self.outer.queued, adoptions=self.outer.adoptions,
             steps_kept=self.outer.steps_kept, steps_discarded=self.outer.steps_discarded,
             epoch=self.sampler.epoch, lr=self.opt.param_groups[0]["lr"],
-            **{k: net[k] for k in NET_COUNTERS if k in net},
+            **{k: net[k] for k in NET_COUNTERS if k in net}, **devices.xla_graph_counts(self.device),
         ).model_dump()
 
     def _log(self, window: Window, final: bool = False) -> None:
@@ -347,6 +349,9 @@ class Learner:
         log.info("step %d loss %s tok/s %.0f versions %s queued %d sent %d acked %d rejected %d adopted %d syncer %s",
                  rec["step"], loss, rec["tokens_per_s"], rec["versions"], rec["queued"], rec["sent"], rec["acked"],
                  rec["rejected"], rec["adoptions"], "up" if rec["syncer_up"] else "away")
+        if rec["xla_compiles"] is not None:
+            log.info("xla: %d graphs compiled (%.1f s), %d run", rec["xla_compiles"], rec["xla_compile_s"],
+                     rec["xla_executions"])
 
     def _finish(self, window: Window, server) -> int:
         self._save_position()

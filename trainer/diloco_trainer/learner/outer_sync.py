@@ -55,11 +55,13 @@ class OuterSync:
     """Outer-gradient and adoption state of one learner unit, for the parameters `params` (updated in place).
 
     Only the rank that talks to the syncer (`sends=True`) keeps bases and builds submissions; the other ranks of a
-    unit only follow versions (their parameters come from the unit's broadcast)."""
+    unit only follow versions (their parameters come from the unit's broadcast). `state_device` is where the bases,
+    the outer gradients and their compression live: beside the parameters by default; the host's memory for XLA,
+    whose lazy tensors would otherwise compile a graph for every tensor's compression and check."""
 
     def __init__(self, plan: list[list[str]], versions: dict[int, int], params: dict[str, Tensor], *,
                  sync_every: int, adopt: AdoptMode, compression: str, block_size: int, step: int = 0,
-                 sends: bool = True, keep_fraction: float = 1.0):
+                 sends: bool = True, keep_fraction: float = 1.0, state_device: torch.device | None = None):
         if adopt not in ("keep", "overwrite"):
             raise ValueError(f"adopt must be 'keep' or 'overwrite', got {adopt!r}")
         self.plan, self.params, self.sends = plan, params, sends
@@ -67,6 +69,7 @@ class OuterSync:
             raise ValueError(f"keep_fraction must be in (0, 1], got {keep_fraction}")
         self.sync_every, self.adopt_mode, self.keep_fraction = sync_every, adopt, keep_fraction
         self.compression, self.block_size = compression, block_size
+        self.state_device = state_device
         self.ef = ErrorFeedback()
         P = len(plan)
         self.frags = [FragmentState(versions[p], self._copy(names) if sends else {},
@@ -78,7 +81,12 @@ class OuterSync:
         self.steps_discarded = 0  # steps trained on a fragment and overwritten by an adoption
 
     def _copy(self, names: list[str]) -> dict[str, Tensor]:
-        return {n: self.params[n].detach().clone() for n in names}
+        return {n: self._local(n).clone() for n in names}
+
+    def _local(self, name: str) -> Tensor:
+        """θ of one parameter where the outer state lives (the parameter itself by default; a host copy for XLA)."""
+        t = self.params[name].detach()
+        return t if self.state_device is None else t.to(self.state_device)
 
     def versions(self) -> dict[str, int]:
         return {str(p): fs.version for p, fs in enumerate(self.frags)}
@@ -123,7 +131,7 @@ class OuterSync:
         else:
             fs.ef_before = {n: self.ef.residual(n) for n in names}
         with torch.no_grad():
-            deltas = {n: fs.base[n] - self.params[n].detach() for n in names}
+            deltas = {n: fs.base[n] - self._local(n) for n in names}
         parts = self.ef.compress(deltas, self.compression, self.block_size)
         sid = submission_id(learner_id, nonce, p, fs.version)
         meta = SubmissionMeta(learner_id, sid, p, fs.version, fs.c_steps, fs.c_tokens)
@@ -170,11 +178,11 @@ class OuterSync:
                     new = theta[n].to(param.device, param.dtype)
                     if keep:  # Θ_new + ρ(θ − ref): the unsent progress rides on top
                         ref = fs.sent[n] if fs.sent is not None else fs.base[n]
-                        param.sub_(ref).mul_(self.keep_fraction).add_(new)
+                        param.sub_(ref.to(param.device)).mul_(self.keep_fraction).add_(new)
                     else:
                         param.copy_(new)
                     if self.sends:
-                        fs.base[n] = new.clone()
+                        fs.base[n] = theta[n].to(self.state_device or param.device, param.dtype, copy=True)
         # The work no outstanding or acknowledged Δ covers (all of it when nothing went out from this base).
         unsent_steps, unsent_tokens = fs.c_steps - fs.sent_steps, fs.c_tokens - fs.sent_tokens
         if keep:  # a fraction ρ of the work is carried: its counters scale with it (token weights stay fair)

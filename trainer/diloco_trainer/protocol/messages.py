@@ -260,6 +260,11 @@ class LearnerRecord(_Document):
     digest_mismatches: int = 0
     epoch: int = 0
     lr: float | None = None
+    # On an XLA device, torch_xla's own counts so far (learner/devices.py): graphs compiled, seconds compiling, graphs
+    # run. Compilations that keep growing with the steps mean a graph changes every step.
+    xla_compiles: int | None = None
+    xla_compile_s: float | None = None
+    xla_executions: int | None = None
     final: bool = False
 
 

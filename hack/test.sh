@@ -5,6 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash hack/setup.sh
+# The whole suite needs the XLA environment (tests/trainer/test_learner_xla.py): on a first run its ~3 GB install
+# goes on in the background meanwhile. The test runs hack/xla-env.sh itself, which waits for this install (a lock)
+# and redoes it if it failed.
+if [ $# -eq 0 ]; then
+  bash hack/xla-env.sh >/dev/null 2>"${TMPDIR:-/tmp}/diloco-xla-env.log" &
+fi
 DILOCO_TESTBED_DIR=$(bash hack/build-testbed.sh | tail -n 1)
 export DILOCO_TESTBED_DIR
 exec .venv/bin/python -m pytest "$@"

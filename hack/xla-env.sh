@@ -14,7 +14,7 @@ CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/diloco
 DEPS=${DILOCO_XLA_VENV:-$CACHE/xla-venv-$key}
 mkdir -p "$(dirname "$DEPS")"
 exec 9>"$DEPS.lock"
-flock 9  # two runs installing at once would write into one directory
+flock 9  # held to the end: two runs at once (hack/test.sh starts one early) would write into one directory
 if [ ! -f "$DEPS/.complete" ]; then
   echo "[xla-env] installing torch + torch_xla (requirements-xla.lock) into $DEPS (first time: ~3 GB of wheels)" >&2
   started=$(date +%s)
@@ -27,7 +27,6 @@ if [ ! -f "$DEPS/.complete" ]; then
   touch "$DEPS/.complete"
   echo "[xla-env] installed in $(( $(date +%s) - started )) s" >&2
 fi
-flock -u 9
 if [ ! -x .venv-xla/bin/python ]; then
   "$DEPS/bin/python" -m venv --without-pip .venv-xla
 fi

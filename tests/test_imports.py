@@ -4,6 +4,7 @@ no cycle between files or between packages, and the layers the images rely on.""
 from __future__ import annotations
 
 import ast
+import functools
 import tomllib
 from pathlib import Path
 
@@ -32,6 +33,12 @@ def _targets(module: str, path: Path, node: ast.Import | ast.ImportFrom) -> list
         base = base[: len(base) - (node.level - 1)]
         prefix = ".".join(base + ([node.module] if node.module else []))
     return [prefix] + [f"{prefix}.{a.name}" for a in node.names]
+
+
+@functools.cache
+def project_graph() -> dict[str, frozenset[str]]:
+    """The import graph of every project module, parsed once per test session."""
+    return {m: frozenset(ts) for m, ts in import_graph(project_modules()).items()}
 
 
 def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
@@ -102,26 +109,26 @@ def test_the_cycle_finder_finds_a_cycle_through_three_modules():
 
 
 def test_the_graph_sees_imports_inside_functions():
-    edges = import_graph(project_modules())
+    edges = project_graph()
     # learner/main.py imports the learner loop only inside a function (torch stays out of `diloco --help`)
     assert "diloco_trainer.learner.loop" in edges["diloco_trainer.learner.main"]
 
 
 def test_no_import_cycle_between_files():
-    found = cycles(import_graph(project_modules()))
+    found = cycles(project_graph())
     assert not found, "file import cycles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
 def test_no_import_cycle_between_packages():
-    found = cycles(package_graph(import_graph(project_modules())))
+    found = cycles(package_graph(project_graph()))
     assert not found, "package import cycles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
 def test_the_kubernetes_layer_imports_no_other_project_package():
-    assert package_graph(import_graph(project_modules()))["diloco_kube"] == set()
+    assert package_graph(project_graph())["diloco_kube"] == set()
 
 
 def test_the_operator_image_packages_import_nothing_the_image_lacks():
-    pkgs = package_graph(import_graph(project_modules()))
+    pkgs = package_graph(project_graph())
     for pkg in OPERATOR_IMAGE:
         assert pkgs[pkg] <= OPERATOR_IMAGE, f"{pkg} imports {sorted(pkgs[pkg] - OPERATOR_IMAGE)}"

@@ -11,6 +11,7 @@ from diloco_bench import cli, heterogeneity, quality, report, runs, syncer_speed
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_syncer_speed_tiny_writes_ratios_to_a_same_run_baseline_a_table_and_a_png(tmp_path):
     ctx = report.Context(mode="tiny", out_dir=tmp_path)
     path = report.finish(syncer_speed.run(ctx), tmp_path)

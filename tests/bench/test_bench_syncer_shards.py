@@ -3,7 +3,11 @@ the result holds each shard count's throughput as a ratio to one shard measured 
 
 import json
 
+import pytest
+
 from diloco_bench import report, syncer_shards
+
+pytestmark = pytest.mark.slow  # real syncer shard processes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -27,6 +27,7 @@ def _run(argv: list[str], env: dict[str, str], timeout: float = 300.0) -> subpro
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_a_learner_in_its_own_namespace_trains_against_a_syncer_in_another_through_the_shaped_link(tmp_path):
     learner_link, syncer_link = netns.Link(4.0, 30.0, 3.0), netns.Link(16.0, 20.0, 2.0)
     setting = wan.Setting("test", (learner_link,), syncer_link)
@@ -55,6 +56,7 @@ def test_a_learner_in_its_own_namespace_trains_against_a_syncer_in_another_throu
     assert f"--syncer http://{plan.address('syncer')}:" in (run_dir / "logs" / "learner-0.log").read_text()
 
 
+@pytest.mark.slow
 def test_ddp_workers_in_their_own_namespaces_meet_across_the_links_and_end_bit_identical(tmp_path):
     link = netns.Link(8.0, 10.0, 1.0)
     setting = wan.Setting("test", (link, link), link)

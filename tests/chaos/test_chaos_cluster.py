@@ -18,7 +18,8 @@ from diloco_chaos.runner import run_experiment
 from diloco_chaos.targets.kubernetes import KubernetesTarget
 from test_operator_cluster import cpu_units, events, job, unit_pods, wait_job_ready  # helpers only
 
-from cluster_kit import PYTHONPATH, ROOT, wait_for
+from polling import wait_for
+from cluster_kit import PYTHONPATH, ROOT
 
 pytestmark = pytest.mark.cluster
 
@@ -109,7 +110,7 @@ async def test_a_pod_fails_with_the_exit_code_through_kwok(kubectl, operator, ns
     def failed_seen():
         return [e for e in events(kubectl, ns, "PodFailed") if e["involvedObject"]["name"] == "crash-cpu-1"]
     try:
-        seen = wait_for(failed_seen, 60, 0.2, "the operator's PodFailed event")
+        seen = wait_for(failed_seen, 60, "the operator's PodFailed event", 0.2)
     except BaseException:
         print([(e["reason"], e["involvedObject"]["name"], e["message"]) for e in kubectl.get("events", ns=ns)])
         raise

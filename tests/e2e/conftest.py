@@ -17,7 +17,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))  # the operator tests' cluster kit
 
-from cluster_kit import ROOT, Kubectl, wait_for  # noqa: E402
+from polling import wait_for  # noqa: E402
+from cluster_kit import ROOT, Kubectl  # noqa: E402
 from diloco_devcluster import realnode, testbed as testbed_mod  # noqa: E402
 from diloco_devcluster.cli import install_crds  # noqa: E402
 
@@ -112,6 +113,6 @@ def operator_pod(cluster, kubectl, images) -> OperatorPod:
         pods = kubectl.get("pod", ns=OPERATOR_NS, selector="app.kubernetes.io/name=diloco-operator")
         return any(c["type"] == "Ready" and c["status"] == "True"
                    for p in pods for c in p.get("status", {}).get("conditions", []))
-    wait_for(ready, 120, 1.0, what="the operator pod Ready")
+    wait_for(ready, 120, "the operator pod Ready", 1.0)
     yield op
     print(f"--- operator log tail\n{op.logs()}", file=sys.stderr)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from cluster_kit import wait_for
+from polling import wait_for
 
 SYNCER_PORT, METRICS_PORT = 8470, 8471
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_kit import wait_for
+from polling import wait_for
 from diloco_devcluster import realnode
 from diloco_trainer.syncer.takeover import read_incarnations
 from e2e_kit import (SYNCER_PORT, container_id, container_of, job_namespace, learner_step, pv_dir,
@@ -105,7 +105,7 @@ class Job:
 
 def wait_outer_steps_advance(job: Job, by: int, timeout: float, what: str) -> int:
     start = job.outer_steps()
-    wait_for(lambda: job.outer_steps() >= start + by, timeout, 1.0, what=f"{what} ({by} outer steps after {start})")
+    wait_for(lambda: job.outer_steps() >= start + by, timeout, f"{what} ({by} outer steps after {start})", 1.0)
     return job.outer_steps()
 
 
@@ -125,12 +125,12 @@ def kill_and_time_recovery(job: Job, unit: str, kill) -> float:
             return None
         step = learner_step(pod)
         return step is not None and step >= 1
-    wait_for(training_again, 180, 0.25, what=f"unit {unit} training again after its pod was killed")
+    wait_for(training_again, 180, f"unit {unit} training again after its pod was killed", 0.25)
     recovery = time.monotonic() - killed_at
     RECOVERY_TIMES.append(recovery)
     print(f"[e2e] {unit}: killed -> a new container training again in {recovery:.1f}s", file=sys.stderr)
     # The other units never stopped: the global model advanced meanwhile or advances now.
-    wait_for(lambda: job.outer_steps() > before, 60, 1.0, what="outer steps advancing across the kill")
+    wait_for(lambda: job.outer_steps() > before, 60, "outer steps advancing across the kill", 1.0)
     return recovery
 
 
@@ -141,17 +141,15 @@ def job(kubectl, operator_pod, images) -> Job:
 
 
 def test_the_syncer_and_every_learner_run_as_real_containers_and_outer_steps_advance(job, kubectl):
-    wait_for(lambda: len(job.running("syncer")) == 1 and len(job.running("learner")) == UNITS, 240, 1.0,
-             what=f"the syncer and {UNITS} learner containers running")
+    wait_for(lambda: len(job.running("syncer")) == 1 and len(job.running("learner")) == UNITS, 240, f"the syncer and {UNITS} learner containers running", 1.0)
     for pod in job.running("learner") + job.running("syncer"):
         assert pod["spec"]["nodeName"] == realnode.NODE_NAME, f"{pod['metadata']['name']} not on the real node"
         assert pod["status"]["containerStatuses"][0]["containerID"].startswith("containerd://")
     # Every learner reached the syncer through its Service name (cluster DNS + kube-proxy) and trains.
-    wait_for(lambda: all((learner_step(p) or 0) >= 1 for p in job.running("learner")), 240, 1.0,
-             what="every learner training")
+    wait_for(lambda: all((learner_step(p) or 0) >= 1 for p in job.running("learner")), 240, "every learner training", 1.0)
     wait_outer_steps_advance(job, 8, 240, "merges from real learner pods")
     # The operator reads the same progress from the syncer into the job's status.
-    wait_for(lambda: job.status().get("outerSteps", 0) > 0, 60, 1.0, what="status.outerSteps from the syncer")
+    wait_for(lambda: job.status().get("outerSteps", 0) > 0, 60, "status.outerSteps from the syncer", 1.0)
     assert job.status().get("phase") == "Running"
 
 
@@ -206,7 +204,7 @@ def test_a_learner_killed_by_spec_chaos_restarts_its_unit(job, kubectl):
 
 
 def test_a_sigkilled_syncer_resumes_from_its_checkpoint_losing_no_acknowledged_update(job, kubectl):
-    wait_for(lambda: (job.syncer_status() or {}).get("last_checkpoint"), 90, 1.0, what="a first checkpoint")
+    wait_for(lambda: (job.syncer_status() or {}).get("last_checkpoint"), 90, "a first checkpoint", 1.0)
     before = job.syncer_status()
     pod = job.running("syncer")[0]
     state_dir = job.pv_dir(f"{JOB}-checkpoint")
@@ -215,9 +213,9 @@ def test_a_sigkilled_syncer_resumes_from_its_checkpoint_losing_no_acknowledged_u
     subprocess.run(["ctr", "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", container_id(pod, serving)], check=True)
     # The other container of the pod (spec.syncer.standby) takes over from the checkpoint, spool and merge journal
     # on the PVC; the kubelet restarts the dead one in place, which then waits as the next standby.
-    after = wait_for(job.syncer_status, 120, 0.5, what="the syncer answering again")
+    after = wait_for(job.syncer_status, 120, "the syncer answering again", 0.5)
     wait_for(lambda: any(c.get("restartCount", 0) >= 1 for p in job.running("syncer")
-                         for c in p["status"]["containerStatuses"]), 120, 0.5, what="the killed container restarted")
+                         for c in p["status"]["containerStatuses"]), 120, "the killed container restarted", 0.5)
     (same,) = job.running("syncer")
     assert same["metadata"]["uid"] == pod["metadata"]["uid"], "the pod was replaced, not healed in place"
     took_over = read_incarnations(state_dir)[len(served)]
@@ -250,10 +248,10 @@ def test_the_job_succeeds_with_a_final_checkpoint_that_beats_the_unigram_baselin
     from diloco_trainer.runtime import report
     from diloco_trainer.syncer.store import read_checkpoint
 
-    wait_for(lambda: job.status().get("phase") in ("Succeeded", "Failed"), 900, 2.0, what="the job finishing")
+    wait_for(lambda: job.status().get("phase") in ("Succeeded", "Failed"), 900, "the job finishing", 2.0)
     assert job.status()["phase"] == "Succeeded", job.status()
     # A finished job's syncer is scaled to zero: it wrote its final checkpoint to the PVC on SIGTERM.
-    wait_for(lambda: not job.pods("syncer"), 120, 1.0, what="the syncer pod gone after the job finished")
+    wait_for(lambda: not job.pods("syncer"), 120, "the syncer pod gone after the job finished", 1.0)
     ckpt = read_checkpoint(job.pv_dir(f"{JOB}-checkpoint"))  # its --state-dir: checkpoint/ and spool/
     assert ckpt is not None, "no checkpoint in the syncer's PVC"
     cfg = TrainConfig.model_validate(ckpt.state["config"])
@@ -288,12 +286,12 @@ def test_deleting_the_job_removes_every_owned_object_and_container(job, kubectl)
     assert all(left[k] for k in ("lu", "deployment", "services", "configmap", "secret", "pvc")), left
     kubectl.run("delete", "dj", JOB, "-n", job.ns, "--wait=false")
     try:
-        wait_for(all_gone, 120, 1.0, what="every object of the job deleted")
+        wait_for(all_gone, 120, "every object of the job deleted", 1.0)
     except BaseException:
         print(f"[e2e] left after deleting the job: {left}", file=sys.stderr)
         raise
     # ... and their containers: nothing of the job's pods still runs in containerd.
-    wait_for(lambda: not (pod_uids & running_pod_uids()), 60, 1.0, what="the job's containers gone from the node")
+    wait_for(lambda: not (pod_uids & running_pod_uids()), 60, "the job's containers gone from the node", 1.0)
 
 
 def running_pod_uids() -> set[str]:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from cluster_kit import wait_for
+from polling import wait_for
 from diloco_trainer.syncer.takeover import read_incarnations
 from e2e_kit import (SYNCER_PORT, container_id, container_of, job_namespace, learner_step, pv_dir,
                      syncer_status)
@@ -79,8 +79,7 @@ def job(kubectl, operator_pod, images) -> ShardedJob:
 
 
 def test_each_shard_serves_its_own_fragments_from_its_own_pod_and_both_merge(job, kubectl):
-    wait_for(lambda: all(job.shard_pod(i) for i in range(SHARDS)) and len(job.running("learner")) == UNITS, 300, 1.0,
-             what=f"{SHARDS} syncer shard pods and {UNITS} learner containers running")
+    wait_for(lambda: all(job.shard_pod(i) for i in range(SHARDS)) and len(job.running("learner")) == UNITS, 300, f"{SHARDS} syncer shard pods and {UNITS} learner containers running", 1.0)
     for pod in job.running("learner"):
         command = pod["spec"]["containers"][0]["command"]
         assert command[command.index("--syncer") + 1] == ",".join(
@@ -88,14 +87,13 @@ def test_each_shard_serves_its_own_fragments_from_its_own_pod_and_both_merge(job
     for shard in range(SHARDS):
         pod = job.shard_pod(shard)
         assert [c["name"] for c in pod["spec"]["containers"]] == ["syncer", "standby"]
-        status = wait_for(lambda: job.shard_status(shard), 120, 1.0, what=f"shard {shard} answering")
+        status = wait_for(lambda: job.shard_status(shard), 120, f"shard {shard} answering", 1.0)
         assert status["shard"] == shard and status["shards"] == SHARDS
         assert status["owned"] == list(range(shard, FRAGMENTS, SHARDS))
-    wait_for(lambda: all((learner_step(p) or 0) >= 1 for p in job.running("learner")), 240, 1.0,
-             what="every learner training")
-    wait_for(lambda: all(job.merges(i) >= 2 for i in range(SHARDS)), 300, 1.0, what="merges on every shard")
+    wait_for(lambda: all((learner_step(p) or 0) >= 1 for p in job.running("learner")), 240, "every learner training", 1.0)
+    wait_for(lambda: all(job.merges(i) >= 2 for i in range(SHARDS)), 300, "merges on every shard", 1.0)
     wait_for(lambda: [(s["name"], s["ready"]) for s in job.status().get("syncerShards", [])] ==
-             [(f"{JOB}-syncer-{i}", True) for i in range(SHARDS)], 60, 1.0, what="status.syncerShards")
+             [(f"{JOB}-syncer-{i}", True) for i in range(SHARDS)], 60, "status.syncerShards", 1.0)
 
 
 def test_a_sigkilled_shard_syncer_is_replaced_by_its_standby_in_place_while_the_other_shard_merges(job, kubectl):
@@ -103,14 +101,14 @@ def test_a_sigkilled_shard_syncer_is_replaced_by_its_standby_in_place_while_the_
     state_dir = pv_dir(kubectl, job.ns, f"{JOB}-checkpoint-1")
     served = read_incarnations(state_dir)
     serving = container_of(served[-1])
-    wait_for(lambda: (job.shard_status(1) or {}).get("last_checkpoint"), 120, 1.0, what="a first checkpoint of shard 1")
+    wait_for(lambda: (job.shard_status(1) or {}).get("last_checkpoint"), 120, "a first checkpoint of shard 1", 1.0)
     before = job.shard_status(1)
     other_before = job.merges(0)
     killed_at = time.monotonic()
     subprocess.run(["ctr", "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", container_id(victim, serving)],
                    check=True)
     # Polled on the same pod IP: the pod is not replaced, the other container serves.
-    after = wait_for(lambda: job.shard_status(1, victim), 120, 0.05, what="shard 1 answering again")
+    after = wait_for(lambda: job.shard_status(1, victim), 120, "shard 1 answering again", 0.05)
     back_s = time.monotonic() - killed_at
     print(f"[e2e] shard 1's {serving} SIGKILLed -> its pod answering again in {back_s:.2f} s", file=sys.stderr)
     for p, version in before["versions"].items():
@@ -123,9 +121,9 @@ def test_a_sigkilled_shard_syncer_is_replaced_by_its_standby_in_place_while_the_
     print(f"[e2e] shard 1: {container_of(took_over)} serving {took_over['takeover_s']:.2f} s after the lock "
           f"(load {took_over['load_s']:.2f} s)", file=sys.stderr)
     # Shard 0 never stopped, shard 1 merges again, and the pod of shard 1 is the same one, its dead container back.
-    wait_for(lambda: job.merges(0) > other_before, 120, 1.0, what="shard 0 merging across shard 1's kill")
-    wait_for(lambda: job.merges(1) > after["outer_steps"], 180, 1.0, what="shard 1 merging again")
-    pod = wait_for(lambda: job.shard_pod(1), 120, 1.0, what="shard 1's pod with both containers running")
+    wait_for(lambda: job.merges(0) > other_before, 120, "shard 0 merging across shard 1's kill", 1.0)
+    wait_for(lambda: job.merges(1) > after["outer_steps"], 180, "shard 1 merging again", 1.0)
+    pod = wait_for(lambda: job.shard_pod(1), 120, "shard 1's pod with both containers running", 1.0)
     assert pod["metadata"]["uid"] == victim["metadata"]["uid"], "shard 1's pod was replaced, not healed in place"
     restarts = {c["name"]: c.get("restartCount", 0) for c in pod["status"]["containerStatuses"]}
     assert restarts[serving] >= 1, restarts

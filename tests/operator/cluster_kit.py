@@ -1,33 +1,19 @@
-"""Helpers shared by the operator tests: kubectl against the test control plane, polling."""
+"""Helpers shared by the operator tests: kubectl against the test control plane (waiting: tests/polling.py)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 from pathlib import Path
 
-import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBECTL = shutil.which("kubectl")
 PYTHONPATH = os.pathsep.join(str(ROOT / p) for p in ("trainer", "operator", "chaos", "kube"))
-
-
-def wait_for(predicate, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):
-    """Poll until predicate() returns something truthy; return it, or fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
 
 
 # kind (as the tests name it) -> API path prefix; reads go straight to the API (polling through a kubectl

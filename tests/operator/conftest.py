@@ -17,7 +17,8 @@ import yaml
 from diloco_devcluster import testbed as testbed_mod
 from diloco_devcluster.cli import install_crds
 
-from cluster_kit import KUBECTL, PYTHONPATH, ROOT, Kubectl, wait_for
+from polling import wait_for
+from cluster_kit import KUBECTL, PYTHONPATH, ROOT, Kubectl
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from diloco_operator import api
 from diloco_operator import conditions as C
 from diloco_devcluster.pools import NodePool, node_objects
 
-from cluster_kit import wait_for
+from polling import wait_for
 from test_operator_cluster import FAST, condition, events, running, unit_pods
 
 pytestmark = pytest.mark.cluster
@@ -35,7 +35,7 @@ class Nodes:
             self.kubectl.testbed.create("/api/v1/nodes", node)
             added.append(node["metadata"]["name"])
         self.names += added
-        wait_for(lambda: all(_ready(self.kubectl.get("node", n)) for n in added), 30, 0.2, f"nodes {added} Ready")
+        wait_for(lambda: all(_ready(self.kubectl.get("node", n)) for n in added), 30, f"nodes {added} Ready", 0.2)
         return added
 
     def delete_all(self) -> None:
@@ -101,10 +101,9 @@ def test_an_autoscaled_job_fills_h100_first_falls_back_to_tpu_grows_when_nodes_a
     def fell_back():
         run = running_units(kubectl, ns, "auto")
         return run if sorted(run.values()) == ["h100", "tpu"] else None
-    wait_for(fell_back, 60, 0.3, "one H100 unit and the TPU fallback running")
+    wait_for(fell_back, 60, "one H100 unit and the TPU fallback running", 0.3)
     st = wait_for(lambda: (a := autoscaling(kubectl, ns, "auto")).get("runningUnits") == 2
-                  and len(a.get("parkedUnits") or []) == 3 and a.get("desiredUnits") == 2 and a, 30, 0.3,
-                  "the units without room parked (each after its own provisioning timeout)")
+                  and len(a.get("parkedUnits") or []) == 3 and a.get("desiredUnits") == 2 and a, 30, "the units without room parked (each after its own provisioning timeout)", 0.3)
     assert sorted(running_units(kubectl, ns, "auto").values()) == ["h100", "tpu"]
     parked = {p["name"] for p in st["parkedUnits"]}
     # Which two H100 units found no room is the scheduler's choice; the L4 one never had a node.
@@ -115,25 +114,24 @@ def test_an_autoscaled_job_fills_h100_first_falls_back_to_tpu_grows_when_nodes_a
     dj = kubectl.get("dj", "auto", ns=ns)
     assert condition(dj, C.SCALING_LIMITED)["status"] == "True"
     assert condition(dj, C.SCALING_LIMITED)["reason"] == C.Reason.CAPACITY_UNAVAILABLE
-    wait_for(lambda: events(kubectl, ns, C.Reason.UNITS_PARKED), 10, 0.3, "a UnitsParked Event")
+    wait_for(lambda: events(kubectl, ns, C.Reason.UNITS_PARKED), 10, "a UnitsParked Event", 0.3)
     kept_h100 = next(u for u, t in running_units(kubectl, ns, "auto").items() if t == "h100")
     first_h100 = unit_pods(kubectl, ns, kept_h100)[0]["metadata"]["uid"]
 
     # Capacity arrives: a second H100 node. The parked H100 template is retried at once, not after its backoff.
     nodes.add("h100", 1, {"cpu": "208", "memory": "1872Gi", "nvidia.com/gpu": "8", "pods": "110"}, H100, first=1)
-    wait_for(lambda: sorted(running_units(kubectl, ns, "auto").values()) == ["h100", "h100", "tpu"], 60, 0.3,
-             "a second H100 unit once its node arrived")
-    wait_for(lambda: events(kubectl, ns, C.Reason.CAPACITY_APPEARED), 10, 0.3, "a CapacityAppeared Event")
+    wait_for(lambda: sorted(running_units(kubectl, ns, "auto").values()) == ["h100", "h100", "tpu"], 60, "a second H100 unit once its node arrived", 0.3)
+    wait_for(lambda: events(kubectl, ns, C.Reason.CAPACITY_APPEARED), 10, "a CapacityAppeared Event", 0.3)
     assert unit_pods(kubectl, ns, kept_h100)[0]["metadata"]["uid"] == first_h100, "healthy unit untouched"
 
     # The job shrinks (kubectl scale, as an HPA would): the least preferred template goes first.
     kubectl.run("scale", "dj", "auto", "-n", ns, "--replicas=2")
     wait_for(lambda: sorted(running_units(kubectl, ns, "auto").values()) == ["h100", "h100"]
-             and kubectl.get("lu", "auto-tpu-0", ns=ns) is None, 60, 0.3, "the TPU unit removed first")
-    wait_for(lambda: events(kubectl, ns, C.Reason.SCALED_DOWN), 10, 0.3, "a ScaledDown Event")
+             and kubectl.get("lu", "auto-tpu-0", ns=ns) is None, 60, "the TPU unit removed first", 0.3)
+    wait_for(lambda: events(kubectl, ns, C.Reason.SCALED_DOWN), 10, "a ScaledDown Event", 0.3)
     assert unit_pods(kubectl, ns, kept_h100)[0]["metadata"]["uid"] == first_h100
     wait_for(lambda: condition(kubectl.get("dj", "auto", ns=ns), C.SCALING_LIMITED).get("reason")
-             == C.Reason.TARGET_MET, 30, 0.3, "ScalingLimited=False once the target is met")
+             == C.Reason.TARGET_MET, 30, "ScalingLimited=False once the target is met", 0.3)
 
 
 def test_units_of_a_preempted_spot_pool_move_to_the_fallback_pool_and_the_others_stay(kubectl, operator, ns, nodes):
@@ -142,15 +140,13 @@ def test_units_of_a_preempted_spot_pool_move_to_the_fallback_pool_and_the_others
     units = [template(ns, "h100", "spot", {"type": "nvidia-h100-80gb", "count": 8}, 2),
              template(ns, "l4", "l4", {"type": "nvidia-l4", "count": 8}, 2)]
     kubectl.apply(autoscaled_job("spot", units, minUnits=1, maxUnits=2), "-n", ns)
-    wait_for(lambda: sorted(running_units(kubectl, ns, "spot").values()) == ["h100", "h100"], 60, 0.3,
-             "both units on the spot H100 pool")
+    wait_for(lambda: sorted(running_units(kubectl, ns, "spot").values()) == ["h100", "h100"], 60, "both units on the spot H100 pool", 0.3)
     pods = {u: unit_pods(kubectl, ns, u)[0] for u in ("spot-h100-0", "spot-h100-1")}
     victim = next(u for u, p in pods.items() if p["spec"]["nodeName"] == spot[1])
     survivor = next(u for u in pods if u != victim)
     # The spot node is preempted: tainted NoExecute (its pods are evicted, nothing new lands there).
     kubectl.run("taint", "node", spot[1], "cloud.google.com/gke-spot=preempted:NoExecute")
-    wait_for(lambda: sorted(running_units(kubectl, ns, "spot").values()) == ["h100", "l4"], 60, 0.3,
-             "the preempted unit parked and replaced on the L4 pool")
+    wait_for(lambda: sorted(running_units(kubectl, ns, "spot").values()) == ["h100", "l4"], 60, "the preempted unit parked and replaced on the L4 pool", 0.3)
     assert unit_pods(kubectl, ns, survivor)[0]["metadata"]["uid"] == pods[survivor]["metadata"]["uid"]
     assert victim in {p["name"] for p in autoscaling(kubectl, ns, "spot")["parkedUnits"]}
     # The spot capacity comes back: the target is met, so no healthy L4 unit is moved to make room.
@@ -158,6 +154,6 @@ def test_units_of_a_preempted_spot_pool_move_to_the_fallback_pool_and_the_others
     l4_uid = unit_pods(kubectl, ns, l4_unit)[0]["metadata"]["uid"]
     kubectl.run("taint", "node", spot[1], "cloud.google.com/gke-spot-")
     wait_for(lambda: next((t for t in autoscaling(kubectl, ns, "spot")["templates"] if t["name"] == "h100"),
-                          {}).get("freeUnits") == 1, 30, 0.3, "the autoscaler sees the spot node's room again")
+                          {}).get("freeUnits") == 1, 30, "the autoscaler sees the spot node's room again", 0.3)
     assert sorted(running_units(kubectl, ns, "spot").values()) == ["h100", "l4"]
     assert unit_pods(kubectl, ns, l4_unit)[0]["metadata"]["uid"] == l4_uid

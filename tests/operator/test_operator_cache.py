@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import time
 
-import pytest
 
 from diloco_operator.cache import Cache
 
-from cluster_kit import wait_for
+from polling import wait_for
 from test_operator_cluster import cpu_units, job, wait_job_ready
 
 
@@ -63,7 +62,6 @@ def test_a_pod_being_deleted_shows_its_deletion_until_it_is_gone():
     assert names(cache) == []
 
 
-@pytest.mark.cluster
 def test_a_lookup_sees_only_the_writes_of_its_own_unit_and_unasked_writes_expire(monkeypatch):
     cache = Cache({"pods": {("ns", "u"): [], ("ns", "v"): []}})
     other = obj("q0", 3)
@@ -84,7 +82,7 @@ def test_a_periodic_resync_sends_no_more_api_requests_for_12_units_than_for_2(ku
     operator.stop()
     operator.start(resync_seconds=1)
     try:
-        wait_for(lambda: _metric(operator, "diloco_operator_resyncs_total") >= 1, 30, 0.5, "the operator up")
+        wait_for(lambda: _metric(operator, "diloco_operator_resyncs_total") >= 1, 30, "the operator up", 0.5)
         kubectl.apply(job("resync", cpu_units(2, maxCount=12)), "-n", ns)
         wait_job_ready(kubectl, ns, "resync", 2)
         small = _requests_per_resync(operator)
@@ -115,7 +113,7 @@ def _requests_per_resync(operator, resyncs: int = 5) -> float:
     """API requests per resync over `resyncs` resyncs, once the job has settled (2 resyncs without a write)."""
     time.sleep(3)
     r0, q0 = _metric(operator, "diloco_operator_resyncs_total"), _metric(operator, "diloco_operator_api_requests_total")
-    wait_for(lambda: _metric(operator, "diloco_operator_resyncs_total") >= r0 + resyncs, 30, 0.2, "resyncs")
+    wait_for(lambda: _metric(operator, "diloco_operator_resyncs_total") >= r0 + resyncs, 30, "resyncs", 0.2)
     time.sleep(0.5)  # the last resync's reconciles
     r1, q1 = _metric(operator, "diloco_operator_resyncs_total"), _metric(operator, "diloco_operator_api_requests_total")
     print({k: v for k, v in operator.metrics().items() if k.startswith("diloco_operator_api_requests_total")})

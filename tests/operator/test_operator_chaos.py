@@ -11,7 +11,7 @@ import pytest
 
 from diloco_operator.chaosrun import ANNOTATION_STARTED, persisted, spec_hash
 
-from cluster_kit import wait_for
+from polling import wait_for
 from test_operator_cluster import cpu_units, events, job, wait_job_ready
 
 CHAOS = {"schedule": {"every": "3s"}, "target": {"kind": "learner"}, "action": {"type": "kill"},
@@ -40,7 +40,7 @@ def test_a_jobs_chaos_schedule_kills_learner_pods_and_the_job_heals_running(kube
     def ended():
         phases.add(kubectl.get("dj", "wild", ns=ns)["status"]["phase"])
         return [e for e in events(kubectl, ns, "ChaosEnded") if e["involvedObject"]["name"] == "wild"]
-    (end,) = wait_for(ended, 60, 0.3, "the job's chaos experiment to end")
+    (end,) = wait_for(ended, 60, "the job's chaos experiment to end", 0.3)
     assert phases == {"Running"}, "one learner down at a time: the job stays Running"
     assert "2 faults" in end["message"] and "2 recovered" in end["message"], end["message"]
     assert [e["involvedObject"]["kind"] for e in events(kubectl, ns, "ChaosStarted")] == ["DilocoJob"]
@@ -60,12 +60,12 @@ def test_a_jobs_chaos_schedule_kills_learner_pods_and_the_job_heals_running(kube
     again = {**CHAOS, "safety": {**CHAOS["safety"], "maxFaults": 1}}
     kubectl.run("patch", "dj", "wild", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"chaos": again}}))
     wait_for(lambda: len([e for e in events(kubectl, ns, "ChaosEnded") if e["involvedObject"]["name"] == "wild"]) == 2,
-             60, 0.3, "the changed experiment to run and end")
+             60, "the changed experiment to run and end", 0.3)
     assert len(events(kubectl, ns, "ChaosStarted")) == 2
     assert len([e for e in events(kubectl, ns, "ChaosPodKilled") if e["involvedObject"]["kind"] == "Pod"]) == 3
     wait_job_ready(kubectl, ns, "wild", 3, restarts=3)
     kubectl.run("delete", "dj", "wild", "-n", ns, "--wait=false")
-    wait_for(lambda: kubectl.get("dj", "wild", ns=ns) is None, 30, 0.3, "the job (kopf's finalizer released)")
+    wait_for(lambda: kubectl.get("dj", "wild", ns=ns) is None, 30, "the job (kopf's finalizer released)", 0.3)
 
 
 @pytest.mark.cluster
@@ -76,12 +76,12 @@ def test_a_restarted_operator_resumes_the_chaos_schedule_without_replaying_it(ku
 
     def kills():
         return [e for e in events(kubectl, ns, "ChaosPodKilled") if e["involvedObject"]["kind"] == "Pod"]
-    wait_for(kills, 30, 0.3, "the first chaos kill")
+    wait_for(kills, 30, "the first chaos kill", 0.3)
 
     def counted():  # the count is persisted right after the kill (a death in between loses that one count)
         saved = persisted(kubectl.get("dj", "again", ns=ns)["metadata"].get("annotations") or {}, spec_hash(chaos))
         return saved if saved and saved["faults"] == 1 else None
-    before = wait_for(counted, 10, 0.1, "the first fault counted in the annotation")
+    before = wait_for(counted, 10, "the first fault counted in the annotation", 0.1)
     operator.stop()
     try:
         time.sleep(7)  # two ticks pass while no operator runs: they are not fired on its return
@@ -89,7 +89,7 @@ def test_a_restarted_operator_resumes_the_chaos_schedule_without_replaying_it(ku
     finally:
         operator.start()
     (end,) = wait_for(lambda: [e for e in events(kubectl, ns, "ChaosEnded") if e["involvedObject"]["name"] == "again"],
-                      60, 0.3, "the resumed experiment to end")
+                      60, "the resumed experiment to end", 0.3)
     assert len(kills()) == 2, "maxFaults spans the restart"
     assert "2 faults" in end["message"], end["message"]
     assert len(events(kubectl, ns, "ChaosStarted")) == 1, "resumed, not started again"

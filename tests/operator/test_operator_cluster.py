@@ -18,7 +18,8 @@ import pytest
 from diloco_operator import api
 from diloco_kube.labels import FAIL_POD_EXIT_CODE_ANNOTATION, FAIL_POD_LABEL, POOL_LABEL
 
-from cluster_kit import PYTHONPATH, wait_for
+from polling import wait_for
+from cluster_kit import PYTHONPATH
 
 pytestmark = pytest.mark.cluster
 FAST = {"backoffSeconds": 0, "maxRestarts": 20}
@@ -60,8 +61,8 @@ def wait_job_ready(kubectl, ns: str, name: str, units: int, timeout: float = 60,
         st = dj.get("status", {}) if dj else {}
         ok = st.get("phase") == "Running" and st.get("unitsReady") == units and condition(dj, "Ready").get("status") == "True"
         return dj if ok and (restarts is None or st.get("restarts") == restarts) else None
-    return wait_for(ready, timeout, 0.2, f"job {name} Running with {units} ready units"
-                    + (f" and {restarts} restarts" if restarts is not None else ""))
+    return wait_for(ready, timeout, f"job {name} Running with {units} ready units"
+                    + (f" and {restarts} restarts" if restarts is not None else ""), 0.2)
 
 
 def events(kubectl, ns: str, reason: str) -> list[dict]:
@@ -111,7 +112,7 @@ def test_a_pod_asking_for_more_gpus_than_any_node_stays_pending_and_degrades_the
         dj = kubectl.get("dj", "greedy", ns=ns)
         c = condition(dj, "Degraded")
         return dj if c.get("status") == "True" and c.get("reason") == "UnitsUnschedulable" else None
-    dj = wait_for(degraded, 30, 0.2, "Degraded=True/UnitsUnschedulable")
+    dj = wait_for(degraded, 30, "Degraded=True/UnitsUnschedulable", 0.2)
     assert "greedy-huge-0" in condition(dj, "Degraded")["message"]
     lu = kubectl.get("lu", "greedy-huge-0", ns=ns)
     assert condition(lu, "PodsScheduled")["reason"] == "Unschedulable"
@@ -138,7 +139,7 @@ def test_a_deleted_learner_pod_is_replaced_and_other_units_are_untouched(kubectl
             phases.add(kubectl.get("dj", "heal", ns=ns)["status"]["phase"])
             new = [p for p in unit_pods(kubectl, ns, "heal-cpu-1") if p["metadata"]["uid"] != victim["metadata"]["uid"]]
             return new if new and all(running(p) for p in new) else None
-        (new,) = wait_for(replaced, 30, 0.05, f"replacement of {victim['metadata']['name']}")
+        (new,) = wait_for(replaced, 30, f"replacement of {victim['metadata']['name']}", 0.05)
         times.append(time.monotonic() - started)
         assert int(new["metadata"]["labels"]["diloco.dev/incarnation"]) == kill + 1
     assert phases == {"Running"}, "the job stays Running while one unit heals"
@@ -168,7 +169,7 @@ def test_a_multi_pod_unit_restarts_as_a_whole(kubectl, operator, ns):
         ps = unit_pods(kubectl, ns, "gang-v5p-0")
         return ps if len(ps) == 2 and all(running(p) for p in ps) and \
             all(p["metadata"]["labels"]["diloco.dev/incarnation"] == "1" for p in ps) else None
-    after = wait_for(regrouped, 30, 0.1, "the TPU unit recreated as a whole")
+    after = wait_for(regrouped, 30, "the TPU unit recreated as a whole", 0.1)
     assert not {p["metadata"]["uid"] for p in after} & set(before.values()), "the surviving rank was restarted too"
     assert unit_pods(kubectl, ns, "gang-cpu-0")[0]["metadata"]["uid"] == cpu_uid
 
@@ -186,7 +187,7 @@ def test_a_pod_failed_by_kwok_is_replaced_and_counted(kubectl, operator, ns):
         ps = unit_pods(kubectl, ns, "chaos-cpu-0")
         return lu if lu["status"].get("restarts") == 1 and len(ps) == 1 and running(ps[0]) \
             and ps[0]["metadata"]["uid"] != victim["metadata"]["uid"] else None
-    wait_for(healed, 30, 0.1, "the failed pod replaced and counted")
+    wait_for(healed, 30, "the failed pod replaced and counted", 0.1)
     failed = [e for e in events(kubectl, ns, "PodFailed") if e["involvedObject"]["name"] == "chaos-cpu-0"]
     assert failed and "exit code 137" in failed[0]["message"]
     wait_job_ready(kubectl, ns, "chaos", 2, restarts=1)
@@ -203,7 +204,7 @@ def test_the_failed_syncer_pod_is_replaced_on_the_same_checkpoint_volume(kubectl
         ps = [p for p in pods(kubectl, ns, "diloco.dev/job=sync,diloco.dev/component=syncer")
               if p["metadata"]["uid"] != old["metadata"]["uid"] and running(p)]
         return ps[0] if ps else None
-    new = wait_for(replaced, 30, 0.1, "a new syncer pod")
+    new = wait_for(replaced, 30, "a new syncer pod", 0.1)
     claims = [v["persistentVolumeClaim"]["claimName"] for v in new["spec"]["volumes"] if "persistentVolumeClaim" in v]
     assert claims == ["sync-checkpoint"] and kubectl.get("pvc", "sync-checkpoint", ns=ns)["metadata"]["uid"] == pvc_uid
     args = new["spec"]["containers"][0]["command"]
@@ -215,12 +216,12 @@ def test_a_restarted_unit_keeps_its_state_volume(kubectl, operator, ns):
     kubectl.apply(job("keep", cpu_units(1, stateVolume={"size": "1Gi"})), "-n", ns)
     wait_job_ready(kubectl, ns, "keep", 1)
     pvc = wait_for(lambda: (c := kubectl.get("pvc", "keep-cpu-0-state-0", ns=ns)) and
-                   c.get("status", {}).get("phase") == "Bound" and c, 30, 0.2, "the state PVC bound")
+                   c.get("status", {}).get("phase") == "Bound" and c, 30, "the state PVC bound", 0.2)
     (old,) = unit_pods(kubectl, ns, "keep-cpu-0")
     kubectl.run("delete", "pod", old["metadata"]["name"], "-n", ns, "--wait=false")
     (new,) = wait_for(lambda: [p for p in unit_pods(kubectl, ns, "keep-cpu-0")
                                if p["metadata"]["uid"] != old["metadata"]["uid"] and running(p)] or None,
-                      30, 0.1, "the replacement pod")
+                      30, "the replacement pod", 0.1)
     claims = [v["persistentVolumeClaim"]["claimName"] for v in new["spec"]["volumes"] if "persistentVolumeClaim" in v]
     assert claims == ["keep-cpu-0-state-0"]
     assert kubectl.get("pvc", "keep-cpu-0-state-0", ns=ns)["metadata"]["uid"] == pvc["metadata"]["uid"]
@@ -239,10 +240,8 @@ def test_kubectl_scale_adds_and_removes_units_without_touching_the_others(kubect
     assert over.returncode != 0 and "maxCount" in over.stderr
     kubectl.run("scale", "dj", "elastic", "-n", ns, "--replicas=1")
     wait_job_ready(kubectl, ns, "elastic", 1)
-    wait_for(lambda: [lu["metadata"]["name"] for lu in kubectl.get("lu", ns=ns)] == ["elastic-cpu-0"], 30, 0.2,
-             "only unit 0 left")
-    wait_for(lambda: len(pods(kubectl, ns, "diloco.dev/job=elastic,diloco.dev/component=learner")) == 1, 30, 0.2,
-             "removed units' pods garbage-collected")
+    wait_for(lambda: [lu["metadata"]["name"] for lu in kubectl.get("lu", ns=ns)] == ["elastic-cpu-0"], 30, "only unit 0 left", 0.2)
+    wait_for(lambda: len(pods(kubectl, ns, "diloco.dev/job=elastic,diloco.dev/component=learner")) == 1, 30, "removed units' pods garbage-collected", 0.2)
     assert kubectl.get("lu", "elastic-cpu-0", ns=ns)["metadata"]["uid"] == lu0
     assert {p["metadata"]["uid"] for p in pods(kubectl, ns, "diloco.dev/unit=elastic-cpu-0")} == keep
     assert events(kubectl, ns, "UnitRemoved")
@@ -254,20 +253,17 @@ def test_restart_limit_fails_the_unit_and_the_job_for_good(kubectl, operator, ns
     wait_job_ready(kubectl, ns, "fragile", 2)
     for attempt in range(2):
         (victim,) = wait_for(lambda: [p for p in unit_pods(kubectl, ns, "fragile-cpu-0") if running(p)] or None,
-                             30, 0.1, "a running pod to kill")
+                             30, "a running pod to kill", 0.1)
         kubectl.run("delete", "pod", victim["metadata"]["name"], "-n", ns, "--wait=false")
         if attempt == 0:
-            wait_for(lambda: kubectl.get("lu", "fragile-cpu-0", ns=ns)["status"].get("restarts") == 1, 30, 0.1,
-                     "first restart")
+            wait_for(lambda: kubectl.get("lu", "fragile-cpu-0", ns=ns)["status"].get("restarts") == 1, 30, "first restart", 0.1)
     dj = wait_for(lambda: (d := kubectl.get("dj", "fragile", ns=ns))["status"].get("phase") == "Failed" and d,
-                  30, 0.2, "job Failed")
+                  30, "job Failed", 0.2)
     assert condition(dj, "Failed")["reason"] == "TooFewUnits"
     lu = kubectl.get("lu", "fragile-cpu-0", ns=ns)
     assert lu["status"]["phase"] == "Failed" and lu["status"]["restarts"] == 1
-    wait_for(lambda: not pods(kubectl, ns, "diloco.dev/job=fragile,diloco.dev/component=learner"), 30, 0.2,
-             "a failed job's learner pods stopped")
-    wait_for(lambda: kubectl.get("deployment", "fragile-syncer", ns=ns)["spec"]["replicas"] == 0, 30, 0.2,
-             "the syncer scaled to zero")
+    wait_for(lambda: not pods(kubectl, ns, "diloco.dev/job=fragile,diloco.dev/component=learner"), 30, "a failed job's learner pods stopped", 0.2)
+    wait_for(lambda: kubectl.get("deployment", "fragile-syncer", ns=ns)["spec"]["replicas"] == 0, 30, "the syncer scaled to zero", 0.2)
     time.sleep(3)
     assert kubectl.get("dj", "fragile", ns=ns)["status"]["phase"] == "Failed", "terminal phases stick"
     assert not pods(kubectl, ns, "diloco.dev/job=fragile,diloco.dev/component=learner")
@@ -281,8 +277,7 @@ def test_deleting_the_job_cascades_to_everything_it_owns(kubectl, operator, ns):
     kinds = ("learnerunits", "pods", "deployments", "services", "persistentvolumeclaims", "secrets", "configmaps")
     assert all(kubectl.get(k, ns=ns, selector=sel) for k in kinds)
     kubectl.run("delete", "dj", "gone", "-n", ns, "--wait=false")
-    wait_for(lambda: not any(kubectl.get(k, ns=ns, selector=sel) for k in kinds), 60, 0.3,
-             "garbage collection of every owned object")
+    wait_for(lambda: not any(kubectl.get(k, ns=ns, selector=sel) for k in kinds), 60, "garbage collection of every owned object", 0.3)
 
 
 def test_the_operator_exposes_prometheus_metrics_and_liveness(operator):
@@ -330,17 +325,17 @@ def test_job_status_reports_a_real_syncers_progress_and_units_last_contribution(
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = wait_for(lambda: (state / "endpoint.json").exists() and
-                       json.loads((state / "endpoint.json").read_text())["url"], 60, 0.2, "the syncer to listen")
+                       json.loads((state / "endpoint.json").read_text())["url"], 60, "the syncer to listen", 0.2)
         req = urllib.request.Request(f"{url}/v1/register", method="POST", headers={
             "Authorization": f"Bearer {token}", "Content-Type": "application/json"},
             data=json.dumps({"learner_id": "live-cpu-0", "unit": 0, "world_size": 1, "device": "cpu"}).encode())
         assert urllib.request.urlopen(req, timeout=10).status == 200
         kubectl.run("annotate", "dj", "live", "-n", ns, f"diloco.dev/syncer-url={url}")
         dj = wait_for(lambda: (d := kubectl.get("dj", "live", ns=ns))["status"].get("outerSteps") is not None and d,
-                      30, 0.2, "outerSteps from the syncer")
+                      30, "outerSteps from the syncer", 0.2)
         assert dj["status"]["outerSteps"] == 0 and dj["status"]["version"] >= 0
         lu = wait_for(lambda: (u := kubectl.get("lu", "live-cpu-0", ns=ns))["status"].get("lastContribution") and u,
-                      30, 0.2, "the unit's last contribution")
+                      30, "the unit's last contribution", 0.2)
         assert lu["status"]["lastContribution"].endswith("Z")
     finally:
         syncer.terminate()
@@ -352,7 +347,7 @@ def test_a_spec_the_models_reject_is_reported_on_the_job_with_the_field(kubectl,
     bad = job("odd", cpu_units(1), config={"model": {"d_model": 10, "n_heads": 4}})
     kubectl.apply(bad, "-n", ns)
     dj = wait_for(lambda: (d := kubectl.get("dj", "odd", ns=ns)) and condition(d, "Ready").get("reason") == "InvalidSpec"
-                  and d, 30, 0.2, "Ready=False/InvalidSpec")
+                  and d, 30, "Ready=False/InvalidSpec", 0.2)
     assert "spec.config.model" in condition(dj, "Ready")["message"] and "divisible" in dj["status"]["message"]
     assert kubectl.get("lu", ns=ns) == [] and events(kubectl, ns, "InvalidSpec")
     kubectl.apply(job("fine", cpu_units(1)), "-n", ns)  # the operator goes on reconciling other jobs
@@ -369,7 +364,7 @@ def test_a_changed_image_recreates_the_pods_without_counting_restarts(kubectl, o
         ps = pods(kubectl, ns, "diloco.dev/job=roll,diloco.dev/component=learner")
         return len(ps) == 2 and all(running(p) and p["spec"]["containers"][0]["image"] == "diloco-trainer:v2"
                                     for p in ps) and ps
-    for p in wait_for(rolled, 30, 0.2, "pods on the new image"):
+    for p in wait_for(rolled, 30, "pods on the new image", 0.2):
         assert p["metadata"]["labels"]["diloco.dev/incarnation"] == "1"
     wait_job_ready(kubectl, ns, "roll", 2, restarts=0)
     assert events(kubectl, ns, "UnitUpdated") and events(kubectl, ns, "SpecChanged")
@@ -384,10 +379,9 @@ def test_a_job_whose_units_all_complete_succeeds_and_stays_succeeded(kubectl, op
         kubectl.run("patch", "pod", p["metadata"]["name"], "-n", ns, "--subresource=status", "--type=merge",
                     "-p", '{"status": {"phase": "Succeeded"}}')
     dj = wait_for(lambda: (d := kubectl.get("dj", "done", ns=ns))["status"].get("phase") == "Succeeded" and d,
-                  30, 0.2, "job Succeeded")
+                  30, "job Succeeded", 0.2)
     assert condition(dj, "Succeeded")["reason"] == "AllUnitsSucceeded" and dj["status"]["completionTime"]
-    wait_for(lambda: kubectl.get("deployment", "done-syncer", ns=ns)["spec"]["replicas"] == 0, 30, 0.2,
-             "the syncer scaled to zero")
+    wait_for(lambda: kubectl.get("deployment", "done-syncer", ns=ns)["spec"]["replicas"] == 0, 30, "the syncer scaled to zero", 0.2)
     kubectl.run("delete", "pod", learners[0]["metadata"]["name"], "-n", ns, "--wait=false")
     time.sleep(3)
     assert unit_pods(kubectl, ns, learners[0]["metadata"]["labels"]["diloco.dev/unit"]) == []
@@ -420,16 +414,14 @@ def test_each_syncer_shard_runs_heals_and_reports_on_its_own(kubectl, operator, 
     pvc_uid = kubectl.get("pvc", "shard-checkpoint-1", ns=ns)["metadata"]["uid"]
     kubectl.run("delete", "pod", by_shard["1"]["metadata"]["name"], "-n", ns, "--wait=false")
     wait_for(lambda: [p for p in pods(kubectl, ns, selector + ",diloco.dev/shard=1")
-                      if p["metadata"]["uid"] != by_shard["1"]["metadata"]["uid"] and running(p)], 30, 0.2,
-             "a new pod for shard 1")
+                      if p["metadata"]["uid"] != by_shard["1"]["metadata"]["uid"] and running(p)], 30, "a new pod for shard 1", 0.2)
     assert kubectl.get("pvc", "shard-checkpoint-1", ns=ns)["metadata"]["uid"] == pvc_uid
     assert [p["metadata"]["uid"] for p in pods(kubectl, ns, selector + ",diloco.dev/shard=0")] == [
         by_shard["0"]["metadata"]["uid"]]
     # Shard 0's Deployment deleted by hand: the operator puts it back; the job says which shard is down meanwhile.
     kubectl.run("delete", "deployment", "shard-syncer-0", "-n", ns, "--wait=false")
     wait_for(lambda: any(p["metadata"]["uid"] != by_shard["0"]["metadata"]["uid"] and running(p)
-                         for p in pods(kubectl, ns, selector + ",diloco.dev/shard=0")), 60, 0.2,
-             "shard 0's Deployment and pod back")
+                         for p in pods(kubectl, ns, selector + ",diloco.dev/shard=0")), 60, "shard 0's Deployment and pod back", 0.2)
     wait_job_ready(kubectl, ns, "shard", 1)
 
     # Two real shards, on the operator's config and token: each reports its own fragments and merges.
@@ -446,13 +438,12 @@ def test_each_syncer_shard_runs_heals_and_reports_on_its_own(kubectl, operator, 
                  "--port", "0", "--state-dir", str(state), "--shard", str(shard)],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             urls.append(wait_for(lambda: (state / "endpoint.json").exists() and
-                                 json.loads((state / "endpoint.json").read_text())["url"], 60, 0.2,
-                                 f"shard {shard} to listen"))
+                                 json.loads((state / "endpoint.json").read_text())["url"], 60, f"shard {shard} to listen", 0.2))
         kubectl.run("annotate", "dj", "shard", "-n", ns, f"diloco.dev/syncer-url={','.join(urls)}")
         def reported():
             d = kubectl.get("dj", "shard", ns=ns)
             return all(s.get("outerSteps") is not None for s in d["status"]["syncerShards"]) and d
-        dj = wait_for(reported, 30, 0.2, "both shards' numbers in the job's status")
+        dj = wait_for(reported, 30, "both shards' numbers in the job's status", 0.2)
         assert [(s["fragments"], s["outerSteps"]) for s in dj["status"]["syncerShards"]] == [([0, 2], 0), ([1], 0)]
         assert dj["status"]["outerSteps"] == 0
     finally:
@@ -472,14 +463,14 @@ def test_a_job_never_takes_over_objects_of_its_names_that_are_not_its_own(kubect
     def blocked_by(kind: str, name: str):
         ready = condition(kubectl.get("dj", "nginx", ns=ns) or {}, "Ready")
         return ready.get("reason") == "ObjectNotOurs" and f"{kind} {ns}/{name} " in ready["message"] and ready
-    ready = wait_for(lambda: blocked_by("Secret", "nginx-token"), 60, 0.2, "Ready=False naming the Secret")
+    ready = wait_for(lambda: blocked_by("Secret", "nginx-token"), 60, "Ready=False naming the Secret", 0.2)
     assert ready["status"] == "False" and "not this job's" in ready["message"]
     secret = kubectl.get("secret", "nginx-token", ns=ns)
     assert "ownerReferences" not in secret["metadata"] and kubectl.get("lu", ns=ns) == []
     assert kubectl.get("deployment", ns=ns) == [], "nothing of the job started on someone else's token"
     # Once the Secret is gone the job creates its own, then stops at the ConfigMap, which it leaves as it was.
     kubectl.run("delete", "secret", "nginx-token", "-n", ns)
-    wait_for(lambda: blocked_by("ConfigMap", "nginx-config"), 60, 0.2, "Ready=False naming the ConfigMap")
+    wait_for(lambda: blocked_by("ConfigMap", "nginx-config"), 60, "Ready=False naming the ConfigMap", 0.2)
     cm = kubectl.get("configmap", "nginx-config", ns=ns)
     assert cm["data"] == {"nginx.conf": "worker_processes 1;"} and "ownerReferences" not in cm["metadata"]
     kubectl.run("delete", "configmap", "nginx-config", "-n", ns)

@@ -14,6 +14,7 @@ from diloco_devcluster.pools import DEFAULT_POOLS
 from diloco_kube.labels import POOL_LABEL
 
 from cluster_kit import KUBECTL, PYTHONPATH, ROOT
+from polling import alive
 
 MANIFESTS = sorted((ROOT / "manifests").glob("*.yaml"))
 
@@ -111,14 +112,7 @@ def test_devcluster_up_gives_a_working_kubeconfig_and_down_stops_it(testbed, tmp
         down = subprocess.run([*cli, "down", "--dir", str(tmp_path)], env=env, capture_output=True, text=True,
                               timeout=60)
     assert down.returncode == 0, down.stderr
-    assert not [name for name, pid in pids.items() if _alive(pid)], "devcluster down left processes running"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not [name for name, pid in pids.items() if alive(pid)], "devcluster down left processes running"
 
 
 def test_devcluster_status_without_a_cluster_says_so(tmp_path):

@@ -11,7 +11,8 @@ import yaml
 
 from test_operator_cluster import cpu_units, job, wait_job_ready  # helpers only
 
-from cluster_kit import ROOT, Kubectl, wait_for
+from polling import wait_for
+from cluster_kit import ROOT, Kubectl
 from conftest import OperatorProcess
 
 pytestmark = pytest.mark.cluster

@@ -10,7 +10,7 @@ from diloco_devcluster.pools import NodePool
 from diloco_kube.labels import POOL_LABEL
 from diloco_operator import api, objects
 
-from cluster_kit import wait_for
+from polling import wait_for
 
 JOB = {"apiVersion": api.API_VERSION, "kind": "DilocoJob",
        "metadata": {"name": "demo", "namespace": "ns", "uid": "u-1", "generation": 1}}
@@ -71,7 +71,7 @@ def test_cpu_units_without_nodeselector_never_land_on_accelerator_nodes(kubectl,
     try:
         wait_for(lambda: any(c["type"] == "Ready" and c["status"] == "True"
                              for c in (kubectl.get("node", node["metadata"]["name"]) or {})
-                             .get("status", {}).get("conditions", [])), 30, 0.2, "the untainted GPU node Ready")
+                             .get("status", {}).get("conditions", [])), 30, "the untainted GPU node Ready", 0.2)
         job = {"apiVersion": api.API_VERSION, "kind": "DilocoJob", "metadata": {"name": "anywhere"},
                "spec": {"image": "diloco-trainer:test", "units": [{"name": "cpu", "count": 3, "podsPerUnit": 2}]}}
         kubectl.apply(job, "-n", ns)
@@ -80,7 +80,7 @@ def test_cpu_units_without_nodeselector_never_land_on_accelerator_nodes(kubectl,
             got = [p for p in kubectl.get("pods", ns=ns, selector="diloco.dev/job=anywhere")
                    if p["spec"].get("nodeName")]
             return got if len(got) == 7 else None  # 6 learner pods and the syncer
-        for pod in wait_for(placed, 60, 0.2, "6 learner pods and the syncer scheduled"):
+        for pod in wait_for(placed, 60, "6 learner pods and the syncer scheduled", 0.2):
             labels = kubectl.get("node", pod["spec"]["nodeName"])["metadata"]["labels"]
             where = f"{pod['metadata']['name']} on {pod['spec']['nodeName']} ({labels.get(POOL_LABEL)})"
             assert not set(labels) & set(api.ACCELERATOR_NODE_LABELS), where

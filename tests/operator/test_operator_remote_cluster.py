@@ -22,7 +22,8 @@ from diloco_kube.labels import POOL_LABEL
 from test_operator_autoscale_cluster import H100, Nodes, autoscaled_job, running_units, template  # helpers only
 from test_operator_cluster import condition, cpu_units, job, running, wait_job_ready  # helpers only
 
-from cluster_kit import Kubectl, wait_for
+from polling import wait_for
+from cluster_kit import Kubectl
 
 pytestmark = pytest.mark.cluster
 SYNCER_URL = "https://syncer.west.example:8470"
@@ -93,7 +94,7 @@ def test_units_in_a_remote_cluster_run_heal_scale_degrade_alone_and_are_removed_
     # Healing there: a deleted remote pod is replaced there.
     far.run("delete", "pod", pod["metadata"]["name"], "-n", ns, "--wait=false")
     wait_for(lambda: [p for p in remote_pods(far, ns, "two-far-0") if p["metadata"]["uid"] != pod["metadata"]["uid"]
-                      and running(p)], 60, 0.5, "a new pod for two-far-0 in the remote cluster")
+                      and running(p)], 60, "a new pod for two-far-0 in the remote cluster", 0.5)
     wait_job_ready(kubectl, ns, "two", 2, timeout=60)
     assert kubectl.get("lu", "two-far-0", ns=ns)["status"]["restarts"] == 1
 
@@ -103,11 +104,11 @@ def test_units_in_a_remote_cluster_run_heal_scale_degrade_alone_and_are_removed_
                     f'[{{"op": "replace", "path": "/spec/units/1/count", "value": {n}}}]')
     kept = [p["metadata"]["uid"] for p in remote_pods(far, ns, "two-far-0")]
     far_count(2)
-    wait_for(lambda: [p for p in remote_pods(far, ns, "two-far-1") if running(p)], 60, 0.5, "two-far-1's pod there")
+    wait_for(lambda: [p for p in remote_pods(far, ns, "two-far-1") if running(p)], 60, "two-far-1's pod there", 0.5)
     wait_job_ready(kubectl, ns, "two", 3, timeout=60)
     far_count(1)
     wait_for(lambda: not remote_pods(far, ns, "two-far-1") and far.get("secret", "two-far-1-learner-token", ns=ns)
-             is None, 60, 0.5, "two-far-1's pod and token Secret swept from the remote cluster")
+             is None, 60, "two-far-1's pod and token Secret swept from the remote cluster", 0.5)
     assert [p["metadata"]["uid"] for p in remote_pods(far, ns, "two-far-0")] == kept, "scaling touched two-far-0"
     wait_job_ready(kubectl, ns, "two", 2, timeout=60)
 
@@ -115,18 +116,17 @@ def test_units_in_a_remote_cluster_run_heal_scale_degrade_alone_and_are_removed_
     os.kill(remote.pids["kube-apiserver"], signal.SIGSTOP)
     try:
         dj = wait_for(lambda: (d := kubectl.get("dj", "two", ns=ns)) and
-                      condition(d, "ClustersReachable").get("status") == "False" and d, 90, 0.5,
-                      "ClustersReachable=False on the job")
+                      condition(d, "ClustersReachable").get("status") == "False" and d, 90, "ClustersReachable=False on the job", 0.5)
         assert "west" in condition(dj, "ClustersReachable")["message"]
         wait_for(lambda: condition(kubectl.get("lu", "two-far-0", ns=ns), "ClusterReachable").get("status") ==
-                 "False", 60, 0.5, "ClusterReachable=False on the remote unit")
+                 "False", 60, "ClusterReachable=False on the remote unit", 0.5)
         home = kubectl.get("lu", "two-cpu-0", ns=ns)
         assert home["status"]["phase"] == "Running" and dj["status"]["phase"] == "Running"
         assert any(e["reason"] == "ClusterUnreachable" for e in kubectl.get("events", ns=ns))
     finally:
         os.kill(remote.pids["kube-apiserver"], signal.SIGCONT)
     wait_for(lambda: condition(kubectl.get("dj", "two", ns=ns), "ClustersReachable").get("status") == "True", 90,
-             0.5, "ClustersReachable=True once the cluster answers again")
+             "ClustersReachable=True once the cluster answers again", 0.5)
     wait_job_ready(kubectl, ns, "two", 2, timeout=60)
 
     # Deleting the job removes its objects in the remote cluster too, then the job itself.
@@ -137,8 +137,8 @@ def test_units_in_a_remote_cluster_run_heal_scale_degrade_alone_and_are_removed_
         return [f"{kind}/{o['metadata']['name']}" for kind in ("pod", "secret", "configmap", "services")
                 for o in far.get(kind, ns=ns, selector="diloco.dev/job=two") or []
                 if not o["metadata"].get("deletionTimestamp")]
-    wait_for(lambda: not remote_left(), 60, 0.5, "the job's objects gone from the remote cluster")
-    wait_for(lambda: kubectl.get("dj", "two", ns=ns) is None, 60, 0.5, "the job gone")
+    wait_for(lambda: not remote_left(), 60, "the job's objects gone from the remote cluster", 0.5)
+    wait_for(lambda: kubectl.get("dj", "two", ns=ns) is None, 60, "the job gone", 0.5)
     time.sleep(6)  # longer than a remote unit's polling period: no unit of the deleted job puts a pod back there
     assert not remote_left(), remote_left()
 
@@ -156,13 +156,11 @@ def test_an_autoscaled_job_falls_back_to_a_remote_cluster_and_grows_there_when_n
         manifest = autoscaled_job("grow", units, minUnits=1, maxUnits=3, preference=["near", "far"])
         manifest["spec"]["clusters"] = [kubeconfig_secret(kubectl, ns, remote)]
         kubectl.apply(manifest, "-n", ns)
-        wait_for(lambda: sorted(running_units(kubectl, ns, "grow").values()) == ["far"], 90, 0.5,
-                 "one unit running in the remote cluster (no room at home)")
+        wait_for(lambda: sorted(running_units(kubectl, ns, "grow").values()) == ["far"], 90, "one unit running in the remote cluster (no room at home)", 0.5)
         (first,) = [p["metadata"]["uid"] for p in remote_pods(far, ns, "grow-far-0")]
         # A second node there: the autoscaler sees the room on the remote cluster's Nodes and grows into it.
         far_nodes.add("h100", 1, gpu_node, H100, first=1)
-        wait_for(lambda: sorted(running_units(kubectl, ns, "grow").values()) == ["far", "far"], 90, 0.5,
-                 "a second remote unit once its node arrived there")
+        wait_for(lambda: sorted(running_units(kubectl, ns, "grow").values()) == ["far", "far"], 90, "a second remote unit once its node arrived there", 0.5)
         assert [p["metadata"]["uid"] for p in remote_pods(far, ns, "grow-far-0")] == [first], "healthy unit touched"
         st = kubectl.get("dj", "grow", ns=ns)["status"]["autoscaling"]
         assert st["runningUnits"] == 2 and any(p["name"].startswith("grow-near-") for p in st["parkedUnits"]), st
@@ -190,17 +188,15 @@ def test_a_kubeconfig_with_an_exec_plugin_or_a_token_file_is_refused_and_nothing
                                   "nodeSelector": {POOL_LABEL: "cpu"}}], clusters=[west]), "-n", ns)
     for name, (user, field) in cases.items():
         cond = wait_for(lambda: (c := condition(kubectl.get("lu", f"{name}-far-0", ns=ns) or {},
-                                                "ClusterReachable")) and c.get("status") == "False" and c, 60, 0.5,
-                        f"ClusterReachable=False on {name}-far-0")
+                                                "ClusterReachable")) and c.get("status") == "False" and c, 60, f"ClusterReachable=False on {name}-far-0", 0.5)
         assert cond["reason"] == "KubeconfigRefused", cond
         assert field in cond["message"] and "inline" in cond["message"], cond["message"]
         dj = wait_for(lambda: (d := kubectl.get("dj", name, ns=ns)) and
-                      condition(d, "ClustersReachable").get("status") == "False" and d, 60, 0.5,
-                      f"ClustersReachable=False on job {name}")
+                      condition(d, "ClustersReachable").get("status") == "False" and d, 60, f"ClustersReachable=False on job {name}", 0.5)
         assert field in condition(dj, "ClustersReachable")["message"]
     assert not marker.exists(), "the exec plugin ran inside the operator"
     assert Kubectl(remote).get("namespaces", ns) is None, "the operator reached the remote cluster"
     for name in cases:  # a cluster never reached holds the job's deletion (its finalizer): give up on it, as users would
         kubectl.run("delete", "dj", name, "-n", ns, "--wait=false")
         kubectl.run("patch", "dj", name, "-n", ns, "--type=merge", "-p", '{"metadata": {"finalizers": null}}')
-        wait_for(lambda: kubectl.get("dj", name, ns=ns) is None, 60, 0.5, f"job {name} gone")
+        wait_for(lambda: kubectl.get("dj", name, ns=ns) is None, 60, f"job {name} gone", 0.5)

@@ -22,7 +22,8 @@ import pytest
 from diloco_operator import certs
 from diloco_kube.labels import POOL_LABEL
 
-from cluster_kit import PYTHONPATH, wait_for
+from polling import wait_for
+from cluster_kit import PYTHONPATH
 from test_operator_cluster import condition, cpu_units, events, job, pods, wait_job_ready
 
 pytestmark = pytest.mark.cluster
@@ -70,7 +71,7 @@ def test_auto_mode_issues_a_certificate_for_the_syncer_service_that_the_syncer_s
     assert kubectl.get("services", "tls-syncer", ns=ns)["metadata"]["name"] == "tls-syncer"
     assert kubectl.get("configmap", "tls-syncer-ca", ns=ns)["data"] == {"ca.crt": data["ca.crt"]}
     wait_for(lambda: [e for e in events(kubectl, ns, "CertificateIssued") if e["involvedObject"]["name"] == "tls"],
-             30, 0.2, "the CertificateIssued Event")
+             30, "the CertificateIssued Event", 0.2)
 
     spec = syncer_pod_spec(kubectl, ns, "tls")
     syncer = spec["containers"][0]
@@ -111,13 +112,13 @@ def test_auto_mode_issues_a_certificate_for_the_syncer_service_that_the_syncer_s
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = wait_for(lambda: (state / "endpoint.json").exists() and
-                       json.loads((state / "endpoint.json").read_text())["url"], 60, 0.2, "the syncer to listen")
+                       json.loads((state / "endpoint.json").read_text())["url"], 60, "the syncer to listen", 0.2)
         assert url.startswith("https://127.0.0.1:")
         with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):  # no system CA vouches for it
             urllib.request.urlopen(f"{url}/healthz", timeout=10)
         kubectl.run("annotate", "dj", "tls", "-n", ns, f"diloco.dev/syncer-url={url}")
         dj = wait_for(lambda: (d := kubectl.get("dj", "tls", ns=ns))["status"].get("outerSteps") is not None and d,
-                      30, 0.2, "outerSteps read by the operator over TLS")
+                      30, "outerSteps read by the operator over TLS", 0.2)
         assert dj["status"]["outerSteps"] == 0
         # Each unit's pods read the unit's own token: over this TLS link it acts as that unit and no other.
         for unit, other in (("tls-cpu-0", "tls-cpu-1"), ("tls-cpu-1", "tls-cpu-0")):
@@ -134,11 +135,11 @@ def test_secret_mode_mounts_the_given_secret_and_says_what_is_wrong_until_it_is_
     kubectl.apply(job("byo", cpu_units(1), syncer={"nodeSelector": {POOL_LABEL: "cpu"},
                                                    "tls": {"secretName": "byo-cert"}}), "-n", ns)
     dj = wait_for(lambda: (d := kubectl.get("dj", "byo", ns=ns)) and condition(d, "LinkEncrypted").get("reason")
-                  == "TLSSecretInvalid" and d, 30, 0.2, "LinkEncrypted=False/TLSSecretInvalid")
+                  == "TLSSecretInvalid" and d, 30, "LinkEncrypted=False/TLSSecretInvalid", 0.2)
     message = condition(dj, "LinkEncrypted")["message"]
     assert message.startswith("spec.syncer.tls.secretName: Secret byo-cert") and "does not exist" in message
     warned = wait_for(lambda: [e for e in events(kubectl, ns, "TLSSecretInvalid") if e["involvedObject"]["name"]
-                               == "byo"], 30, 0.2, "the TLSSecretInvalid Warning")  # posted after the status
+                               == "byo"], 30, "the TLSSecretInvalid Warning", 0.2)  # posted after the status
     assert warned[0]["type"] == "Warning" and warned[0]["message"] == message
     assert kubectl.get("secret", "byo-syncer-tls", ns=ns) is None  # the operator issues nothing in this mode
     # What cert-manager would write for a Certificate with dnsNames [byo-syncer, ...] and a CA issuer.
@@ -148,7 +149,7 @@ def test_secret_mode_mounts_the_given_secret_and_says_what_is_wrong_until_it_is_
                    "metadata": {"name": "byo-cert"},
                    "stringData": {k: issued[k] for k in ("tls.crt", "tls.key", "ca.crt")}}, "-n", ns)
     dj = wait_for(lambda: (d := kubectl.get("dj", "byo", ns=ns)) and condition(d, "LinkEncrypted").get("status")
-                  == "True" and d, 60, 0.2, "LinkEncrypted=True once the Secret is usable")
+                  == "True" and d, 60, "LinkEncrypted=True once the Secret is usable", 0.2)
     assert condition(dj, "LinkEncrypted")["reason"] == "SecretCertificate"
     spec = syncer_pod_spec(kubectl, ns, "byo")
     assert next(v for v in spec["volumes"] if v["name"] == "tls")["secret"]["secretName"] == "byo-cert"
@@ -166,7 +167,7 @@ def test_plain_http_only_when_asked_for_with_a_warning_and_a_condition(kubectl, 
     link = condition(dj, "LinkEncrypted")
     assert link["status"] == "False" and link["reason"] == "TLSDisabled" and "unencrypted" in link["message"]
     warned = wait_for(lambda: [e for e in events(kubectl, ns, "TLSDisabled") if e["involvedObject"]["name"] == "plain"],
-                      30, 0.2, "the TLSDisabled Warning")
+                      30, "the TLSDisabled Warning", 0.2)
     assert warned[0]["type"] == "Warning" and len(warned) == 1
     assert "--tls-cert" not in syncer_pod_spec(kubectl, ns, "plain")["containers"][0]["command"]
     assert kubectl.get("secret", "plain-syncer-tls", ns=ns) is None

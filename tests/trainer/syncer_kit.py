@@ -3,8 +3,6 @@ snapshot of everything a rejected request must leave untouched."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 
 import torch
@@ -81,26 +79,6 @@ def assert_unchanged(before: dict, after: dict) -> None:
             assert all(torch.equal(a[n], b[n]) for a, b in zip(before[key], after[key]) for n in a)
         else:
             assert before[key] == after[key], key
-
-
-async def wait_for(predicate, timeout: float = 5.0, what: str = "condition"):
-    """Poll until predicate() is true (the merge runs in a background task)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
-def wait_until(predicate, what: str, timeout: float = 60.0):
-    """Poll predicate() (blocking) until it returns something truthy, and return that; AssertionError on timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def first_outer_step(theta: torch.Tensor, delta: torch.Tensor, lr: float, momentum: float) -> torch.Tensor:

@@ -12,10 +12,11 @@ from diloco_trainer.learner.client import Submission, SyncerClient
 from diloco_trainer.protocol.downlink import decode_answer, fragment_digest
 from diloco_trainer.protocol.wire import ErrorFeedback, SubmissionMeta, encode_submission
 
-from learner_kit import TOKEN, SyncerProcess, wait_for, write_config
+from polling import wait_for
+from learner_kit import TOKEN, SyncerProcess, write_config
 from test_learner_client import _answers, _newest
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # a real syncer process
 
 
 def _syncers_values(syncer: SyncerProcess, p: int) -> tuple[int, dict[str, torch.Tensor]]:

@@ -8,7 +8,8 @@ import pytest
 import yaml
 from safetensors import safe_open
 
-from learner_kit import ROOT, SyncerProcess, child_env, finish, metrics, start_learner, wait_for
+from polling import wait_for
+from learner_kit import ROOT, SyncerProcess, child_env, finish, metrics, start_learner
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -14,9 +14,10 @@ from diloco_trainer.config import TrainConfig
 from diloco_trainer.model.gpt import build_model
 from diloco_trainer.protocol.wire import ErrorFeedback, SubmissionMeta, encode_submission
 
-from learner_kit import TOKEN, SyncerProcess, free_port, wait_for, write_config
+from polling import wait_for
+from learner_kit import TOKEN, SyncerProcess, free_port, write_config
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # a real syncer process
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import yaml
 
-from learner_kit import SyncerProcess, metrics, start_learner, wait_for
+from polling import wait_for
+from learner_kit import SyncerProcess, metrics, start_learner
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

@@ -10,17 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from learner_kit import (
-    SyncerProcess,
-    child_env,
-    finish,
-    free_port,
-    last_step,
-    metrics,
-    start_learner,
-    wait_for,
-    write_config,
-)
+from polling import wait_for
+from learner_kit import SyncerProcess, child_env, finish, free_port, last_step, metrics, start_learner, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

@@ -7,7 +7,8 @@ import signal
 import pytest
 import yaml
 
-from learner_kit import SyncerProcess, finish, free_port, last_step, metrics, start_learner, wait_for
+from polling import wait_for
+from learner_kit import SyncerProcess, finish, free_port, last_step, metrics, start_learner
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

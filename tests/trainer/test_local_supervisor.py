@@ -15,6 +15,8 @@ import pytest
 
 from diloco_trainer.runtime.procs import Child, Supervisor, child_env
 
+from polling import alive, wait_for
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -27,26 +29,8 @@ def _child(tmp_path: Path, name: str, code: str, role: str = "learner", **kw) ->
 
 
 def _wait(predicate, timeout: float = 10.0, sup: Supervisor | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if sup is not None:
-            sup.poll()
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); it is dead for our purposes.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
+    """wait_for, with the supervisor polled before each look (it reaps and restarts its children there)."""
+    wait_for(lambda: (sup.poll() if sup is not None else None, predicate())[1], timeout, "condition", 0.05)
 
 
 def test_supervisor_restarts_a_crashed_child_and_counts_restarts(tmp_path):
@@ -119,7 +103,7 @@ def test_processes_json_pid_is_the_program_itself_so_chaos_can_kill_it(tmp_path)
         _wait(lambda: child.restarts == 1 and child.alive, sup=sup)
         assert child.exits == [-signal.SIGKILL]
         second = json.loads((tmp_path / "processes.json").read_text())["processes"][0]["pid"]
-        assert second != first and _alive(second)
+        assert second != first and alive(second)
 
 
 def test_stop_terminates_learners_before_the_syncer(tmp_path):
@@ -188,10 +172,10 @@ def test_children_die_when_the_supervisor_is_killed(tmp_path):
     try:
         _wait(lambda: pids.exists() and pids.read_text())
         children = json.loads(pids.read_text())
-        assert all(_alive(p) for p in children)
+        assert all(alive(p) for p in children)
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-        _wait(lambda: not any(_alive(p) for p in children), timeout=10)
+        _wait(lambda: not any(alive(p) for p in children), timeout=10)
     finally:
         parent.kill()
 

@@ -20,6 +20,8 @@ import pytest
 from diloco_trainer.runtime.procs import child_env
 from diloco_trainer.runtime.rundir import last_jsonl, read_jsonl, split_incarnations
 
+from polling import alive
+
 ROOT = Path(__file__).resolve().parents[2]
 LEARNERS = ("learner-0", "learner-1", "learner-2")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
@@ -107,20 +109,13 @@ def local_run(tmp_path):
         run.close()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def _assert_no_orphans(run: LocalRun, also: tuple[int, ...] = ()) -> None:
     pids = run.all_pids() + list(also)
     assert len(pids) >= 1 + len(LEARNERS)
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)], "processes outlived diloco local"
+    assert not [p for p in pids if alive(p)], "processes outlived diloco local"
 
 
 def _why(run: LocalRun, name: str) -> str:

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from diloco_trainer.protocol.wire import decode_tensors
+from polling import wait_for_async
 from syncer_kit import (AUTH, assert_unchanged, body, deltas_for, first_outer_step, make_syncer, raw_body,
-                        register_body, snapshot, start, tiny_config, wait_for)
+                        register_body, snapshot, start, tiny_config)
 
 ENDPOINTS = [("POST", "/v1/register"), ("POST", "/v1/heartbeat"), ("POST", "/v1/fragments/0/outer-gradient"),
              ("GET", "/v1/fragments/0"), ("GET", "/v1/state"), ("GET", "/v1/versions"), ("GET", "/v1/status")]
@@ -172,7 +173,7 @@ async def test_quorum_one_merges_at_once_and_publishes_a_new_version(aiohttp_cli
     r = await client.post("/v1/fragments/0/outer-gradient", data=body(st, 0, d), headers=AUTH)
     assert r.status == 202
     assert (await r.json()) == {"accepted": True, "duplicate": False, "pending": 1}
-    await wait_for(lambda: st.versions[0] == 1, what="fragment 0 version 1")
+    await wait_for_async(lambda: st.versions[0] == 1, what="fragment 0 version 1")
     assert st.versions[1] == 0 and st.pending[0] == {}
     # One contribution: RDA and the weighted mean both return Δ itself; then one Nesterov step.
     for n in st.plan[0]:
@@ -225,7 +226,7 @@ async def test_quorum_two_waits_for_a_second_live_learner(aiohttp_client, tmp_pa
     r = await client.post("/v1/fragments/0/outer-gradient", data=body(st, 0, db, learner="learner-b", sid="b1",
                                                                         c_tokens=512), headers=AUTH)
     assert r.status == 202
-    await wait_for(lambda: st.versions[0] == 1, what="the merge of two contributions")
+    await wait_for_async(lambda: st.versions[0] == 1, what="the merge of two contributions")
     # Token weights c_tokens²/c_steps: a weighs 4x b. Embeddings by weighted mean, others by RDA.
     wa, wb = 1024 ** 2 / 4, 512 ** 2 / 4
     for n in st.plan[0]:
@@ -258,7 +259,7 @@ async def test_a_retried_submission_is_acknowledged_again_but_merged_once(aiohtt
     replies = await asyncio.gather(*(client.post("/v1/fragments/0/outer-gradient", data=other, headers=AUTH)
                                      for _ in range(3)))
     assert sorted([(await r.json())["duplicate"] for r in replies]) == [False, True, True]
-    await wait_for(lambda: st.versions[0] == 1, what="the merge")
+    await wait_for_async(lambda: st.versions[0] == 1, what="the merge")
     merged = snapshot(st)
     # After the merge the base is stale, yet a retry is still recognised (before any base check).
     late = await client.post("/v1/fragments/0/outer-gradient", data=payload, headers=AUTH)
@@ -278,13 +279,13 @@ async def test_a_stale_but_kept_base_is_reanchored_to_the_current_version(aiohtt
     theta0_values = {n: t.clone() for n, t in theta0.items()}
     d1, d2 = deltas_for(st, 0, seed=1), deltas_for(st, 0, seed=2)
     await client.post("/v1/fragments/0/outer-gradient", data=body(st, 0, d1, sid="s1"), headers=AUTH)
-    await wait_for(lambda: st.versions[0] == 1)
+    await wait_for_async(lambda: st.versions[0] == 1)
     theta1 = st.fragment(0)
     # learner-b trained from version 0 and reports it: θ_b = Θ0 − Δ2; against Θ1 that is Δ' = Θ1 − θ_b.
     r = await client.post("/v1/fragments/0/outer-gradient",
                           data=body(st, 0, d2, learner="learner-b", sid="s2", base=0), headers=AUTH)
     assert r.status == 202
-    await wait_for(lambda: st.versions[0] == 2)
+    await wait_for_async(lambda: st.versions[0] == 2)
     for n in st.plan[0]:
         d_prime = theta1[n] - (theta0[n] - d2[n])
         buf = mu * d1[n] + d_prime
@@ -303,7 +304,7 @@ async def test_a_base_older_than_the_versions_kept_is_409_and_changes_nothing(ai
         r = await client.post("/v1/fragments/0/outer-gradient",
                               data=body(st, 0, deltas_for(st, 0, seed=v), sid=f"s{v}", base=v), headers=AUTH)
         assert r.status == 202
-        await wait_for(lambda: st.versions[0] == v + 1)
+        await wait_for_async(lambda: st.versions[0] == v + 1)
     before = snapshot(st)
     r = await client.post("/v1/fragments/0/outer-gradient",
                           data=body(st, 0, deltas_for(st, 0, seed=9), sid="old", base=0), headers=AUTH)
@@ -330,7 +331,7 @@ async def test_a_restarted_learner_keeps_both_of_its_contributions_but_counts_on
     assert st.versions[0] == 0 and st.pending_learners(0) == 1
     r = await client.post("/v1/fragments/0/outer-gradient",
                           data=body(st, 0, deltas_for(st, 0, seed=3), learner="learner-b", sid="b"), headers=AUTH)
-    await wait_for(lambda: st.versions[0] == 1)
+    await wait_for_async(lambda: st.versions[0] == 1)
     assert st.learners["learner-a"].submissions_merged == 2 and st.learners["learner-a"].tokens_merged == 2048
     assert st.contributions_merged == 3
 
@@ -343,7 +344,7 @@ async def test_a_dead_learner_does_not_hold_up_a_quorum_of_two(aiohttp_client, t
     await register(client, "learner-b")  # then never heard from again
     await client.post("/v1/fragments/0/outer-gradient", data=body(st, 0, deltas_for(st, 0, seed=1)), headers=AUTH)
     assert st.versions[0] == 0
-    await wait_for(lambda: st.versions[0] == 1, timeout=3.0, what="merge once learner-b is no longer live")
+    await wait_for_async(lambda: st.versions[0] == 1, timeout=3.0, what="merge once learner-b is no longer live")
     status = await (await client.get("/v1/status", headers=AUTH)).json()
     assert status["learners"]["learner-b"]["live"] is False
 
@@ -363,13 +364,13 @@ async def test_a_contribution_in_the_grace_window_joins_the_merge_and_the_window
     assert st.versions[0] == 0, "K=1 reached, but the grace window is open for the other live learner"
     await client.post("/v1/fragments/0/outer-gradient",
                       data=body(st, 0, deltas_for(st, 0, 2), learner="learner-b", sid="b0"), headers=AUTH)
-    await wait_for(lambda: st.versions[0] == 1, timeout=0.5, what="a merge as soon as every live learner is in")
+    await wait_for_async(lambda: st.versions[0] == 1, timeout=0.5, what="a merge as soon as every live learner is in")
     assert st.contributions_merged == 2
     # Nobody else comes for fragment 1: the merge waits out the window, then goes ahead with one contribution.
     await client.post("/v1/fragments/1/outer-gradient", data=body(st, 1, deltas_for(st, 1, 1), sid="a1"),
                       headers=AUTH)
     t0 = asyncio.get_running_loop().time()
-    await wait_for(lambda: st.versions[1] == 1, timeout=3.0)
+    await wait_for_async(lambda: st.versions[1] == 1, timeout=3.0)
     waited = asyncio.get_running_loop().time() - t0
     assert 0.5 < waited < 2.0, waited
     status = await (await client.get("/v1/status", headers=AUTH)).json()

@@ -8,7 +8,8 @@ from diloco_trainer.protocol.downlink import decode_answer, fragment_digest, rec
 from diloco_trainer.syncer.state import SyncerState
 from diloco_trainer.syncer.store import read_checkpoint
 from diloco_trainer.protocol.wire import WireError
-from syncer_kit import AUTH, body, deltas_for, make_syncer, snapshot, assert_unchanged, start, tiny_config, wait_for
+from polling import wait_for_async
+from syncer_kit import AUTH, body, deltas_for, make_syncer, snapshot, assert_unchanged, start, tiny_config
 
 
 async def _merge(client, st, p: int, seed: int) -> int:
@@ -17,7 +18,7 @@ async def _merge(client, st, p: int, seed: int) -> int:
     r = await client.post(f"/v1/fragments/{p}/outer-gradient", headers=AUTH,
                           data=body(st, p, deltas_for(st, p, seed), sid=f"s{seed}", base=before))
     assert r.status == 202, await r.text()
-    await wait_for(lambda: st.versions[p] > before, what=f"a merge of fragment {p}")
+    await wait_for_async(lambda: st.versions[p] > before, what=f"a merge of fragment {p}")
     return st.versions[p]
 
 
@@ -120,7 +121,7 @@ async def test_after_a_restart_a_learner_rebuilds_the_syncers_values_or_is_told_
     resumed = make_syncer(tmp_path, cfg)  # what a crash now leaves: the checkpoint, the spool (and journal)
     rst = resumed.state
     client2 = await start(aiohttp_client, resumed)
-    await wait_for(lambda: rst.versions[0] >= 2 and not rst.pending[0], what="the acknowledged work merged again")
+    await wait_for_async(lambda: rst.versions[0] >= 2 and not rst.pending[0], what="the acknowledged work merged again")
     a = decode_answer((await _get(client2, 0, "?base=1"))[1])  # a learner holding the checkpointed version
     assert a.encoding == "delta" and a.base == 1
     rebuilt = reconstruct(held[1], a)

@@ -9,8 +9,9 @@ from safetensors import safe_open
 
 from diloco_trainer.config import MODEL_PRESETS
 from diloco_trainer.syncer.state import SyncerState
+from polling import wait_for_async
 from syncer_kit import (AUTH, assert_unchanged, body, deltas_for, first_outer_step, make_syncer, register_body,
-                        snapshot, start, tiny_config, wait_for)
+                        snapshot, start, tiny_config)
 
 
 def _spooled(state_dir):
@@ -28,7 +29,7 @@ async def test_an_acknowledged_submission_is_merged_exactly_once_after_a_crash(a
     payload = body(st, 0, d, sid="acked-before-crash", c_tokens=777)
     r = await client.post("/v1/fragments/0/outer-gradient", data=payload, headers=AUTH)
     assert r.status == 202
-    await wait_for(lambda: st.versions[0] == 1)
+    await wait_for_async(lambda: st.versions[0] == 1)
     assert not (live / "checkpoint").exists() and len(_spooled(live)) == 1
     shutil.copytree(live, crashed)  # the disk as a crash (kill -9) would leave it: no checkpoint yet
     # ... by a syncer without the merge journal (journal.py; or with it lost): version 1 is lost with it.
@@ -38,7 +39,7 @@ async def test_an_acknowledged_submission_is_merged_exactly_once_after_a_crash(a
     assert [len(p) for p in revived.state.pending] == [1, 0], "the spooled submission is pending again"
     client2 = await start(aiohttp_client, revived)
     st2 = revived.state
-    await wait_for(lambda: st2.pending[0] == {}, what="the replayed merge")
+    await wait_for_async(lambda: st2.pending[0] == {}, what="the replayed merge")
     # Version 1 was published (learners may hold it) but lost: the new version must not reuse its id.
     assert st2.versions[0] > 1 and st2.versions[1] == 0
     assert st2.tokens_merged == 777 and st2.contributions_merged == 1
@@ -75,7 +76,7 @@ async def test_a_restart_resumes_from_the_checkpoint_with_momentum_and_counters(
                               data=body(st, p, deltas_for(st, p, seed=i), sid=f"s{i}", base=st.versions[p]),
                               headers=AUTH)
         assert r.status == 202
-        await wait_for(lambda: sum(st.outer_steps) == i + 1)
+        await wait_for_async(lambda: sum(st.outer_steps) == i + 1)
     st.policy.observe_step_time(0.25)
     before = snapshot(st)
     await client.close()
@@ -93,7 +94,7 @@ async def test_a_restart_resumes_from_the_checkpoint_with_momentum_and_counters(
     r = await client2.post("/v1/fragments/1/outer-gradient",
                            data=body(resumed, 1, deltas_for(resumed, 1, seed=7), sid="s9", base=1), headers=AUTH)
     assert r.status == 202
-    await wait_for(lambda: syncer2.state.versions == [2, 2])
+    await wait_for_async(lambda: syncer2.state.versions == [2, 2])
 
 
 async def test_spool_files_are_deleted_only_once_a_checkpoint_covers_them(aiohttp_client, tmp_path):
@@ -105,7 +106,7 @@ async def test_spool_files_are_deleted_only_once_a_checkpoint_covers_them(aiohtt
     for lid in ("a", "b"):
         await client.post("/v1/fragments/0/outer-gradient",
                           data=body(st, 0, deltas_for(st, 0, seed=1), learner=lid, sid=f"{lid}0"), headers=AUTH)
-    await wait_for(lambda: st.versions[0] == 1)
+    await wait_for_async(lambda: st.versions[0] == 1)
     await client.post("/v1/fragments/1/outer-gradient",
                       data=body(st, 1, deltas_for(st, 1, seed=1), learner="c", sid="c1"), headers=AUTH)
     assert len(_spooled(tmp_path)) == 3, "merged but not checkpointed: still spooled"
@@ -129,7 +130,7 @@ async def test_checkpoints_and_spool_hold_only_safetensors_and_json(aiohttp_clie
     client = await start(aiohttp_client, syncer)
     st = syncer.state
     await client.post("/v1/fragments/0/outer-gradient", data=body(st, 0, deltas_for(st, 0, seed=1)), headers=AUTH)
-    await wait_for(lambda: st.versions[0] == 1)
+    await wait_for_async(lambda: st.versions[0] == 1)
     await client.post("/v1/register", json=register_body("a"), headers=AUTH)
     await client.post("/v1/register", json=register_body("b"), headers=AUTH)
     await syncer.checkpoint()
@@ -182,7 +183,7 @@ async def test_merged_ids_past_the_idempotency_window_are_forgotten_and_a_late_r
     for i in range(4):  # s0..s3 on fragment 0, each based on the current version: versions 1..4
         payloads[f"s{i}"] = body(st, 0, deltas_for(st, 0, seed=i), sid=f"s{i}", base=st.versions[0], c_tokens=100)
         assert (await client.post("/v1/fragments/0/outer-gradient", data=payloads[f"s{i}"], headers=AUTH)).status == 202
-        await wait_for(lambda: st.versions[0] == i + 1)
+        await wait_for_async(lambda: st.versions[0] == i + 1)
         if i == 0:
             (s0_file,) = _spooled(tmp_path)
             shutil.copy(tmp_path / "spool" / s0_file, tmp_path / "s0-copy")

@@ -24,6 +24,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from diloco_trainer.protocol.wire import SubmissionMeta, decode_tensors, encode_submission, quantize
 from learner_kit import TOKEN, SyncerProcess
 
+pytestmark = pytest.mark.slow  # a real syncer process
+
 # The suite's profile keeps this file under a minute on a busy 2-core machine; DILOCO_FUZZ_PROFILE=syncer-fuzz-long
 # digs deeper (minutes).
 # No shrinking in the suite: a failure prints its whole step list, and shrinking a stateful run against a real

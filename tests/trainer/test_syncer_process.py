@@ -10,10 +10,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
 import torch
 
 from diloco_trainer.protocol.wire import SubmissionMeta, decode_tensors, encode_submission, quantize
-from syncer_kit import wait_until
+from polling import wait_for
+
+pytestmark = pytest.mark.slow  # a real syncer process
 
 TRAINER = Path(__file__).resolve().parents[2] / "trainer"
 TOKEN = "process-test-token"
@@ -79,7 +82,7 @@ def test_a_killed_syncer_process_restarts_with_the_acknowledged_submission_merge
                                     {n: tuple(d.shape) for n, d in deltas.items()})
         status, reply = _http("POST", f"{url}/v1/fragments/0/outer-gradient", data=payload)
         assert status == 202 and json.loads(reply)["duplicate"] is False
-        wait_until(lambda: json.loads(_http("GET", f"{url}/v1/versions")[1])["versions"]["0"] == 1, "the merge")
+        wait_for(lambda: json.loads(_http("GET", f"{url}/v1/versions")[1])["versions"]["0"] == 1, 60, "the merge", 0.05)
         proc.kill()  # SIGKILL: no final checkpoint
         proc.wait(timeout=30)
         assert not (state_dir / "checkpoint").exists()
@@ -90,7 +93,7 @@ def test_a_killed_syncer_process_restarts_with_the_acknowledged_submission_merge
             s = json.loads(_http("GET", f"{url}/v1/status")[1])
             return s if s["pending"] == {"0": 0, "1": 0} and s["contributions_merged"] >= 1 else None
 
-        s = wait_until(merged, "the replayed submission to merge")
+        s = wait_for(merged, 60, "the replayed submission to merge", 0.05)
         assert s["tokens_merged"] == 4096 and s["contributions_merged"] == 1
         assert s["learners"]["learner-0"]["submissions_merged"] == 1
         # The merge journal (journal.py) published version 1 again: a learner holding it loses nothing.

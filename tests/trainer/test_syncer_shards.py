@@ -7,8 +7,8 @@ from diloco_trainer.config import TrainConfig
 from diloco_trainer.syncer.state import SyncerState
 from diloco_trainer.protocol.wire import decode_tensors
 from diloco_trainer.syncer.app import Syncer, SyncerOptions
-from syncer_kit import (AUTH, TOKEN, assert_unchanged, body, deltas_for, register_body, snapshot, start, tiny_config,
-                        wait_for)
+from polling import wait_for_async
+from syncer_kit import AUTH, TOKEN, assert_unchanged, body, deltas_for, register_body, snapshot, start, tiny_config
 
 
 def sharded_config(shards: int = 2, fragments: int = 4) -> TrainConfig:
@@ -65,7 +65,7 @@ async def test_a_shard_merges_its_fragments_and_its_checkpoint_resumes_only_as_t
     client = await start(aiohttp_client, syncer)
     r = await client.post("/v1/fragments/3/outer-gradient", data=body(st, 3, deltas_for(st, 3, seed=2)), headers=AUTH)
     assert r.status == 202
-    await wait_for(lambda: st.versions[3] == 1, what="the merge of fragment 3")
+    await wait_for_async(lambda: st.versions[3] == 1, what="the merge of fragment 3")
     await client.close()  # final checkpoint
     resumed = SyncerState(sharded_config(), tmp_path, shard=1)
     assert resumed.versions[3] == 1 and resumed.versions[1] == 0

@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
 import torch
 
 from diloco_trainer.protocol.messages import RestartHold
@@ -23,7 +24,8 @@ from diloco_trainer.runtime.standby import SyncerStandby
 from diloco_trainer.syncer.journal import JournalEntry, MergeJournal
 from diloco_trainer.syncer.takeover import StateLock, read_incarnations, wait_out_hold
 from diloco_trainer.protocol.wire import SubmissionMeta, decode_tensors, encode_submission, quantize
-from syncer_kit import AUTH, TOKEN, body, deltas_for, make_syncer, start, tiny_config, wait_for, wait_until
+from polling import wait_for, wait_for_async
+from syncer_kit import AUTH, TOKEN, body, deltas_for, make_syncer, start, tiny_config
 
 
 # --------------------------------------------------------------------------- the lock
@@ -101,7 +103,7 @@ async def test_versions_published_before_a_crash_are_published_again_under_their
                               data=body(st, 0, deltas_for(st, 0, seed=i), learner=learner, sid=f"s{i}", base=i,
                                         c_tokens=100 + i))
         assert r.status == 202
-        await wait_for(lambda: st.versions[0] == i + 1)
+        await wait_for_async(lambda: st.versions[0] == i + 1)
     assert not (live / "checkpoint").exists()
     shutil.copytree(live, crashed)  # the disk as kill -9 leaves it: two merges published, no checkpoint
 
@@ -117,7 +119,7 @@ async def test_versions_published_before_a_crash_are_published_again_under_their
                                data=body(st2, 0, deltas_for(st2, 0, seed=5 + base), learner="learner-c",
                                          sid=f"after-{base}", base=base))
         assert r.status == 202, await r.text()
-        await wait_for(lambda: st2.pending[0] == {})
+        await wait_for_async(lambda: st2.pending[0] == {})
     retry = await client2.post("/v1/fragments/0/outer-gradient", headers=AUTH,
                                data=body(st, 0, deltas_for(st, 0, seed=0), learner="learner-a", sid="s0", base=0))
     assert (await retry.json())["duplicate"] is True  # merged once, before the crash; not again
@@ -182,6 +184,7 @@ class _Learner(threading.Thread):
             i += 1
 
 
+@pytest.mark.slow
 def test_a_warm_standby_takes_over_a_syncer_killed_during_merges_and_nothing_acknowledged_is_lost(tmp_path):
     config, state_dir = tmp_path / "run.yaml", tmp_path / "syncer"
     config.write_text("model: tiny\nseed: 1\nouter:\n  fragments: 2\n  compression: int8\n  quorum: 1\n")
@@ -192,14 +195,14 @@ def test_a_warm_standby_takes_over_a_syncer_killed_during_merges_and_nothing_ack
     with Supervisor(tmp_path / "processes.json", tmp_path / "events.jsonl") as sup:
         syncer = sup.add(Child("syncer", "syncer", argv, env, log, restart_delay=0.05))
         sup.start("syncer")
-        endpoint = wait_until(lambda: (state_dir / "endpoint.json").exists() and json.loads(
-            (state_dir / "endpoint.json").read_text()), "the syncer to listen", timeout=120)
+        endpoint = wait_for(lambda: (state_dir / "endpoint.json").exists() and json.loads(
+            (state_dir / "endpoint.json").read_text()), 120, "the syncer to listen", 0.05)
         url, first_pid = endpoint["url"], syncer.proc.pid
         argv[argv.index("--port") + 1] = str(endpoint["port"])
         sup.syncer_standby = SyncerStandby(argv, env, log, sup.spawn, state_dir, respawn_after_s=30.0)
         sup.poll()
         standby_pid = sup.syncer_standby.proc.pid
-        wait_until(lambda: f"syncer pid {first_pid} serves" in log.read_text(), "the standby to wait", timeout=120)
+        wait_for(lambda: f"syncer pid {first_pid} serves" in log.read_text(), 120, "the standby to wait", 0.05)
         assert json.loads((state_dir / "endpoint.json").read_text())["pid"] == first_pid, "the standby serves too"
 
         status, reply = _http("POST", f"{url}/v1/register", json_body={"learner_id": "learner-0", "unit": 0,
@@ -209,14 +212,13 @@ def test_a_warm_standby_takes_over_a_syncer_killed_during_merges_and_nothing_ack
                   for n, t in decode_tensors(_http("GET", f"{url}/v1/fragments/{p}")[1])[0].items()}
         learner = _Learner(url, json.loads(reply)["plan"], shapes)
         learner.start()
-        wait_until(lambda: len(learner.acked) >= 6, "acknowledged submissions before the kill")
+        wait_for(lambda: len(learner.acked) >= 6, 60, "acknowledged submissions before the kill", 0.05)
         os.kill(first_pid, signal.SIGKILL)  # in the middle of merging: a merge follows every submission
-        wait_until(lambda: [e for e in sup.poll() if e["event"] == "start"] or syncer.restarts, "the restart")
+        wait_for(lambda: [e for e in sup.poll() if e["event"] == "start"] or syncer.restarts, 60, "the restart", 0.05)
         assert syncer.proc.pid == standby_pid and sup.events[-1].get("standby") is True
-        wait_until(lambda: json.loads((state_dir / "endpoint.json").read_text())["pid"] == standby_pid,
-              "the standby to serve")
+        wait_for(lambda: json.loads((state_dir / "endpoint.json").read_text())["pid"] == standby_pid, 60, "the standby to serve", 0.05)
         acked_before = len(learner.acked)
-        wait_until(lambda: len(learner.acked) >= acked_before + 6, "acknowledged submissions after the takeover")
+        wait_for(lambda: len(learner.acked) >= acked_before + 6, 60, "acknowledged submissions after the takeover", 0.05)
         learner.stop.set()
         learner.join(timeout=60)
 
@@ -224,7 +226,7 @@ def test_a_warm_standby_takes_over_a_syncer_killed_during_merges_and_nothing_ack
             s = json.loads(_http("GET", f"{url}/v1/status")[1])
             return s if s["pending"] == {"0": 0, "1": 0} else None
 
-        s = wait_until(settled, "the last merges")
+        s = wait_for(settled, 60, "the last merges", 0.05)
         assert s["contributions_merged"] == len(learner.acked), "an acknowledged submission was lost or doubled"
         assert s["learners"]["learner-0"]["submissions_merged"] == len(learner.acked)
         for p, payload in list(learner.acked.values())[-8:]:  # merged exactly once: a retry is only a duplicate
@@ -235,7 +237,7 @@ def test_a_warm_standby_takes_over_a_syncer_killed_during_merges_and_nothing_ack
         assert incarnations[-1]["standby"] is True and incarnations[-1]["previous_pid"] == first_pid
 
         # The standby that took over forked the next one (no Python start, no import): adopted, not started anew.
-        wait_until(lambda: (sup.poll(), sup.syncer_standby.proc is not None)[1], "the next standby")
+        wait_for(lambda: (sup.poll(), sup.syncer_standby.proc is not None)[1], 60, "the next standby", 0.05)
         next_standby = sup.syncer_standby.proc
         assert sup.syncer_standby.adopted == 1 and sup.syncer_standby.started == 1
         assert next_standby.pid == json.loads((state_dir / "standby.json").read_text())["pid"]
@@ -258,6 +260,7 @@ def _child_of(parent: int) -> int:
     raise AssertionError(f"no child of {parent}")
 
 
+@pytest.mark.slow
 def test_a_waiting_standby_that_is_pid_1_of_its_container_leaves_on_sigterm_instead_of_taking_over(tmp_path):
     """In the operator's syncer pod each syncer is PID 1 of its container, where the kernel drops signals that have
     no handler: a standby that ignored the pod's SIGTERM would take over from the syncer's clean stop."""
@@ -272,12 +275,12 @@ def test_a_waiting_standby_that_is_pid_1_of_its_container_leaves_on_sigterm_inst
     standby_log = tmp_path / "standby.log"
     standby = None
     try:
-        endpoint = wait_until(lambda: (state_dir / "endpoint.json").exists() and json.loads(
-            (state_dir / "endpoint.json").read_text()), "the syncer to listen", timeout=120)
+        endpoint = wait_for(lambda: (state_dir / "endpoint.json").exists() and json.loads(
+            (state_dir / "endpoint.json").read_text()), 120, "the syncer to listen", 0.05)
         with open(standby_log, "w") as out:  # --fork: the syncer is the namespace's PID 1, as in a container
             standby = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", *argv, "--standby",
                                         "--no-fork-successor"], env=env, stdout=out, stderr=subprocess.STDOUT)
-        wait_until(lambda: "standing by" in standby_log.read_text(), "the standby to wait", timeout=120)
+        wait_for(lambda: "standing by" in standby_log.read_text(), 120, "the standby to wait", 0.05)
         pid1 = _child_of(standby.pid)
         assert _status_field(pid1, "NSpid").split()[-1] == "1", "the standby is not PID 1 of its namespace"
         os.kill(pid1, signal.SIGTERM)

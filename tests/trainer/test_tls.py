@@ -13,8 +13,8 @@ import pytest
 from diloco_trainer.runtime.syncer_client import SyncerClient as StatusClient
 from diloco_trainer.protocol.tls import is_loopback, make_authority
 
-from learner_kit import (ROOT, TOKEN, SyncerProcess, child_env, finish, metrics, start_learner, wait_for,
-                          write_config)
+from polling import wait_for
+from learner_kit import ROOT, TOKEN, SyncerProcess, child_env, finish, metrics, start_learner, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

@@ -87,8 +87,9 @@ class Controller:
         self.trust_syncer_url = trust_syncer_url  # follow the diloco.dev/syncer-url annotation (syncer_address)
         self.cache = cache
         # Objects that are not watched (Secret, ConfigMap, PVCs, Services) are read back at most every
-        # ensure_ttl_s: (plural, namespace, name) -> (hash ensured, when).
-        self.ensured: dict[tuple[str, str, str], tuple[str, float]] = {}
+        # ensure_ttl_s: (plural, namespace, name, owner uid[, cluster]) -> (hash ensured, when). The owner's UID is
+        # in the key: a job re-created under its old name owns none of what was ensured for the old one.
+        self.ensured: dict[tuple[str, ...], tuple[str, float]] = {}
         self.ensure_ttl_s = ensure_ttl_s
         self.tokens: dict[tuple[str, str, str], str] = {}  # (ns, job, job uid) -> the syncer's bearer token
         # (ns, job, uid, mode, secret) -> (the syncer's TLS as last read, when): Secrets are not watched
@@ -151,6 +152,8 @@ class Controller:
         while True:
             await asyncio.sleep(self.resync_s)
             metrics.RESYNCS.inc()
+            now = time.monotonic()  # entries past their TTL are read back anyway: forget them (deleted owners')
+            self.ensured = {k: v for k, v in self.ensured.items() if now - v[1] < self.ensure_ttl_s}
             for key in list(self.known):
                 self.enqueue(key)
 
@@ -201,12 +204,13 @@ class Controller:
         the watched copy (None: not there); unwatched kinds are read back only every ensure_ttl_s. With `remote`:
         in that cluster (never watched), as O.in_remote_cluster makes it."""
         kube = self.kube
+        owner = O.controller_uid(desired) or ""
         if remote is not None:
             desired, kube, cached = O.in_remote_cluster(desired, remote.namespace), remote.kube, False
         want = O.spec_hash({k: v for k, v in desired.items() if k != "metadata"})
         desired["metadata"].setdefault("annotations", {})["diloco.dev/hash"] = want
         meta = desired["metadata"]
-        key = (res.plural, meta["namespace"], meta["name"]) + ((remote.cluster,) if remote else ())
+        key = (res.plural, meta["namespace"], meta["name"], owner) + ((remote.cluster,) if remote else ())
         if cached is False:
             done = self.ensured.get(key)
             # Create-only objects (update=False, e.g. the random token) are never compared, only re-created if gone.
@@ -555,7 +559,7 @@ class Controller:
         in a remote cluster gets it there (its owner is then named by annotation: O.in_remote_cluster)."""
         ns, name = unit["metadata"]["namespace"], unit["metadata"]["name"]
         secret_name = O.unit_token_secret_name(name)
-        key = (SECRETS.plural, ns, secret_name) + ((remote.cluster,) if remote else ())
+        key = (SECRETS.plural, ns, secret_name, unit["metadata"].get("uid", "")) + ((remote.cluster,) if remote else ())
         if (done := self.ensured.get(key)) and time.monotonic() - done[1] < self.ensure_ttl_s:
             return
         job_token = await self._job_token(ns, job["metadata"]["name"], job["metadata"].get("uid", ""))

@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 
 from diloco_operator import api
+from diloco_operator.objects import secret_name
 from diloco_kube.labels import FAIL_POD_EXIT_CODE_ANNOTATION, FAIL_POD_LABEL, POOL_LABEL
 
 from polling import wait_for
@@ -278,6 +279,56 @@ def test_deleting_the_job_cascades_to_everything_it_owns(kubectl, operator, ns):
     assert all(kubectl.get(k, ns=ns, selector=sel) for k in kinds)
     kubectl.run("delete", "dj", "gone", "-n", ns, "--wait=false")
     wait_for(lambda: not any(kubectl.get(k, ns=ns, selector=sel) for k in kinds), 60, "garbage collection of every owned object", 0.3)
+
+
+def test_a_job_recreated_under_its_old_name_gets_back_every_object_it_owns(kubectl, operator, ns):
+    """The objects the operator creates once and then reads back only every few minutes (token Secrets, volumes,
+    Services, ConfigMaps) are the new job's: deleted with the old job, they come back for the new one at once."""
+    sel = "diloco.dev/job=again"
+    kinds = ("secrets", "persistentvolumeclaims", "services", "configmaps")
+
+    def owned(uids: set[str]) -> dict[str, list[str]]:
+        return {k: sorted(o["metadata"]["name"] for o in kubectl.get(k, ns=ns, selector=sel)
+                          if {r["uid"] for r in o["metadata"].get("ownerReferences") or []} & uids) for k in kinds}
+
+    def uids() -> set[str]:
+        dj = kubectl.get("dj", "again", ns=ns)
+        return {dj["metadata"]["uid"]} | {lu["metadata"]["uid"] for lu in kubectl.get("lu", ns=ns, selector=sel)}
+
+    kubectl.apply(job("again", cpu_units(1, podsPerUnit=2, stateVolume={"size": "1Gi"})), "-n", ns)
+    wait_job_ready(kubectl, ns, "again", 1)
+    first = wait_for(lambda: all((o := owned(uids())).values()) and o, 30, "the first job's objects", 0.2)
+    assert "again-cpu-0" in first["services"] and len(first["persistentvolumeclaims"]) == 3  # syncer's + 2 ranks'
+    kubectl.run("delete", "dj", "again", "-n", ns)
+    wait_for(lambda: not any(kubectl.get(k, ns=ns, selector=sel) for k in (*kinds, "learnerunits", "pods")), 60,
+             "garbage collection of the first job's objects", 0.3)
+
+    kubectl.apply(job("again", cpu_units(1, podsPerUnit=2, stateVolume={"size": "1Gi"})), "-n", ns)
+    wait_job_ready(kubectl, ns, "again", 1)
+    wait_for(lambda: owned(uids()) == first or None, 60, f"the same objects owned by the new job and its unit (first job: {first})", 0.5)
+
+
+def test_a_job_recreated_before_its_old_token_secret_is_collected_gets_its_own_once_it_is(kubectl, operator, ns):
+    """Re-created while the old job's token Secret still exists (held here by a finalizer, as a slow garbage
+    collector would hold it): the new job does not use it (Ready=False, ObjectNotOurs), and gets its own once it is
+    gone, not minutes later."""
+    kubectl.apply(job("early", cpu_units(1)), "-n", ns)
+    wait_job_ready(kubectl, ns, "early", 1)
+    name = secret_name("early")
+    kubectl.run("patch", "secret", name, "-n", ns, "--type=merge", "-p",
+                json.dumps({"metadata": {"finalizers": ["diloco.dev/test-hold"]}}))
+    kubectl.run("delete", "dj", "early", "-n", ns)
+    wait_for(lambda: kubectl.get("secret", name, ns=ns)["metadata"].get("deletionTimestamp"), 60,
+             "the garbage collector to delete the old token Secret (held by the finalizer)", 0.3)
+
+    kubectl.apply(job("early", cpu_units(1)), "-n", ns)
+    uid = wait_for(lambda: (d := kubectl.get("dj", "early", ns=ns)) and d["metadata"]["uid"], 10, "the new job")
+    wait_for(lambda: (c := condition(kubectl.get("dj", "early", ns=ns), "Ready")).get("reason") == "ObjectNotOurs"
+             and name in c.get("message", ""), 30, "the new job blocked by the old job's Secret", 0.3)
+    kubectl.run("patch", "secret", name, "-n", ns, "--type=merge", "-p", '{"metadata": {"finalizers": null}}')
+    wait_for(lambda: (s := kubectl.get("secret", name, ns=ns)) and s["metadata"]["ownerReferences"][0]["uid"] == uid,
+             30, "the new job's own token Secret", 0.3)
+    wait_job_ready(kubectl, ns, "early", 1)
 
 
 def test_the_operator_exposes_prometheus_metrics_and_liveness(operator):

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from learner_kit import ROOT, SyncerProcess, child_env, finish, metrics, start_learner, wait_for, write_config
+from polling import wait_for
+from learner_kit import ROOT, SyncerProcess, child_env, finish, metrics, start_learner, write_config
 from xla_kit import build_xla_env, run_in_xla_env, start_xla_learner
 
 # The first run on a machine installs the XLA environment (~3 GB of wheels, ~13 min at load 13): inside the timeout.

@@ -81,8 +81,9 @@ class InnerStep:
         # unit's global norm on every rank (over DTensor shards for FSDP2).
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.opt.step()
+        mean = total / m  # before the sync: on XLA it joins the step's graph instead of running as one of its own
         devices.sync(self.device)
-        return self.group.mean(total / m)
+        return self.group.mean(mean)
 
     def _gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """Reduce gradients across the unit only on the last micro-batch."""

@@ -30,21 +30,8 @@ def write_synced(path: Path, data: bytes) -> None:
 def atomic_write(path: Path, data: bytes, mode: int | None = None) -> None:
     """Replace `path` with `data` atomically and durably (unique temp file, fsync, rename, fsync dir). The file is
     private to its owner (0600) unless `mode` says otherwise (e.g. 0o644 for data other users' pods read)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp")
-    if mode is not None:
-        os.fchmod(fd, mode)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with atomic_open(path, mode) as f:
+        f.write(data)
 
 
 @contextmanager

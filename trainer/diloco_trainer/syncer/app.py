@@ -428,6 +428,9 @@ async def _read_at_most(request: web.Request, limit: int) -> bytes:
 
 
 SYNCER = web.AppKey("syncer", Syncer)
+# The only paths served without a token: the kubelet's readiness probe and Prometheus's scrape (no secrets in
+# either). An allow-list, so a route added later is authenticated unless it is added here on purpose.
+PUBLIC_PATHS = frozenset({"/healthz", "/metrics"})
 AUTH_LEARNER = web.RequestKey("learner", str)  # the learner a per-learner token belongs to (absent: the job's token)
 
 
@@ -438,7 +441,7 @@ def make_app(syncer: Syncer) -> web.Application:
     @web.middleware
     async def guard(request: web.Request, handler):
         try:
-            if request.path.startswith("/v1/"):
+            if request.path not in PUBLIC_PATHS:
                 given = request.headers.get("Authorization", "")
                 if not given.isascii():  # tokens are ASCII; other bytes arrive as surrogates and cannot be compared
                     raise Rejected(401, "missing or wrong bearer token", "unauthorized")

@@ -453,6 +453,16 @@ class SyncerShardStatus(_Api):
     fragments: list[int] = Field(default_factory=list)  # the fragments it owns (p mod N = shard)
 
 
+class SyncerRefusal(_Api):
+    """The syncer refused the job's spec (exit 2): why, for which generation, and when. While it holds the syncer
+    is scaled to zero (no crash loop) and Ready is False with reason InvalidSpec; an edit of the spec, or
+    ten minutes, tries again."""
+
+    generation: int | None = None
+    message: str
+    at: str
+
+
 class DilocoJobStatus(_Api):
     """What the operator observed for a job: written once per reconcile."""
 
@@ -473,6 +483,7 @@ class DilocoJobStatus(_Api):
     completionTime: str | None = None
     message: str | None = None
     autoscaling: AutoscalingStatus | None = None
+    syncerRefusal: SyncerRefusal | None = None
 
 
 class LearnerUnitStatus(_Api):

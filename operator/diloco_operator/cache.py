@@ -160,7 +160,11 @@ class Cache:
 
     def all_pods(self) -> list[dict]:
         """Every watched learner pod (the autoscaler's view of what its units use on each node)."""
-        return [p for store in self.indexes["pods"].values() for p in store]
+        return [p for key, store in self.indexes["pods"].items() if key[0] != "syncer" for p in store]
+
+    def syncer_pods(self, namespace: str, job: str) -> list[dict]:
+        """The job's syncer pods as watched (the operator never writes them: no overlay)."""
+        return self._lookup("pods", ("syncer", namespace, job))
 
     def node(self, name: str) -> dict | None:
         return next(iter(self._lookup("nodes", name)), None)

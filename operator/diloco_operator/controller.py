@@ -20,6 +20,7 @@ from diloco_operator import api, autoscale, certs, metrics
 from diloco_operator import conditions as C
 from diloco_operator import jobplan
 from diloco_operator import objects as O
+from diloco_operator import refusal
 from diloco_operator import syncer_status, unitplan
 from diloco_operator.cache import Cache
 from diloco_kube.client import (CONFIGMAPS, DEPLOYMENTS, DILOCOJOBS, LEARNERUNITS, NODES, PODS, PVCS, SECRETS,
@@ -278,11 +279,18 @@ class Controller:
                                update=False)
             await self._ensure(CONFIGMAPS, O.config_map(job, spec))
             tls = await self._syncer_tls(job, spec, now)
-            ready = await asyncio.gather(*(self._ensure_syncer_shard(job, spec, tls, shard, finished)
+            refused = None if finished else self._syncer_refused(job, spec, old_status, now)
+            ready = await asyncio.gather(*(self._ensure_syncer_shard(job, spec, tls, shard,
+                                                                     finished or refused is not None)
                                            for shard in range(shards)))
         except NotControlled as exc:  # nothing of the job is started on top of someone else's object
             await self._job_blocked(job, old_status, C.Reason.OBJECT_NOT_OURS, str(exc), now)
             self.enqueue(("job", ns, name), NOT_CONTROLLED_RETRY_S)
+            return
+        if refused is not None:  # the syncer stays at zero (no crash loop) and no unit is added until a retry
+            await self._job_blocked(job, old_status, C.Reason.INVALID_SPEC, refused["message"], now,
+                                    prefix="invalid spec: ", extra={"syncerRefusal": refused})
+            self.enqueue(("job", ns, name), refusal.RETRY_AFTER_S + 1)
             return
         syncer_ready = all(ready)
         infos = {i: self.syncer_info.get((ns, name, i)) for i in range(shards)}
@@ -327,6 +335,7 @@ class Controller:
             name, spec, job["metadata"].get("generation"), units, syncer_ready, old_status, now, info,
             desired=sum(decision.counts.values()) if decision else None,
             shards_down=[O.syncer_name(name, i, shards) for i, ok in enumerate(ready) if not ok])
+        status.pop("syncerRefusal", None)  # the syncer was given this spec again (edited, or retried)
         if status.get("phase") not in jobplan.TERMINAL_JOB:
             status["syncerShards"] = jobplan.shard_statuses(name, spec, ready, infos)
             if spec.clusters:
@@ -364,13 +373,13 @@ class Controller:
                     self.enqueue(("unit", ns, unit))
 
     async def _job_blocked(self, job: dict, old_status: dict, reason: str, msg: str, now: datetime,
-                           prefix: str = "") -> None:
-        """A job that cannot go on until its user acts: Ready=False with `reason` and `msg`, a Warning Event when
-        that status is new."""
+                           prefix: str = "", extra: dict | None = None) -> None:
+        """A job that cannot go on until its user acts: Ready=False with `reason` and `msg` (and the status fields
+        in `extra`), a Warning Event when that status is new."""
         ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
         conds = C.set_condition(old_status.get("conditions", []), C.READY, False, reason, msg, now,
                                 job["metadata"].get("generation"))
-        new = {**old_status, "conditions": conds, "message": prefix + msg}
+        new = {**old_status, "conditions": conds, "message": prefix + msg, **(extra or {})}
         if (patch := status_patch(old_status, new)) is not None:
             self.cache.wrote(DILOCOJOBS.plural,
                              await self.kube.merge_patch(DILOCOJOBS, ns, name, {"status": patch}, "status"))
@@ -485,6 +494,19 @@ class Controller:
         if ready and not finished:
             self._poll_syncer(job, tls, shard, shards)
         return ready
+
+    def _syncer_refused(self, job: dict, spec: api.DilocoJobSpec, old_status: dict, now: datetime) -> dict | None:
+        """The refusal (status.syncerRefusal) that holds for this job now: one a syncer pod of this config and image
+        just gave (exit 2, termination message), or the one recorded for this generation, until it is retried."""
+        meta = job["metadata"]
+        recorded, generation = old_status.get("syncerRefusal"), meta.get("generation")
+        message = refusal.refusal_of(self.cache.syncer_pods(meta["namespace"], meta["name"]), O.config_hash(spec),
+                                     spec.image)
+        if message is not None:
+            if recorded and recorded.get("generation") == generation and recorded.get("message") == message:
+                return recorded
+            return {"generation": generation, "message": message, "at": C.now_iso(now)}
+        return recorded if refusal.still_refused(recorded, generation, now) else None
 
     async def _syncer_tls(self, job: dict, spec: api.DilocoJobSpec, now: datetime) -> SyncerTls:
         """Read (at most every ensure_ttl_s) the Secret the syncer serves; in Auto mode issue or renew it

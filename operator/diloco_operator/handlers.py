@@ -1,4 +1,4 @@
-"""The kopf side of the operator: watch DilocoJobs, LearnerUnits, learner pods, syncer Deployments and Nodes,
+"""The kopf side of the operator: watch DilocoJobs, LearnerUnits, learner and syncer pods, syncer Deployments and Nodes,
 keep them in kopf indexes (the controller's cache) and feed the controller's queue. Run as
 `kopf run -m diloco_operator.handlers` (what `diloco operator` does)."""
 
@@ -36,7 +36,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     settings.networking.request_timeout = 30
     settings.networking.connect_timeout = 10
     # Server-side filtering: the operator never streams pods or Deployments that are not its own.
-    settings.watching.label_selectors["", "v1", "pods"] = f"{O.LABEL_COMPONENT}=learner"
+    # Learner pods (healing) and syncer pods (a syncer that refuses its run says why in its termination message).
+    settings.watching.label_selectors["", "v1", "pods"] = f"{O.LABEL_COMPONENT} in (learner,syncer)"
     settings.watching.label_selectors["apps", "v1", "deployments"] = f"{O.LABEL_COMPONENT}=syncer"
     settings.posting.level = logging.WARNING  # our own Events carry the decisions; kopf posts only its errors
     settings.peering.standalone = True  # one replica (Deployment with Recreate); no peering objects needed
@@ -89,8 +90,15 @@ def diloco_units(body: kopf.Body, namespace: str, name: str, **_) -> dict:
     return {("name", namespace, name): obj, ("job", namespace, obj.get("spec", {}).get("jobName")): obj}
 
 
-@kopf.index("", "v1", "pods", labels={O.LABEL_COMPONENT: "learner"})
+def _ours(value: str | None, **_) -> bool:
+    return value in ("learner", "syncer")
+
+
+@kopf.index("", "v1", "pods", labels={O.LABEL_COMPONENT: _ours})
 def diloco_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, **_) -> dict:
+    """Learner pods by (namespace, unit); syncer pods by ("syncer", namespace, job)."""
+    if labels.get(O.LABEL_COMPONENT) == "syncer":
+        return {("syncer", namespace, labels.get(O.LABEL_JOB)): _snapshot(body)}
     return {(namespace, labels.get(O.LABEL_UNIT)): _snapshot(body)}
 
 
@@ -128,11 +136,14 @@ async def unit_event(event: dict, body: kopf.Body, memo: kopf.Memo, **_) -> None
         controller.enqueue(("job", ns, job))
 
 
-@kopf.on.event("", "v1", "pods", labels={O.LABEL_COMPONENT: "learner"})
+@kopf.on.event("", "v1", "pods", labels={O.LABEL_COMPONENT: _ours})
 async def pod_event(body: kopf.Body, memo: kopf.Memo, **_) -> None:
-    unit = body["metadata"].get("labels", {}).get(O.LABEL_UNIT)
-    if unit:
-        memo["controller"].enqueue(("unit", body["metadata"]["namespace"], unit))
+    labels = body["metadata"].get("labels", {})
+    if labels.get(O.LABEL_COMPONENT) == "syncer":
+        if labels.get(O.LABEL_JOB):
+            memo["controller"].enqueue(("job", body["metadata"]["namespace"], labels[O.LABEL_JOB]))
+    elif labels.get(O.LABEL_UNIT):
+        memo["controller"].enqueue(("unit", body["metadata"]["namespace"], labels[O.LABEL_UNIT]))
 
 
 async def node_event(memo: kopf.Memo, **_) -> None:

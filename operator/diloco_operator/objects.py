@@ -22,6 +22,7 @@ CA_KEY = "ca.crt"
 SYNCER_TLS_DIR = "/etc/diloco/tls"
 LEARNER_CA_DIR = "/etc/diloco/ca"
 ANNOTATION_TLS_HASH = "diloco.dev/tls-cert-hash"  # a renewed certificate rolls the syncer onto it
+ANNOTATION_CONFIG_HASH = "diloco.dev/config-hash"  # on syncer pods: the spec.config they were started with
 SYNCER_STATE_DIR = "/var/lib/diloco"
 LEARNER_STATE_DIR = "/var/lib/diloco-learner"
 DATA_VOLUME = "data"  # the pod volume of spec.data
@@ -90,6 +91,11 @@ def syncer_urls(job: str, tls: bool = True, shards: int = 1) -> str:
 def spec_hash(obj: dict) -> str:
     """A short stable hash of a JSON-able value (detects spec drift without deep compares)."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def config_hash(spec: api.DilocoJobSpec) -> str:
+    """The hash of the job's training config that its syncer pods carry (ANNOTATION_CONFIG_HASH)."""
+    return spec_hash(spec.config.model_dump(mode="json"))
 
 
 def owner_ref(owner: dict) -> dict:
@@ -268,9 +274,8 @@ def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1, tls
         pod_spec["affinity"] = off_accelerators()
     if spec.syncer.tolerations:
         pod_spec["tolerations"] = _tolerations(spec.syncer.tolerations)
-    config_hash = spec_hash(spec.config.model_dump(mode="json"))
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(api.SYNCER_PORT),
-                   "diloco.dev/config-hash": config_hash}
+                   ANNOTATION_CONFIG_HASH: config_hash(spec)}
     if tls_secret:
         annotations["prometheus.io/scheme"] = "https"
         if tls_hash:

@@ -23,6 +23,7 @@ from polling import wait_for
 from cluster_kit import PYTHONPATH
 
 pytestmark = pytest.mark.cluster
+FAIL_POD_MESSAGE_ANNOTATION = "pod-container-running-failed.stage.kwok.x-k8s.io/message"
 FAST = {"backoffSeconds": 0, "maxRestarts": 20}
 
 
@@ -404,6 +405,33 @@ def test_a_spec_the_models_reject_is_reported_on_the_job_with_the_field(kubectl,
     kubectl.apply(job("fine", cpu_units(1)), "-n", ns)  # the operator goes on reconciling other jobs
     wait_job_ready(kubectl, ns, "fine", 1)
     assert condition(kubectl.get("dj", "odd", ns=ns), "Ready")["reason"] == "InvalidSpec"
+
+
+def test_a_spec_only_the_syncer_can_refuse_stops_its_syncer_and_names_the_field(kubectl, operator, ns):
+    # A transformers model's tensor count is known only once the syncer builds it: `diloco syncer` exits 2 with the
+    # reason in its termination message. kwok plays the kubelet reporting that exit (quoted: its template is YAML).
+    kubectl.apply(job("big", cpu_units(1)), "-n", ns)
+    wait_job_ready(kubectl, ns, "big", 1)
+    selector = "diloco.dev/job=big,diloco.dev/component=syncer"
+    (syncer,) = pods(kubectl, ns, selector)
+    reason = "diloco syncer: outer.fragments (64) must not exceed the model's 12 parameter tensors"
+    kubectl.run("annotate", "pod", syncer["metadata"]["name"], "-n", ns, f"{FAIL_POD_EXIT_CODE_ANNOTATION}=2",
+                f'{FAIL_POD_MESSAGE_ANNOTATION}="{reason}"')
+    kubectl.run("label", "pod", syncer["metadata"]["name"], "-n", ns, f"{FAIL_POD_LABEL}=true")
+    dj = wait_for(lambda: (d := kubectl.get("dj", "big", ns=ns)) and condition(d, "Ready").get("reason") == "InvalidSpec"
+                  and d, 30, "Ready=False/InvalidSpec from the syncer's exit", 0.2)
+    assert condition(dj, "Ready")["message"].startswith("spec.config.outer.fragments (64) must not exceed")
+    assert dj["status"]["syncerRefusal"]["generation"] == dj["metadata"]["generation"]
+    assert [e for e in events(kubectl, ns, "InvalidSpec") if "spec.config.outer.fragments" in e["message"]]
+    # No crash loop: the syncer is scaled to zero and no syncer runs (kwok leaves its pod Failed, which a
+    # ReplicaSet does not delete; a kubelet restarting the container would keep it Running, and scaling deletes it).
+    wait_for(lambda: kubectl.get("deployment", "big-syncer", ns=ns)["spec"]["replicas"] == 0
+             and all(p["status"].get("phase") == "Failed" for p in pods(kubectl, ns, selector)), 30,
+             "the refused syncer scaled to zero", 0.2)
+    # An edit of the spec gives the syncer the new spec at once.
+    kubectl.run("patch", "dj", "big", "-n", ns, "--type=merge", "-p", '{"spec": {"config": {"outer": {"fragments": 2}}}}')
+    dj = wait_job_ready(kubectl, ns, "big", 1)
+    assert "syncerRefusal" not in dj["status"] and kubectl.get("deployment", "big-syncer", ns=ns)["spec"]["replicas"] == 1
 
 
 def test_a_changed_image_recreates_the_pods_without_counting_restarts(kubectl, operator, ns):

@@ -13,6 +13,7 @@ import yaml
 from diloco_kube.labels import (LABEL_COMPONENT, LABEL_INCARNATION, LABEL_JOB, LABEL_RANK,  # noqa: F401
                                  LABEL_SHARD, LABEL_TEMPLATE, LABEL_UNIT)
 from diloco_operator import api
+from diloco_operator.podsecurity import harden
 
 ANNOTATION_SPEC_HASH = "diloco.dev/spec-hash"
 MANAGED_BY = {"app.kubernetes.io/name": "diloco", "app.kubernetes.io/managed-by": "diloco-operator"}
@@ -27,7 +28,6 @@ SYNCER_STATE_DIR = "/var/lib/diloco"
 LEARNER_STATE_DIR = "/var/lib/diloco-learner"
 DATA_VOLUME = "data"  # the pod volume of spec.data
 NODE_LOSS_GRACE_S = 30
-IMAGE_GID = 10001  # the Dockerfile's user
 
 
 def secret_name(job: str) -> str:
@@ -262,12 +262,9 @@ def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1, tls
     if spec.syncer.standby:  # no fork of a successor: the kubelet restarts the container that died instead
         containers.append({**{k: v for k, v in containers[0].items() if k not in ("ports", "readinessProbe")},
                            "name": "standby", "command": [*command, "--standby", "--no-fork-successor"]})
-    pod_spec = {
-        "automountServiceAccountToken": False,
-        "securityContext": {"fsGroup": IMAGE_GID},  # the image runs as UID/GID 10001: let it write the PVC
-        "containers": containers,
-        "volumes": volumes,
-    }
+    # Restricted pods (podsecurity.py); fsGroup: the image's user writes the checkpoint PVC.
+    pod_spec = harden({"automountServiceAccountToken": False, "containers": containers, "volumes": volumes},
+                      fs_group=True)
     if spec.syncer.nodeSelector:
         pod_spec["nodeSelector"] = dict(spec.syncer.nodeSelector)
     else:  # an explicit nodeSelector is the user's placement; by default the syncer stays off accelerators
@@ -436,8 +433,7 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
         }],
         "volumes": volumes,
     }
-    if spec.stateVolume:
-        pod_spec["securityContext"] = {"fsGroup": IMAGE_GID}
+    harden(pod_spec, fs_group=spec.stateVolume is not None)  # restricted (podsecurity.py); fsGroup: its state PVC
     if node_selector:
         pod_spec["nodeSelector"] = node_selector
     if resource is None:  # a CPU unit never uses an accelerator: never let it take an accelerator node's room

@@ -258,6 +258,15 @@ class RemoteCluster(_Api):
                                        "syncer's Auto certificate.")
 
 
+HTTPS_SYNCER_URL = ("clusters[].syncerUrl must be https:// while spec.syncer.tls is on (mode Auto or Secret): learners "
+                    "send their tokens there; set spec.syncer.tls.mode Disabled to allow http://")
+
+
+def plain_http_urls(urls: str) -> list[str]:
+    """The comma-separated `urls` that are not https://."""
+    return [u for u in urls.split(",") if not u.startswith("https://")]
+
+
 class RestartPolicy(_Api):
     """Per-unit healing: exponential backoff between whole-unit restarts, and when to give up on a unit."""
 
@@ -322,6 +331,10 @@ class DilocoJobSpec(_Api):
         clusters = [c.name for c in self.clusters]
         if len(set(clusters)) != len(clusters):
             raise ValueError(f"clusters[].name must be unique, got {clusters}")
+        if self.syncer.tls.effective_mode != "Disabled":
+            for c in self.clusters:
+                if plain := plain_http_urls(c.syncerUrl):
+                    raise ValueError(f"{HTTPS_SYNCER_URL}; clusters[{c.name}].syncerUrl has {plain[0]!r}")
         for u in self.units:
             if u.cluster is not None and u.cluster not in clusters:
                 raise ValueError(f"units[{u.name}].cluster names no spec.clusters entry: {u.cluster!r} "
@@ -391,8 +404,15 @@ class LearnerUnitSpec(_Api):
     # the job's config.syncer.shards (None: one syncer): the learner dials every shard's Service
     syncerShards: int | None = Field(None, ge=2, le=1024)
     cluster: str | None = None  # the spec.clusters entry this unit runs in (None: the operator's own cluster)
-    syncerUrl: str | None = None  # in a remote cluster: that cluster's syncerUrl (the learner's --syncer)
+    # in a remote cluster: that cluster's syncerUrl (the learner's --syncer)
+    syncerUrl: str | None = Field(None, max_length=4096)
     data: DataVolume | None = None  # the job's spec.data, mounted read-only
+
+    @model_validator(mode="after")
+    def _https_with_tls(self) -> "LearnerUnitSpec":
+        if self.syncerTls and self.syncerUrl and (plain := plain_http_urls(self.syncerUrl)):
+            raise ValueError(f"syncerUrl must be https:// while syncerTls is true, got {plain[0]!r}")
+        return self
 
 
 JobPhase = Literal["Pending", "Running", "Succeeded", "Failed"]

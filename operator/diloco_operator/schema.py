@@ -105,6 +105,11 @@ SPEC_RULES = [
           "has(self.config.syncer) && has(self.config.syncer.shards) ? self.config.syncer.shards : 1))",
           "clusters[].syncerUrl must give one URL per syncer shard (config.syncer.shards), comma-separated",
           ".clusters"),
+    # Learners send their tokens to these URLs: while the job's link is encrypted, never over plain HTTP.
+    _rule("!has(self.clusters) || (has(self.syncer) && has(self.syncer.tls) && has(self.syncer.tls.mode) && "
+          "self.syncer.tls.mode == 'Disabled') || self.clusters.all(c, c.syncerUrl.split(',').all(u, "
+          "u.startsWith('https://')))",
+          api.HTTPS_SYNCER_URL, ".clusters"),
 ]
 AUTOSCALING_RULES = [
     _rule("(has(self.minUnits) ? self.minUnits : 1) <= self.maxUnits", "minUnits must be <= maxUnits", ".minUnits"),
@@ -169,6 +174,11 @@ DATA_PATH_RULES = [
 MODEL_PATH_RULES = [
     _rule("!has(self.path) || self.path.startsWith('/')",
           "config.model.path must be an absolute path in the pods (e.g. under spec.data.mountPath)", ".path"),
+]
+# A LearnerUnit copies its job's syncerUrl and TLS switch (a unit is written by the operator, but may be by hand).
+UNIT_RULES = [
+    _rule("!has(self.syncerUrl) || (has(self.syncerTls) && !self.syncerTls) || self.syncerUrl.split(',').all(u, "
+          "u.startsWith('https://'))", "syncerUrl must be https:// while syncerTls is true", ".syncerUrl"),
 ]
 TLS_RULES = [
     _rule("!has(self.secretName) || !has(self.mode) || self.mode == 'Secret'",
@@ -271,6 +281,7 @@ def learnerunit_crd() -> dict:
     spec["properties"]["accelerator"]["x-kubernetes-validations"] = ACCELERATOR_RULES
     spec["properties"]["stateVolume"]["x-kubernetes-validations"] = VOLUME_RULES
     spec["properties"]["data"]["x-kubernetes-validations"] = DATA_RULES
+    spec["x-kubernetes-validations"] = UNIT_RULES
     columns = [
         _col("Job", ".spec.jobName"), _col("Phase", ".status.phase"),
         _col("Pods-Ready", ".status.podsReady", "integer"), _col("Pods", ".status.podsDesired", "integer"),

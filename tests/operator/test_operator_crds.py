@@ -106,6 +106,12 @@ BAD = [
         {"name": "west", "kubeconfigSecret": {"name": "w2"}, "syncerUrl": "https://s.w2:8470"}]), "spec.clusters"),
     ("a remote syncerUrl that is no URL", _with("spec.clusters", [
         {"name": "west", "kubeconfigSecret": {"name": "w"}, "syncerUrl": "syncer:8470"}]), "spec.clusters[0].syncerUrl"),
+    ("a remote syncerUrl over plain http while TLS is on", _with("spec.clusters", [
+        {"name": "west", "kubeconfigSecret": {"name": "w"}, "syncerUrl": "http://s.w:8470"}]), "spec.clusters"),
+    ("a remote syncerUrl with one shard over plain http", _with("spec", {**GOOD["spec"], "config": {
+        "outer": {"quorum": 2}, "syncer": {"shards": 2}}, "clusters": [{
+            "name": "west", "kubeconfigSecret": {"name": "w"}, "syncerUrl": "https://s0.w:8470,http://s1.w:8470"}]}),
+     "spec.clusters"),
     ("a remote cluster without a kubeconfig Secret", _with("spec.clusters", [
         {"name": "west", "syncerUrl": "https://s.w:8470"}]), "spec.clusters[0].kubeconfigSecret"),
     # spec.data (issue 18): one read-only volume source, absolute paths in the config.
@@ -228,3 +234,27 @@ def test_the_apiserver_keeps_an_inline_transformers_config_whole_and_leaves_its_
     out = kubectl.apply(_with("spec.config", {"model": {"n_layers": 2}, "outer": {"fragments": 100}}), "-n", ns,
                         check=False)
     assert out.returncode != 0 and "spec.config.outer.fragments" in out.stderr, out.stderr
+
+
+@pytest.mark.cluster
+def test_the_apiserver_refuses_a_plain_http_syncer_url_while_tls_is_on_and_says_which_field(kubectl, crds, ns):
+    west = {"name": "west", "kubeconfigSecret": {"name": "w"}, "syncerUrl": "http://syncer.west.example:8470"}
+    out = kubectl.apply(_with("spec.clusters", [west]), "-n", ns, check=False)
+    assert out.returncode != 0 and "spec.clusters" in out.stderr, out.stderr
+    assert "clusters[].syncerUrl must be https://" in out.stderr and "spec.syncer.tls" in out.stderr, out.stderr
+    assert kubectl.get("dilocojob", ns=ns) == []
+    # A job that chose plain HTTP for every link may name an http:// address; https is fine either way.
+    plain = _with("spec.clusters", [west])
+    plain["spec"]["syncer"] = {"tls": {"mode": "Disabled"}}
+    api.DilocoJobSpec.model_validate(plain["spec"])
+    kubectl.apply(plain, "-n", ns)
+    kubectl.apply(_with("spec.clusters", [{**west, "syncerUrl": "https://syncer.west.example:8470"}]), "-n", ns)
+    # A LearnerUnit (the operator's copy of it) is held to the same rule.
+    unit = {"apiVersion": api.API_VERSION, "kind": "LearnerUnit", "metadata": {"name": "good-cpu-0"},
+            "spec": {"jobName": "good", "template": "cpu", "index": 0, "unitIndex": 0, "image": "x",
+                     "cluster": "west", "syncerUrl": west["syncerUrl"]}}
+    out = kubectl.apply(unit, "-n", ns, check=False)
+    assert out.returncode != 0 and "spec.syncerUrl" in out.stderr and "https://" in out.stderr, out.stderr
+    with pytest.raises(ValidationError, match="syncerUrl must be https://"):
+        api.LearnerUnitSpec.model_validate(unit["spec"])
+    kubectl.apply({**unit, "spec": {**unit["spec"], "syncerTls": False}}, "-n", ns)

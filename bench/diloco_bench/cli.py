@@ -12,7 +12,7 @@ from pathlib import Path
 from .report import REPO
 
 # Cheapest first: a failure in a long benchmark should not hide the figures of the quick ones.
-BENCHMARKS = ("syncer_speed", "syncer_shards", "precision", "overhead", "bandwidth", "downlink", "quality", "resilience", "syncer_recovery", "heterogeneity")
+BENCHMARKS = ("syncer_speed", "syncer_shards", "precision", "overhead", "bandwidth", "downlink", "quality", "quality_llama", "resilience", "syncer_recovery", "heterogeneity")
 # Only on request (--only): wan makes network namespaces, so it needs root and iproute2.
 ON_REQUEST = ("wan",)
 RESULTS = REPO / "bench" / "results"

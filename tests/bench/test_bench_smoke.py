@@ -90,3 +90,19 @@ def test_steps_done_counts_each_incarnation_once_whether_it_restarts_at_zero_or_
     write("learner-1", [{"step": 7}, {"step": 14}, {"step": 12, "resumed_from_step": 10},
                         {"step": 20, "resumed_from_step": 10}])
     assert runs.steps_done(tmp_path) == (10 + 6) + (14 + 10)
+
+
+def test_the_llama_quality_runs_differ_from_the_byte_gpt_runs_only_in_model_data_and_period(tmp_path):
+    from diloco_bench import quality_llama
+    from diloco_trainer.config import TrainConfig
+
+    ctx = report.Context(mode="full", out_dir=tmp_path)
+    specs = [quality_llama.spec(ctx, m, 0, tmp_path / "data") for m in quality_llama.METHODS]
+    assert [s.method for s in specs] == ["ddp", "sync-diloco", "decoupled"]
+    assert len({s.steps for s in specs}) == 1 and len({s.sets for s in specs}) == 1  # the same tokens and settings
+    cfg = TrainConfig.model_validate(specs[2].config())
+    assert cfg.model.kind == "hf" and cfg.model.hf.model_type == "llama" and cfg.model.hf.vocab_size == 1024
+    assert cfg.data.source == "shards" and cfg.data.tokenizer == str(tmp_path / "data" / "tokenizer.json")
+    assert cfg.data.token_unit == "token"
+    gpt = TrainConfig.model_validate(runs.RunSpec("decoupled", 1).config())
+    assert cfg.outer == gpt.outer and cfg.inner == gpt.inner and gpt.data.token_unit == "byte"

@@ -175,6 +175,12 @@ class DataConfig(_Strict):
             raise ValueError("data.max_bytes caps text corpora held in memory; shards are memory-mapped, not capped")
         return self
 
+    @property
+    def token_unit(self) -> str:
+        """What a token is, for losses in reports (nats per it): 'byte' for text read with the byte tokenizer, else
+        'token' (a tokenizer.json, or token files and shards, which may hold any tokenizer's ids)."""
+        return "byte" if self.tokenizer == "bytes" and self.source in ("stdlib", "folder") else "token"
+
 
 class InnerConfig(_Strict):
     """The learner's own optimizer (AdamW) and batch."""

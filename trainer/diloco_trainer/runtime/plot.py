@@ -57,7 +57,7 @@ def total_tokens_at(curves: list[Curve], times: np.ndarray) -> np.ndarray:
 
 
 def plot_run(path: Path, curves: list[Curve], evals: list[tuple[float, float, float]], unigram: float | None,
-             title: str) -> Path:
+             title: str, unit: str = "nats/byte") -> Path:
     """Write the PNG: left loss vs wall time, right loss vs tokens trained by the whole run.
 
     `evals` are (time_s, total_tokens, val_loss) points of the global model (final included).
@@ -102,7 +102,7 @@ def plot_run(path: Path, curves: list[Curve], evals: list[tuple[float, float, fl
     ax_t.set_xlabel("wall time since launch (minutes)")
     ax_n.set_xlabel("tokens trained by all learners")
     ax_n.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: _si(v)))
-    ax_t.set_ylabel("cross-entropy (nats / byte)")
+    ax_t.set_ylabel(f"cross-entropy ({unit.replace('/', ' / ')})")
     for ax in (ax_t, ax_n):
         ax.grid(alpha=0.3)
     all_loss = [v for c in curves for v in c.loss] + [e[2] for e in evals]

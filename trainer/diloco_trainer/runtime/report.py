@@ -100,7 +100,7 @@ def summary_lines(s: dict) -> list[str]:
     if val is not None:
         rel = 100 * (uni - val) / uni if uni else None
         gap = "" if rel is None else f" ({rel:.1f}% below)" if rel >= 0 else f" ({-rel:.1f}% ABOVE: not learned yet)"
-        lines.append(f"validation loss of the final global model: {val:.4f} nats/byte "
+        lines.append(f"validation loss of the final global model: {val:.4f} {s.get('loss_unit', 'nats/byte')} "
                      f"vs unigram baseline {uni:.4f}{gap}")
     lines.append(f"tokens trained: {s['tokens_trained']:,} in {s['steps_trained']:,} learner steps "
                  f"({s['tokens_trained'] / max(s['wall_time_s'], 1e-9):,.0f} tokens/s overall)")

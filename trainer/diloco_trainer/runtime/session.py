@@ -118,7 +118,7 @@ class RunSession:
         self.corpus = tokens
         self.val_tokens = tokens.sample("val", SAMPLE_TOKENS)
         self.unigram = unigram_loss(tokens.sample("train", SAMPLE_TOKENS), self.val_tokens)
-        unit = "byte" if self.cfg.data.tokenizer == "bytes" and self.cfg.data.source != "shards" else "token"
+        unit = self.cfg.data.token_unit
         self.message(f"corpus: {tokens.train_tokens:,} train / {len(self.val_tokens):,} validation {unit}s, "
                      f"unigram baseline {self.unigram:.3f} nats/{unit}")
 

@@ -96,6 +96,7 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
     summary: dict = {
         "mode": mode, "run_dir": str(run_dir), "learners": n_learners, "params": params,
         "stop_reason": stop_reason, "wall_time_s": wall_time_s, "val_loss": val_loss, "unigram_loss": unigram,
+        "loss_unit": f"nats/{cfg.data.token_unit}",
         "steps_trained": steps, "tokens_trained": tokens,
         "restarts": {n: len(s) - 1 for n, s in starts.items() if len(s) > 1},
         "per_learner": per_learner,
@@ -156,4 +157,5 @@ def sync_job_figures(events: list[dict], final_lines: dict[str, MetricsRecord], 
 def write_outputs(run_dir: Path, summary: dict, curves: list[Curve], evals: list[tuple], title: str) -> None:
     """summary.json and plot.png."""
     write_json(run_dir / "summary.json", summary)
-    plot_run(run_dir / "plot.png", curves, evals, summary.get("unigram_loss"), title)
+    plot_run(run_dir / "plot.png", curves, evals, summary.get("unigram_loss"), title,
+             unit=summary.get("loss_unit", "nats/byte"))

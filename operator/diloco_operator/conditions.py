@@ -17,6 +17,8 @@ SCALING_LIMITED = "ScalingLimited"  # DilocoJob with spec.autoscaling
 LINK_ENCRYPTED = "LinkEncrypted"  # DilocoJob: TLS between learners and the syncer (spec.syncer.tls)
 CLUSTER_REACHABLE = "ClusterReachable"  # LearnerUnit in a remote cluster (spec.clusters)
 CLUSTERS_REACHABLE = "ClustersReachable"  # DilocoJob with spec.clusters: every remote cluster answers
+# DilocoJob with a trusted diloco.dev/syncer-url annotation: whether the operator follows it
+SYNCER_URL_ANNOTATION = "SyncerUrlAnnotation"
 
 
 class Reason:
@@ -54,6 +56,9 @@ class Reason:
     TLS_DISABLED = "TLSDisabled"
     TLS_SECRET_INVALID = "TLSSecretInvalid"
     CERTIFICATE_ISSUED = "CertificateIssued"
+    # SyncerUrlAnnotation
+    ANNOTATION_FOLLOWED = "AnnotationFollowed"
+    PLAIN_HTTP_REFUSED = "PlainHttpRefused"  # an http:// syncer URL while TLS is on: the token is not sent there
     # Remote clusters (spec.clusters): conditions ClusterReachable (unit) and ClustersReachable (job)
     CLUSTER_REACHABLE = "ClusterReachable"
     CLUSTER_UNREACHABLE = "ClusterUnreachable"

@@ -359,6 +359,11 @@ class Controller:
                 status["conditions"], spec.syncer.tls, tls.secret, tls.problem, now, job["metadata"].get("generation"))
             events += tls.events + tls_events
             tls.events = []
+            problem = syncer_status.annotation_problem(job, tls.secret is not None, self.trust_syncer_url)
+            followed = self.trust_syncer_url and len(syncer_status.annotated_urls(job)) == shards
+            status["conditions"], url_events = jobplan.syncer_url_annotation(
+                status["conditions"], followed, problem, now, job["metadata"].get("generation"))
+            events += url_events
         if (patch := status_patch(old_status, status)) is not None:
             self.cache.wrote(DILOCOJOBS.plural,
                              await self.kube.merge_patch(DILOCOJOBS, ns, name, {"status": patch}, "status"))

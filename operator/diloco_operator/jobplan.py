@@ -263,6 +263,22 @@ def link_encrypted(conds: list[dict], tls: api.SyncerTls, secret: str | None, pr
     return conds, events
 
 
+def syncer_url_annotation(conds: list[dict], followed: bool, problem: str | None, now: datetime,
+                          generation: int | None) -> tuple[list[dict], list[Event]]:
+    """The SyncerUrlAnnotation condition while a trusted diloco.dev/syncer-url annotation is there (`followed`) or
+    refused (`problem`), with a Warning Event when it turns False; without either, the condition is dropped."""
+    if problem is None and not followed:
+        return [c for c in conds if c.get("type") != C.SYNCER_URL_ANNOTATION], []
+    before = C.get_condition(conds, C.SYNCER_URL_ANNOTATION)
+    if problem is not None:
+        conds = C.set_condition(conds, C.SYNCER_URL_ANNOTATION, False, C.Reason.PLAIN_HTTP_REFUSED, problem, now,
+                                generation)
+        fresh = before is None or before.get("status") != "False" or before.get("message") != problem
+        return conds, [("Warning", C.Reason.PLAIN_HTTP_REFUSED, problem)] if fresh else []
+    return C.set_condition(conds, C.SYNCER_URL_ANNOTATION, True, C.Reason.ANNOTATION_FOLLOWED,
+                           "the operator reads the syncer's status at the annotated address", now, generation), []
+
+
 EVENT_MESSAGE_MAX = 1000  # the API keeps 1,024 characters of a message
 
 

@@ -14,16 +14,33 @@ from diloco_operator import conditions as C
 URL_ANNOTATION = "diloco.dev/syncer-url"  # overrides the in-cluster address (an operator outside the cluster)
 
 
+def annotated_urls(job: dict) -> list[str]:
+    """The URLs of the job's diloco.dev/syncer-url annotation (one per shard), or []."""
+    annotation = (job["metadata"].get("annotations") or {}).get(URL_ANNOTATION) or ""
+    return [u.strip().rstrip("/") for u in annotation.split(",") if u.strip()]
+
+
+def annotation_problem(job: dict, tls: bool, trust_annotation: bool) -> str | None:
+    """Why a trusted diloco.dev/syncer-url annotation is not followed, naming it: a plain http:// URL while the
+    job's TLS is on (the operator would send the job's master token in clear). None if it is fine or not used."""
+    plain = [u for u in annotated_urls(job) if not u.lower().startswith("https://")]
+    if not (trust_annotation and tls and plain):
+        return None
+    return (f"annotation {URL_ANNOTATION}: {plain[0][:200]!r} is not https:// while the job's TLS is on; the operator "
+            "never sends the job's token over plain HTTP, so it reads the syncer through its Service instead (use "
+            "https://, or spec.syncer.tls.mode Disabled)")
+
+
 def syncer_address(job: dict, port: int, tls: bool = False, shard: int = 0, shards: int = 1,
                    trust_annotation: bool = False) -> str:
     """Where the operator reaches one syncer shard: the shard's in-cluster Service (https with TLS). The annotation
     (one URL per shard, comma-separated, in shard order) is followed only when the operator trusts it
     (`diloco operator --trust-syncer-url-annotation`, for an operator outside the cluster): the operator sends the
-    job's token there, so a job's author alone must not pick where."""
+    job's token there, so a job's author alone must not pick where; and with TLS only if every URL is https://
+    (annotation_problem)."""
     meta = job["metadata"]
-    override = [u.strip().rstrip("/") for u in ((meta.get("annotations") or {}).get(URL_ANNOTATION) or "").split(",")
-                if u.strip()]
-    if trust_annotation and len(override) == shards:
+    override = annotated_urls(job)
+    if trust_annotation and len(override) == shards and annotation_problem(job, tls, trust_annotation) is None:
         return override[shard]
     service = f"{meta['name']}-syncer" if shards == 1 else f"{meta['name']}-syncer-{shard}"
     return f"{'https' if tls else 'http'}://{service}.{meta['namespace']}.svc:{port}"

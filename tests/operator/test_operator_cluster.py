@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import ssl
 import statistics
 import subprocess
 import sys
@@ -69,6 +70,15 @@ def wait_job_ready(kubectl, ns: str, name: str, units: int, timeout: float = 60,
 
 def events(kubectl, ns: str, reason: str) -> list[dict]:
     return [e for e in kubectl.get("events", ns=ns) if e.get("reason") == reason]
+
+
+def serving_pair(kubectl, ns: str, job_name: str, where) -> list[str]:
+    """--tls-cert/--tls-key for a syncer run here with the certificate the operator issued for the job (Auto TLS):
+    the operator reads a TLS job's syncer only over https, verified against the job's CA."""
+    data = kubectl.get("secret", f"{job_name}-syncer-tls", ns=ns)["data"]
+    for key in ("tls.crt", "tls.key"):
+        (where / key).write_bytes(base64.b64decode(data[key]))
+    return ["--tls-cert", str(where / "tls.crt"), "--tls-key", str(where / "tls.key")]
 
 
 def node_pool(kubectl, node: str) -> str:
@@ -373,7 +383,8 @@ def test_job_status_reports_a_real_syncers_progress_and_units_last_contribution(
     state = tmp_path / "state"
     env = {**os.environ, "DILOCO_TOKEN": token, "PYTHONPATH": PYTHONPATH}
     syncer = subprocess.Popen([sys.executable, "-m", "diloco_trainer.cli", "syncer", "--config", str(config),
-                               "--host", "127.0.0.1", "--port", "0", "--state-dir", str(state)],
+                               "--host", "127.0.0.1", "--port", "0", "--state-dir", str(state),
+                               *serving_pair(kubectl, ns, "live", tmp_path)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = wait_for(lambda: (state / "endpoint.json").exists() and
@@ -381,7 +392,7 @@ def test_job_status_reports_a_real_syncers_progress_and_units_last_contribution(
         req = urllib.request.Request(f"{url}/v1/register", method="POST", headers={
             "Authorization": f"Bearer {token}", "Content-Type": "application/json"},
             data=json.dumps({"learner_id": "live-cpu-0", "unit": 0, "world_size": 1, "device": "cpu"}).encode())
-        assert urllib.request.urlopen(req, timeout=10).status == 200
+        assert urllib.request.urlopen(req, timeout=10, context=ssl._create_unverified_context()).status == 200
         kubectl.run("annotate", "dj", "live", "-n", ns, f"diloco.dev/syncer-url={url}")
         dj = wait_for(lambda: (d := kubectl.get("dj", "live", ns=ns))["status"].get("outerSteps") is not None and d,
                       30, "outerSteps from the syncer", 0.2)
@@ -514,7 +525,8 @@ def test_each_syncer_shard_runs_heals_and_reports_on_its_own(kubectl, operator, 
             state = tmp_path / f"state-{shard}"
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "diloco_trainer.cli", "syncer", "--config", str(config), "--host", "127.0.0.1",
-                 "--port", "0", "--state-dir", str(state), "--shard", str(shard)],
+                 "--port", "0", "--state-dir", str(state), "--shard", str(shard),
+                 *serving_pair(kubectl, ns, "shard", tmp_path)],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             urls.append(wait_for(lambda: (state / "endpoint.json").exists() and
                                  json.loads((state / "endpoint.json").read_text())["url"], 60, f"shard {shard} to listen", 0.2))

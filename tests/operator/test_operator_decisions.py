@@ -230,6 +230,15 @@ def test_the_syncer_url_annotation_is_followed_only_when_the_operator_trusts_it(
     # Trusted (an operator outside the cluster, by its admin's choice): followed.
     assert syncer_status.syncer_address(annotated("https://127.0.0.1:9"), 8470, tls=True, trust_annotation=True) == \
         "https://127.0.0.1:9"
+    # Trusted, but plain HTTP while the job's TLS is on: the token would travel in clear, so the Service instead,
+    # and the reason names the annotation. Without TLS the job chose plain HTTP everywhere: followed.
+    plain = annotated("http://127.0.0.1:9")
+    assert syncer_status.syncer_address(plain, 8470, tls=True, trust_annotation=True) == "https://demo-syncer.ns.svc:8470"
+    assert "annotation diloco.dev/syncer-url: 'http://127.0.0.1:9' is not https://" in \
+        syncer_status.annotation_problem(plain, tls=True, trust_annotation=True)
+    assert syncer_status.annotation_problem(plain, tls=False, trust_annotation=True) is None
+    assert syncer_status.annotation_problem(plain, tls=True, trust_annotation=False) is None  # not followed anyway
+    assert syncer_status.syncer_address(plain, 8470, tls=False, trust_annotation=True) == "http://127.0.0.1:9"
 
 
 def test_a_unit_with_a_state_volume_mounts_one_claim_per_rank():

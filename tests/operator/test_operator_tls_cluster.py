@@ -183,3 +183,60 @@ def test_a_secret_name_with_tls_disabled_is_refused_by_the_apiserver_naming_the_
     out = kubectl.apply(job("half", cpu_units(1), syncer={"tls": {"mode": "Secret"}}), "-n", ns, check=False)
     assert out.returncode != 0 and "spec.syncer.tls.secretName" in out.stderr and "needs secretName" in out.stderr
     assert kubectl.get("dj", "mixed", ns=ns) is None and kubectl.get("dj", "half", ns=ns) is None
+
+
+class Listener:
+    """A plain-HTTP server on a real socket that records who called it (path, Authorization) and answers 503."""
+
+    def __init__(self):
+        import http.server
+        import threading
+        calls = self.calls = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                calls.append((self.path, self.headers.get("Authorization")))
+                self.send_response(503)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_trusted_plain_http_syncer_url_annotation_gets_no_token_while_tls_is_on(kubectl, operator, ns):
+    # The test operator trusts the annotation (--trust-syncer-url-annotation); the job's TLS is on (Auto).
+    listener = Listener()
+    try:
+        spec = job("plain", cpu_units(1))
+        spec["metadata"]["annotations"] = {"diloco.dev/syncer-url": listener.url}
+        kubectl.apply(spec, "-n", ns)
+        wait_job_ready(kubectl, ns, "plain", 1)  # its syncer is ready: the operator would poll it now
+
+        def refused():
+            c = condition(kubectl.get("dj", "plain", ns=ns), "SyncerUrlAnnotation")
+            return c.get("reason") == "PlainHttpRefused" and c
+        cond = wait_for(refused, 30, "SyncerUrlAnnotation=False/PlainHttpRefused", 0.2)
+        assert cond["status"] == "False" and "annotation diloco.dev/syncer-url" in cond["message"]
+        assert repr(listener.url) in cond["message"] and "plain HTTP" in cond["message"]
+        (event,) = wait_for(lambda: events(kubectl, ns, "PlainHttpRefused"), 30, "the Warning Event", 0.2)
+        assert event["type"] == "Warning" and "diloco.dev/syncer-url" in event["message"]
+        # Once the same job chooses plain HTTP for every link, the operator does follow that address, with the
+        # job's token: what it held back above.
+        token = secret_data(kubectl, ns, "plain-token")["token"]
+        assert listener.calls == []
+        kubectl.apply({**spec, "spec": {**spec["spec"], "syncer": {**spec["spec"]["syncer"],
+                                                                   "tls": {"mode": "Disabled"}}}}, "-n", ns)
+        wait_for(lambda: listener.calls, 60, "the operator's poll at the annotated address", 0.2)
+        assert listener.calls[0] == ("/v1/status", f"Bearer {token}")
+        followed = wait_for(lambda: (c := condition(kubectl.get("dj", "plain", ns=ns), "SyncerUrlAnnotation"))
+                            .get("status") == "True" and c, 30, "SyncerUrlAnnotation=True", 0.2)
+        assert followed["reason"] == "AnnotationFollowed"
+    finally:
+        listener.close()

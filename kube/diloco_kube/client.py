@@ -52,8 +52,10 @@ NAMESPACES = Resource("v1", "namespaces", namespaced=False)
 DEPLOYMENTS = Resource("apps/v1", "deployments")
 DILOCOJOBS = Resource("diloco.dev/v1alpha1", "dilocojobs")
 LEARNERUNITS = Resource("diloco.dev/v1alpha1", "learnerunits")
+NETWORKPOLICIES = Resource("networking.k8s.io/v1", "networkpolicies")
 KINDS = {"Pod": PODS, "Service": SERVICES, "Secret": SECRETS, "ConfigMap": CONFIGMAPS,
-         "PersistentVolumeClaim": PVCS, "Deployment": DEPLOYMENTS, "DilocoJob": DILOCOJOBS, "LearnerUnit": LEARNERUNITS}
+         "PersistentVolumeClaim": PVCS, "Deployment": DEPLOYMENTS, "DilocoJob": DILOCOJOBS, "LearnerUnit": LEARNERUNITS,
+         "NetworkPolicy": NETWORKPOLICIES}
 
 # StatusCause types and Status reasons the operator acts on (never the human-readable message).
 CAUSE_NAMESPACE_TERMINATING = "NamespaceTerminating"

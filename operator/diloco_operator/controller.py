@@ -23,8 +23,8 @@ from diloco_operator import objects as O
 from diloco_operator import refusal
 from diloco_operator import syncer_status, unitplan
 from diloco_operator.cache import Cache
-from diloco_kube.client import (CONFIGMAPS, DEPLOYMENTS, DILOCOJOBS, LEARNERUNITS, NODES, PODS, PVCS, SECRETS,
-                                  SERVICES, ApiError, Kube, Resource, status_patch)
+from diloco_kube.client import (CONFIGMAPS, DEPLOYMENTS, DILOCOJOBS, LEARNERUNITS, NETWORKPOLICIES, NODES, PODS,
+                                  PVCS, SECRETS, SERVICES, ApiError, Kube, Resource, status_patch)
 from diloco_kube.labels import POOL_LABEL
 from diloco_operator.remote import ClusterUnavailable, Remote, RemoteClusters, unreachable
 
@@ -83,8 +83,10 @@ class Controller:
     """Reconciles DilocoJobs and LearnerUnits from a queue fed by watch events and a periodic resync."""
 
     def __init__(self, kube: Kube, cache: Cache, workers: int = 4, resync_s: float = 30.0,
-                 ensure_ttl_s: float = 300.0, first_launch_wait_s: float = 5.0, trust_syncer_url: bool = False):
+                 ensure_ttl_s: float = 300.0, first_launch_wait_s: float = 5.0, trust_syncer_url: bool = False,
+                 operator_namespace: str | None = None):
         self.kube = kube
+        self.operator_namespace = operator_namespace  # where the operator's pod runs (None: outside the cluster)
         self.trust_syncer_url = trust_syncer_url  # follow the diloco.dev/syncer-url annotation (syncer_address)
         self.cache = cache
         # Objects that are not watched (Secret, ConfigMap, PVCs, Services) are read back at most every
@@ -278,6 +280,7 @@ class Controller:
             await self._ensure(SECRETS, O.token_secret(job, base64.urlsafe_b64encode(os.urandom(32)).decode()),
                                update=False)
             await self._ensure(CONFIGMAPS, O.config_map(job, spec))
+            await self._ensure(NETWORKPOLICIES, O.syncer_network_policy(job, spec, self.operator_namespace))
             tls = await self._syncer_tls(job, spec, now)
             refused = None if finished else self._syncer_refused(job, spec, old_status, now)
             ready = await asyncio.gather(*(self._ensure_syncer_shard(job, spec, tls, shard,
@@ -743,6 +746,8 @@ class Controller:
             if plan.create:
                 if O.needs_unit_service(spec):
                     await self._ensure(SERVICES, O.unit_service(unit), update=False, remote=remote)
+                if remote is None:  # remote clusters: the operator may lack the right there (docs/security.md)
+                    await self._ensure(NETWORKPOLICIES, O.unit_network_policy(unit), update=False)
                 await self._ensure_unit_token(unit, job, remote)
                 if remote is not None and spec.syncerTls:  # the CA its pods verify the syncer against
                     await self._ensure(CONFIGMAPS, O.ca_config_map(job, await self._job_ca(ns, spec.jobName)),

@@ -54,7 +54,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
                    **({"nodes": indexes["diloco_nodes"]} if "diloco_nodes" in indexes else {})})
     controller = Controller(kube, cache, workers=int(_env_float("DILOCO_OPERATOR_WORKERS", 16)),
                             resync_s=_env_float("DILOCO_OPERATOR_RESYNC_SECONDS", 30),
-                            trust_syncer_url=os.environ.get("DILOCO_OPERATOR_TRUST_SYNCER_URL") == "1")
+                            trust_syncer_url=os.environ.get("DILOCO_OPERATOR_TRUST_SYNCER_URL") == "1",
+                            operator_namespace=os.environ.get("POD_NAMESPACE") or None)
     memo["controller"] = controller
     memo["task"] = asyncio.create_task(controller.run(), name="diloco-controller")
     port = int(_env_float("DILOCO_OPERATOR_METRICS_PORT", 0))

@@ -443,3 +443,39 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
                    "prometheus.io/port": str(api.METRICS_PORT)}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": _meta(pod_name(name, incarnation, rank), unit, labels,
                                                                   annotations), "spec": pod_spec}
+
+
+# The operator's own pods (manifests/operator*.yaml): the one peer besides learners a syncer answers.
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "diloco-operator"}
+
+
+def syncer_network_policy(job: dict, spec: api.DilocoJobSpec, operator_namespace: str | None) -> dict:
+    """Ingress to the job's syncer pods (every shard): the syncer port, from the job's learner pods and from the
+    operator's pods in `operator_namespace` (None: an operator outside the cluster, no pod to name). With
+    spec.clusters, pods elsewhere arrive through a LoadBalancer or Ingress that no pod selector names, so the port
+    is then open to any source (tokens and TLS still guard it). Enforced only by a CNI that implements NetworkPolicy;
+    policies add up, so a user's own (e.g. for Prometheus) widens this one without editing it."""
+    name = job["metadata"]["name"]
+    port = [{"protocol": "TCP", "port": api.SYNCER_PORT}]
+    peers: list[dict] = [{"podSelector": {"matchLabels": {LABEL_JOB: name, LABEL_COMPONENT: "learner"}}}]
+    if operator_namespace:
+        peers.append({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}},
+                      "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}})
+    ingress = [{"from": peers, "ports": port}] if not spec.clusters else [{"ports": port}]
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _meta(f"{syncer_name(name)}-ingress", job, {LABEL_JOB: name, LABEL_COMPONENT: "syncer"}),
+            "spec": {"podSelector": {"matchLabels": {LABEL_JOB: name, LABEL_COMPONENT: "syncer"}},
+                     "policyTypes": ["Ingress"], "ingress": ingress}}
+
+
+def unit_network_policy(unit: dict) -> dict:
+    """Ingress to one unit's pods: any port from the unit's own pods (torch.distributed's store, its collectives'
+    ports, TPU workers), and only the metrics port from anywhere else (Prometheus). Owned by the unit."""
+    spec = api.LearnerUnitSpec.model_validate(unit["spec"])
+    name = unit["metadata"]["name"]
+    selector = {LABEL_JOB: spec.jobName, LABEL_UNIT: name}
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _meta(f"{name}-ingress", unit, selector),
+            "spec": {"podSelector": {"matchLabels": selector}, "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [{"podSelector": {"matchLabels": selector}}]},
+                                 {"ports": [{"protocol": "TCP", "port": api.METRICS_PORT}]}]}}

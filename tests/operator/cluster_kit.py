@@ -22,6 +22,7 @@ PATHS = {
     "dj": "/apis/diloco.dev/v1alpha1", "dilocojob": "/apis/diloco.dev/v1alpha1",
     "lu": "/apis/diloco.dev/v1alpha1", "learnerunits": "/apis/diloco.dev/v1alpha1",
     "deployment": "/apis/apps/v1", "deployments": "/apis/apps/v1",
+    "networkpolicies": "/apis/networking.k8s.io/v1",
 }
 PLURALS = {"dj": "dilocojobs", "dilocojob": "dilocojobs", "lu": "learnerunits", "node": "nodes", "pod": "pods",
            "secret": "secrets", "configmap": "configmaps", "pvc": "persistentvolumeclaims",

@@ -234,7 +234,9 @@ def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1, tls
     token_env["valueFrom"]["secretKeyRef"]["name"] = secret_name(name)
     command = ["diloco", "syncer", "--config", f"/etc/diloco/{CONFIG_KEY}", "--host", "0.0.0.0",
                "--port", str(api.SYNCER_PORT), "--state-dir", SYNCER_STATE_DIR, "--token-env", "DILOCO_TOKEN",
-               "--max-body-mb", str(spec.syncer.maxBodyMb)]
+               "--max-body-mb", str(spec.syncer.maxBodyMb),
+               # An inner step covers at most batch x seq_len x this many tokens: the syncer refuses more.
+               "--max-unit-processes", str(max(u.podsPerUnit for u in spec.units))]
     if shards > 1:
         command += ["--shard", str(shard)]
     mounts = [{"name": "config", "mountPath": "/etc/diloco", "readOnly": True},

@@ -345,6 +345,11 @@ def test_each_syncer_shard_gets_its_own_deployment_volume_and_service_and_serves
     assert len(selectors) == 3
 
 
+def test_the_syncer_bounds_a_learners_tokens_by_the_largest_unit_of_the_job():
+    command = objects.syncer_deployment(JOB, job_spec())["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--max-unit-processes") + 1] == "2"  # the gpu units' podsPerUnit
+
+
 def test_a_single_syncer_keeps_its_names_and_selector_so_an_upgrade_replaces_nothing():
     dep = objects.syncer_deployment(JOB, job_spec())
     assert dep["metadata"]["name"] == "demo-syncer"

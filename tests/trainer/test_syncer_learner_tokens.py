@@ -46,8 +46,8 @@ async def test_a_learner_token_cannot_register_heartbeat_or_submit_as_another_le
 
     # Under its own id it submits like any learner; reads need no particular id.
     r = await client.post("/v1/fragments/0/outer-gradient", headers=mine,
-                          data=body(st, 0, deltas_for(st, 0, 2), learner="learner-a", sid="a-1"))
-    assert r.status == 202 and st.is_known("a-1")
+                          data=body(st, 0, deltas_for(st, 0, 2), learner="learner-a", sid="learner-a.1"))
+    assert r.status == 202 and st.is_known("learner-a.1")
     assert (await client.get("/v1/versions", headers=mine)).status == 200
 
 

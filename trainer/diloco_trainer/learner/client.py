@@ -364,7 +364,7 @@ class SyncerClient:
     # ------------------------------------------------------------------ background tasks
 
     async def _sender(self) -> None:
-        """Send queued submissions one at a time, oldest first; retry connection errors and 5xx with backoff."""
+        """Send queued submissions one at a time, oldest first; retry connection errors, 429 and 5xx with backoff."""
         attempt = 0
         while True:
             with self._lock:
@@ -389,6 +389,10 @@ class SyncerClient:
                 with self._lock:
                     self._maybe_delivered.setdefault(sub.submission_id, sub)
                 self._set_up(False, str(exc) or type(exc).__name__)
+                await asyncio.sleep(self._delay(attempt))
+                attempt += 1
+                continue
+            if status == 429:  # one of ours for this fragment still waits for its merge (or is being read): later
                 await asyncio.sleep(self._delay(attempt))
                 attempt += 1
                 continue

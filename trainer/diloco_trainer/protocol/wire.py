@@ -27,9 +27,9 @@ _MAX_HEADER = 100 * 1024 * 1024
 class WireError(ValueError):
     """A body or its metadata is malformed; `reason` names what is wrong (sent back to the client)."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, label: str = "malformed"):
         super().__init__(reason)
-        self.reason = reason
+        self.reason, self.label = reason, label  # label: the syncer's metrics reason
 
 
 def _check_scheme(scheme: str, block_size: int) -> None:
@@ -181,13 +181,17 @@ class SubmissionMeta:
             raise WireError("c_tokens must be >= 1 (every inner step consumes tokens)")
 
 
-def _read_header(body: bytes) -> dict:
-    """The safetensors JSON header, checked for shape before safetensors parses the tensors."""
+def _read_header(body: bytes, max_header: int = _MAX_HEADER) -> dict:
+    """The safetensors JSON header, checked for length (at most `max_header` bytes, before any parsing) and shape
+    before safetensors parses the tensors."""
     if len(body) < 8:
         raise WireError(f"body is not safetensors: {len(body)} bytes is shorter than the 8-byte header length")
     (n,) = struct.unpack("<Q", body[:8])
-    if n > len(body) - 8 or n > _MAX_HEADER:
+    if n > len(body) - 8:
         raise WireError(f"body is not safetensors or is truncated: header of {n} bytes, body of {len(body)}")
+    if n > max_header:
+        raise WireError(f"safetensors header of {n} bytes: the limit for this body is {max_header}",
+                        "header_too_large")
     try:
         header = json.loads(body[8 : 8 + n])
     except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, an int over 4300 digits, nested too deep
@@ -197,8 +201,8 @@ def _read_header(body: bytes) -> dict:
     return header
 
 
-def _load(body: bytes) -> tuple[dict[str, Tensor], dict[str, str]]:
-    header = _read_header(body)
+def _load(body: bytes, max_header: int = _MAX_HEADER) -> tuple[dict[str, Tensor], dict[str, str]]:
+    header = _read_header(body, max_header)
     metadata = header.get("__metadata__") or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise WireError("safetensors metadata must map strings to strings")
@@ -268,12 +272,15 @@ def _int_field(metadata: dict[str, str], field: str) -> int:
     return int(raw)
 
 
-def decode_submission(body: bytes, expected_shapes: dict[str, tuple[int, ...]]) -> tuple[SubmissionMeta, dict[str, Tensor]]:
+def decode_submission(body: bytes, expected_shapes: dict[str, tuple[int, ...]], *, max_header: int = _MAX_HEADER,
+                      require: tuple[str, int] | None = None) -> tuple[SubmissionMeta, dict[str, Tensor]]:
     """Validate a submission against the fragment's parameter shapes; return its metadata and float32 deltas.
 
-    Raises WireError naming the problem for anything malformed, incomplete, inconsistent or non-finite.
+    `max_header` caps the safetensors header before it is parsed; `require` = (scheme, block_size) refuses any other
+    compression before anything is expanded (the block size only matters to int8/int4). Raises WireError naming the
+    problem for anything malformed, incomplete, inconsistent, non-finite, or not the required compression.
     """
-    tensors, md = _load(body)
+    tensors, md = _load(body, max_header)
     for field in ("learner_id", "submission_id", "compression", "shapes"):
         if field not in md:
             raise WireError(f"metadata field {field!r} is missing")
@@ -285,6 +292,12 @@ def decode_submission(body: bytes, expected_shapes: dict[str, tuple[int, ...]]) 
     block_size = _int_field(md, "block_size")
     if block_size < 1:
         raise WireError(f"block_size must be >= 1, got {block_size}")
+    if require is not None and scheme != require[0]:
+        raise WireError(f"compression {scheme!r} is not this run's outer.compression {require[0]!r}",
+                        "wrong_compression")
+    if require is not None and scheme in _QMAX and block_size != require[1]:
+        raise WireError(f"block_size {block_size} is not this run's outer.block_size {require[1]}",
+                        "wrong_compression")
     try:
         declared = json.loads(md["shapes"])
     except (ValueError, RecursionError):  # not JSON, an int over 4300 digits, nested too deep (fuzz test)

@@ -23,6 +23,7 @@ from diloco_trainer.protocol.messages import (FragmentQuery, HeartbeatAnswer, He
 from diloco_trainer.protocol.tokens import token_learner
 from diloco_trainer.protocol.wire import WireError, decode_submission, encode_tensors
 
+from diloco_trainer.syncer.limits import SubmissionLimits
 from diloco_trainer.syncer.metrics import SyncerMetrics
 from diloco_trainer.syncer.state import Rejected, SyncerState
 
@@ -38,6 +39,8 @@ MAX_JSON_BODY = 64 * 1024  # register and heartbeat documents are a few hundred 
 class SyncerOptions:
     token: str
     max_body_bytes: int = 256 * 2**20
+    max_unit_processes: int = 64  # the most processes a learner unit runs (bounds the tokens of an inner step)
+    max_concurrent_uploads: int = 4  # submission bodies read and decoded at once (each holds ~2 bodies + fp32)
     checkpoint_every_s: float = 30.0
     heartbeat_s: float = 2.0
     live_after_missed: float = 3.0  # a learner is live while seen within this many heartbeat intervals
@@ -62,6 +65,11 @@ class Syncer:
         self._cache: dict[object, bytes] = {}
         self._tasks: list[asyncio.Task] = []
         self.merging: set[int] = set()
+        self.limits = SubmissionLimits.from_config(
+            state.config, [state.fragment_shapes(p) for p in range(state.num_fragments)], options.max_unit_processes)
+        self._upload_slots = asyncio.Semaphore(options.max_concurrent_uploads)
+        self._uploading: set[str] = set()  # learners (by their own token) with a submission request in progress
+        self._claims: set[tuple[str, int]] = set()  # (learner, fragment) with a submission being spooled
         self.metrics.shard.labels(str(state.shard), str(state.shards)).set(1)
         self.metrics.owned_fragments.set(len(state.owned))
         for p in state.owned:
@@ -236,32 +244,80 @@ class Syncer:
         return _json(HeartbeatAnswer(versions=self._versions()))
 
     async def submit(self, request: web.Request) -> web.Response:
-        st, m = self.state, self.metrics
         p = self._fragment_param(request)
-        if request.content_length is not None and request.content_length > self.opt.max_body_bytes:
-            raise _too_large(request.content_length, self.opt.max_body_bytes)
-        body = await request.read()
-        m.bytes_in.labels("outer-gradient").inc(len(body))
+        holder = request.get(AUTH_LEARNER)
+        if request.content_length is not None and request.content_length > self._body_limit(p):
+            raise self._too_large(p, request.content_length)
+        if holder is None:  # the job's token (the operator, diloco local): trusted, checked after decoding
+            return await self._submit(request, p, None)
+        # A learner's own token: who it is, and that it reads one body at a time, is checked before one body byte is
+        # read (whether it has one pending for p is checked after decoding: a retry of that one is a duplicate).
+        if holder in self._uploading:
+            raise Rejected(429, f"learner {holder!r} already has a submission request in progress: one at a time",
+                           "upload_limit")
+        self._uploading.add(holder)
         try:
-            meta, deltas = await asyncio.to_thread(decode_submission, body, st.fragment_shapes(p))
-        except WireError as exc:
-            raise Rejected(400, exc.reason, "malformed") from None
+            return await self._submit(request, p, holder)
+        finally:
+            self._uploading.discard(holder)
+
+    async def _read_submission(self, request: web.Request, p: int):
+        """Read and decode a submission body under the upload slots (bounded memory); Rejected if malformed."""
+        limit, m = self._body_limit(p), self.metrics
+        async with self._upload_slots:
+            m.uploads_in_progress.inc()
+            try:
+                body = await _read_at_most(request, limit + 1)
+                if len(body) > limit:
+                    raise self._too_large(p)
+                m.bytes_in.labels("outer-gradient").inc(len(body))
+                return await asyncio.to_thread(decode_submission, body, self.state.fragment_shapes(p),
+                                               max_header=self.limits.header_bytes[p], require=self.limits.compression)
+            except WireError as exc:
+                raise Rejected(400, exc.reason, exc.label) from None
+            finally:
+                m.uploads_in_progress.dec()
+
+    def _body_limit(self, p: int) -> int:
+        """The longest submission body for fragment p: a valid one's size under the run's compression, and at most
+        --max-body-mb."""
+        return min(self.limits.body_bytes[p], self.opt.max_body_bytes)
+
+    def _too_large(self, p: int, size: int | None = None) -> Rejected:
+        if self.limits.body_bytes[p] > self.opt.max_body_bytes:
+            return _too_large(size, self.opt.max_body_bytes)
+        return _too_large(size, self.limits.body_bytes[p], p)
+
+    async def _submit(self, request: web.Request, p: int, holder: str | None) -> web.Response:
+        st, m = self.state, self.metrics
+        meta, deltas = await self._read_submission(request, p)
         self._as_learner(request, meta.learner_id)
         sid = meta.submission_id
+        if holder is not None and not sid.startswith(holder + "."):
+            raise Rejected(403, f"submission_id must start with {holder + '.'!r} (the learner's own id and a dot), got "
+                                f"{sid!r}", "foreign_submission_id")
+        if (why := self.limits.counts_error(meta.c_steps, meta.c_tokens)) is not None:
+            raise Rejected(400, why, "tokens_over_config")
         while sid in self._inflight:  # the same id is being spooled by a concurrent request
             await self._inflight[sid].wait()
         if st.is_known(sid):
             m.duplicates.inc()
             st.seen(meta.learner_id)
             return _json(SubmitAnswer(accepted=True, duplicate=True, pending=len(st.pending[p])), status=202)
+        claim = (meta.learner_id, p)
+        if claim in self._claims or st.has_pending(*claim):
+            raise Rejected(429, f"learner {meta.learner_id!r} already has a submission pending for fragment {p}: "
+                                "retry after it is merged", "pending_limit")
         c = st.new_contribution(p, meta, deltas)  # Rejected: nothing changed
         done = self._inflight[sid] = asyncio.Event()
+        self._claims.add(claim)
         try:
             await asyncio.to_thread(lambda: st.spool.write(c.spool_name, c.learner_params(), c.spool_meta()))
         except OSError as exc:
             raise Rejected(503, f"could not persist the submission ({exc}); retry later", "persist_failed") from None
         finally:
             del self._inflight[sid]
+            self._claims.discard(claim)
             done.set()
         # Durable now: from here on the submission is acknowledged and will be merged exactly once.
         st.add_pending(c)
@@ -391,9 +447,11 @@ def _json(doc, status: int = 200) -> web.Response:
     return web.Response(body=doc.model_dump_json().encode(), status=status, content_type="application/json")
 
 
-def _too_large(size: int | None, limit: int) -> Rejected:
+def _too_large(size: int | None, limit: int, fragment: int | None = None) -> Rejected:
     got = "" if size is None else f" ({size} bytes)"
-    return Rejected(413, f"body too large{got}: the limit is {limit} bytes (--max-body-mb)", "too_large")
+    where = "(--max-body-mb)" if fragment is None else \
+        f"for fragment {fragment} (its parameters under outer.compression and outer.block_size)"
+    return Rejected(413, f"body too large{got}: the limit is {limit} bytes {where}", "too_large")
 
 
 class ServerLog(logging.LoggerAdapter):

@@ -26,6 +26,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", required=True, help="checkpoint/ and spool/ live here; resumed on start")
     parser.add_argument("--token-env", default="DILOCO_TOKEN", help="environment variable holding the token")
     parser.add_argument("--max-body-mb", type=float, default=256.0, help="larger request bodies get 413")
+    parser.add_argument("--max-unit-processes", type=int, default=64,
+                        help="the most processes (pods) a learner unit runs: an inner step covers at most "
+                             "inner.batch_size x model.seq_len x this many tokens, so a submission claiming more is "
+                             "refused (the operator passes its largest units[].podsPerUnit)")
+    parser.add_argument("--max-concurrent-uploads", type=int, default=4,
+                        help="submission bodies read and decoded at once; more wait (a learner's own token: one "
+                             "at a time, more get 429)")
     parser.add_argument("--checkpoint-every-s", type=float, default=30.0,
                         help="checkpoint at most this often after merges (and always at shutdown)")
     parser.add_argument("--heartbeat-s", type=float, default=2.0, help="heartbeat interval asked of learners")
@@ -55,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if not token:
         print(f"diloco syncer: set the shared token in the environment variable {args.token_env}", flush=True)
         return 2
-    for name in ("max_body_mb", "checkpoint_every_s", "heartbeat_s"):
+    for name in ("max_body_mb", "checkpoint_every_s", "heartbeat_s", "max_unit_processes", "max_concurrent_uploads"):
         if not getattr(args, name) > 0:
             print(f"diloco syncer: --{name.replace('_', '-')} must be > 0", flush=True)
             return 2
@@ -176,7 +183,9 @@ async def _serve(args: argparse.Namespace, config: TrainConfig, token: str) -> i
     log.info("state loaded from %s in %.2f s: versions %s, %d pending", state_dir, load_s,
              state.versions, sum(len(p) for p in state.pending))
     syncer = Syncer(state, SyncerOptions(token=token, max_body_bytes=int(args.max_body_mb * 2**20),
-                                         checkpoint_every_s=args.checkpoint_every_s, heartbeat_s=args.heartbeat_s))
+                                         checkpoint_every_s=args.checkpoint_every_s, heartbeat_s=args.heartbeat_s,
+                                         max_unit_processes=args.max_unit_processes,
+                                         max_concurrent_uploads=args.max_concurrent_uploads))
     runner = web.AppRunner(make_app(syncer), handle_signals=False, access_log=None, logger=ServerLog())
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, ssl_context=args.ssl_context)

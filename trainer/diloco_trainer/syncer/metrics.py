@@ -42,6 +42,8 @@ class SyncerMetrics:
                                   registry=r)
         self.rejected = Counter("diloco_syncer_submissions_rejected", "Outer gradients rejected, by reason",
                                 ["reason"], registry=r)
+        self.uploads_in_progress = Gauge("diloco_syncer_uploads_in_progress", "Submission bodies being read and "
+                                         "decoded now (at most --max-concurrent-uploads)", registry=r)
         self.tokens_merged = Counter("diloco_syncer_tokens_merged", "Learner tokens covered by merged "
                                      "contributions", registry=r)
         self.pending = Gauge("diloco_syncer_pending_contributions", "Contributions waiting for a merge",

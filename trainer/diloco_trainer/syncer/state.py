@@ -17,6 +17,7 @@ from torch import Tensor
 from diloco_trainer.config import TrainConfig
 from diloco_trainer.protocol.downlink import Parts, Update, UpdateHistory, fragment_digest, is_quantized, publish, update_nbytes
 from diloco_trainer.protocol.fragments import fragment_of, plan_fragments
+from diloco_trainer.syncer.limits import WEIGHT_ROUNDS, weighed_counts
 from diloco_trainer.syncer.merge import NesterovOuter, merge_fragment, reanchor, token_weight
 from diloco_trainer.model.build import build_model, embedding_names, tensor_bytes
 from diloco_trainer.syncer.quorum import MergePolicy
@@ -191,6 +192,10 @@ class SyncerState:
     def pending_learners(self, p: int) -> int:
         return len({c.learner_id for c in self.pending[p].values()})
 
+    def has_pending(self, learner_id: str, p: int) -> bool:
+        """Whether learner `learner_id` has an acknowledged contribution to fragment p waiting for a merge."""
+        return any(c.learner_id == learner_id for c in self.pending[p].values())
+
     def is_known(self, submission_id: str) -> bool:
         """Merged, or acknowledged and pending: a retry of it must not be merged again."""
         return submission_id in self.merged_ids or any(submission_id in pend for pend in self.pending)
@@ -273,7 +278,9 @@ class SyncerState:
         """Pure: re-anchor, weight, merge (RDA / mean) and take the outer Nesterov step on copies."""
         out = self.config.outer
         deltas = [c.reanchored(current) for c in contribs]
-        weights = [token_weight(c.c_tokens, c.c_steps) if out.token_weights else 1.0 for c in contribs]
+        # A contribution's weight counts at most WEIGHT_ROUNDS rounds of H steps (limits.py: a lying learner).
+        counted = [weighed_counts(c.c_steps, c.c_tokens, WEIGHT_ROUNDS * out.sync_every) for c in contribs]
+        weights = [token_weight(tokens, steps) if out.token_weights else 1.0 for steps, tokens in counted]
         merged = merge_fragment(deltas, weights, self.embeddings, out.merge)
         fresh = NesterovOuter(out.lr, out.momentum)
         fresh.load_state_dict(outer.state_dict())  # clones: the published outer state is never mutated

@@ -20,9 +20,10 @@ from diloco_trainer.protocol.downlink import encode_chain, fragment_digest, full
 from diloco_trainer.protocol.messages import (FragmentQuery, HeartbeatAnswer, HeartbeatRequest, LearnerStatus, ProtocolError,
                                      RegisterAnswer, RegisterRequest, SubmitAnswer, SyncerStatus, VersionsAnswer,
                                      parse)
-from diloco_trainer.protocol.tokens import token_learner
+from diloco_trainer.protocol.tokens import token_identity
 from diloco_trainer.protocol.wire import WireError, decode_submission, encode_tensors
 
+from diloco_trainer.syncer.epochs import EpochFile
 from diloco_trainer.syncer.limits import SubmissionLimits
 from diloco_trainer.syncer.metrics import SyncerMetrics
 from diloco_trainer.syncer.state import Rejected, SyncerState
@@ -44,6 +45,7 @@ class SyncerOptions:
     checkpoint_every_s: float = 30.0
     heartbeat_s: float = 2.0
     live_after_missed: float = 3.0  # a learner is live while seen within this many heartbeat intervals
+    learner_epochs: str | None = None  # the operator's file of retired learner tokens (syncer/epochs.py)
 
     @property
     def live_timeout_s(self) -> float:
@@ -495,6 +497,7 @@ AUTH_LEARNER = web.RequestKey("learner", str)  # the learner a per-learner token
 def make_app(syncer: Syncer) -> web.Application:
     """The aiohttp application serving `syncer`; starting it starts merging, cleaning it up checkpoints."""
     expected = f"Bearer {syncer.opt.token}".encode()
+    epochs = EpochFile(syncer.opt.learner_epochs)
 
     @web.middleware
     async def guard(request: web.Request, handler):
@@ -504,10 +507,12 @@ def make_app(syncer: Syncer) -> web.Application:
                 if not given.isascii():  # tokens are ASCII; other bytes arrive as surrogates and cannot be compared
                     raise Rejected(401, "missing or wrong bearer token", "unauthorized")
                 if not hmac.compare_digest(given.encode(), expected):
-                    learner = given.startswith("Bearer ") and token_learner(syncer.opt.token, given[7:])
-                    if not learner:
+                    identity = given.startswith("Bearer ") and token_identity(syncer.opt.token, given[7:])
+                    if not identity:
                         raise Rejected(401, "missing or wrong bearer token", "unauthorized")
-                    request[AUTH_LEARNER] = learner
+                    if retired := epochs.refusal(*identity):
+                        raise Rejected(403, retired, "token_retired")
+                    request[AUTH_LEARNER] = identity[0]
             return await handler(request)
         except Rejected as r:
             if request.path.endswith("/outer-gradient"):

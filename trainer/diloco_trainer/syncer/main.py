@@ -53,6 +53,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hold-file", default=None, metavar="FILE",
                         help="before serving, wait while FILE holds a restart hold in force (a RestartHold document: "
                              "a chaos downtime; diloco local passes RUN/holds/syncer.json to its standby)")
+    parser.add_argument("--learner-epochs", default=None, metavar="FILE",
+                        help="the operator's file of learner token epochs (a mounted ConfigMap, re-read when it "
+                             "changes): the token of a removed or replaced unit is refused with 403")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -185,7 +188,8 @@ async def _serve(args: argparse.Namespace, config: TrainConfig, token: str) -> i
     syncer = Syncer(state, SyncerOptions(token=token, max_body_bytes=int(args.max_body_mb * 2**20),
                                          checkpoint_every_s=args.checkpoint_every_s, heartbeat_s=args.heartbeat_s,
                                          max_unit_processes=args.max_unit_processes,
-                                         max_concurrent_uploads=args.max_concurrent_uploads))
+                                         max_concurrent_uploads=args.max_concurrent_uploads,
+                                         learner_epochs=args.learner_epochs))
     runner = web.AppRunner(make_app(syncer), handle_signals=False, access_log=None, logger=ServerLog())
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, ssl_context=args.ssl_context)

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from diloco_trainer.protocol.tokens import learner_token
 from diloco_trainer.protocol.wire import SubmissionMeta, decode_tensors, encode_submission, quantize
@@ -84,10 +87,11 @@ def uploads_in_progress(proc: SyncerProcess) -> float:
 
 
 def submission(proc: SyncerProcess, p: int, learner: str, sid: str, value: float = 0.0, c_steps: int = H,
-               c_tokens: int = H * TOKENS_PER_STEP, scheme: str = "int8", block_size: int = 64) -> bytes:
+               c_tokens: int = H * TOKENS_PER_STEP, scheme: str = "int8", block_size: int = 64,
+               base: int = 0) -> bytes:
     shapes = proc.shapes[p]
     parts = {n: quantize(torch.full(s, value), scheme, block_size) for n, s in shapes.items()}
-    meta = SubmissionMeta(learner, sid, p, 0, c_steps, c_tokens)
+    meta = SubmissionMeta(learner, sid, p, base, c_steps, c_tokens)
     return encode_submission(meta, parts, scheme, block_size, shapes)
 
 
@@ -226,3 +230,102 @@ def test_a_learner_opening_many_uploads_gets_one_read_at_a_time_and_memory_stays
     assert rejected(syncer, "too_large") == 12
     grown = peak_rss_mb(syncer) - syncer.peak_before
     assert grown < MEMORY_BOUND_MB, f"the syncer's peak RSS grew by {grown:.0f} MiB"
+
+
+# ------------------------------------------------------------------------ the fuzz test, authenticated
+
+FUZZ = settings(max_examples=4, stateful_step_count=10, deadline=None, database=None,
+                phases=[Phase.explicit, Phase.reuse, Phase.generate],
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+class AuthenticatedHostileLearner(RuleBasedStateMachine):
+    """The hostile learner's attacks in any order and with drawn sizes. While the honest learner has sent nothing
+    (quorum 2), Θ must not move; the hostile one holds at most one pending submission per fragment; the syncer's
+    peak RSS stays under the bound; and when the honest learner's Δ = 0 arrives, the merge moves Θ by at most 2/3
+    of the hostile Δ (its weight is at most two rounds of the largest unit, the honest one's one round)."""
+
+    syncer: SyncerProcess  # set by the test
+
+    @initialize()
+    def start(self):
+        self.port = self.syncer.port
+        self.versions = self.syncer.status()["versions"]
+        self.theta = {p: fragment(self.syncer, p) for p in (0, 1)}
+        self.sent: dict[int, float] = {}  # fragment -> value of the hostile Δ accepted (pending)
+        self.n = 0
+
+    def body(self, p: int, value: float, **kw) -> bytes:
+        self.n += 1
+        return submission(self.syncer, p, "hostile", f"hostile.fuzz{time.time_ns()}.p{p}", value=value,
+                          base=self.versions[str(p)], **kw)
+
+    def answered(self, answer: tuple[int, str], p: int, value: float) -> None:
+        assert answer[0] < 500, answer
+        if answer[0] == 202:
+            assert p not in self.sent, f"a second pending submission for fragment {p} was accepted: {answer}"
+            self.sent[p] = value
+        else:
+            assert json.loads(answer[1])["error"], answer
+
+    @rule(p=st.sampled_from([0, 1]), value=st.sampled_from([0.01, -0.02, 0.05]),
+          steps=st.sampled_from([1, H, 10**6, 10**15]), tokens_per_step=st.sampled_from([1, TOKENS_PER_STEP, 10**3]),
+          scheme=st.sampled_from([("int8", 64), ("int8", 64), ("int8", 256), ("int4", 64), ("int8", 8)]))
+    def submit_with_drawn_counters_and_compression(self, p, value, steps, tokens_per_step, scheme):
+        tokens = min(steps * tokens_per_step, 10**18)
+        body = self.body(p, value, c_steps=steps, c_tokens=tokens, scheme=scheme[0], block_size=scheme[1])
+        self.answered(submit(self.syncer, p, body), p, value)
+
+    @rule(header_kib=st.sampled_from([16, 1024, 64 * 1024]))
+    def huge_header(self, header_kib):
+        status, _, answer = huge_header_upload(self.port, header_kib * 1024)
+        assert status in (400, 413), answer[:300]
+
+    @rule(uploads=st.integers(2, 8))
+    def many_uploads_at_once(self, uploads):
+        body = self.body(0, 0.01)
+        sockets = [open_upload(self.port, len(body), body[: len(body) // 2]) for _ in range(uploads)]
+        try:
+            for s in sockets:  # complete them all; the syncer reads one at a time for this learner
+                try:
+                    s.sendall(body[len(body) // 2:])
+                except OSError:  # answered 429 and closed before reading the rest
+                    pass
+            statuses = [status_of(s) for s in sockets]
+        finally:
+            for s in sockets:
+                s.close()
+        assert all(s in (202, 429) for s in statuses), statuses
+        if 202 in statuses:
+            assert 0 not in self.sent, statuses  # the same body each time: the others are 429 or duplicates
+            self.sent[0] = 0.01
+
+    @invariant()
+    def bounded(self):
+        if not hasattr(self, "port"):
+            return
+        request(self.port, "POST", "/v1/heartbeat", json.dumps({"learner_id": "honest", "step": 1, "tokens": 1,
+                                                                "step_time_s": 0.1}).encode(), auth=HONEST)
+        status = self.syncer.status()
+        assert status["versions"] == self.versions, "Θ moved before the honest learner sent anything"
+        assert status["pending"] == {str(p): int(p in self.sent) for p in (0, 1)}
+        grown = peak_rss_mb(self.syncer) - self.syncer.peak_before
+        assert grown < MEMORY_BOUND_MB, f"the syncer's peak RSS grew by {grown:.0f} MiB"
+
+    def teardown(self):
+        if not hasattr(self, "port"):
+            return
+        for p, value in self.sent.items():
+            honest = submission(self.syncer, p, "honest", f"honest.fuzz{time.time_ns()}.p{p}",
+                                base=self.versions[str(p)])
+            assert submit(self.syncer, p, honest, auth=HONEST)[0] == 202
+            wait_for(lambda: self.syncer.status()["versions"][str(p)] > self.versions[str(p)], 30, "the merge")
+            moved = torch.cat([(self.theta[p][n] - t).flatten() for n, t in fragment(self.syncer, p).items()])
+            share = float(moved.mean()) / value
+            assert share <= 2 / 3 + 1e-3, f"fragment {p}: the hostile learner moved Θ by {share:.4f} of its Δ"
+
+
+def test_an_authenticated_hostile_learner_in_any_order_moves_theta_by_at_most_its_fair_weight(syncer):
+    AuthenticatedHostileLearner.syncer = syncer
+    AuthenticatedHostileLearner.TestCase.settings = FUZZ
+    AuthenticatedHostileLearner.TestCase("runTest").runTest()

@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # a real syncer proce
 @pytest.fixture(scope="module")
 def syncer(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("client")
-    proc = SyncerProcess(write_config(tmp / "run.yaml", versions_kept=2, grace=0.0), tmp / "syncer", tmp / "syncer.log")
+    proc = SyncerProcess(write_config(tmp / "run.yaml", versions_kept=2, grace=0.0, compression="none"), tmp / "syncer",
+                         tmp / "syncer.log")
     proc.start()
     yield proc
     proc.stop()
@@ -171,8 +172,8 @@ def test_a_wrong_token_is_refused_at_registration(syncer):
 
 
 def test_a_syncer_that_lost_the_version_held_hands_its_current_one_over_as_a_rewind(tmp_path):
-    proc = SyncerProcess(write_config(tmp_path / "run.yaml", grace=0.0), tmp_path / "syncer", tmp_path / "syncer.log",
-                         free_port())
+    proc = SyncerProcess(write_config(tmp_path / "run.yaml", grace=0.0, compression="none"), tmp_path / "syncer",
+                         tmp_path / "syncer.log", free_port())
     proc.start()
     c = SyncerClient(proc.url, TOKEN, "rewound", poll_s=0.05, backoff_s=0.05, backoff_max_s=0.2)
     try:

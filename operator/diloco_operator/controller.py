@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 from datetime import datetime, timezone
 
 from diloco_trainer.protocol.tokens import learner_token
+from diloco_trainer.syncer.epochs import EPOCHS_KEY, parse_epochs
 from pydantic import ValidationError
 
 from diloco_operator import api, autoscale, certs, metrics
@@ -95,6 +96,8 @@ class Controller:
         self.ensured: dict[tuple[str, ...], tuple[str, float]] = {}
         self.ensure_ttl_s = ensure_ttl_s
         self.tokens: dict[tuple[str, str, str], str] = {}  # (ns, job, job uid) -> the syncer's bearer token
+        # (ns, job, job uid) -> the learner epochs document as last written (jobplan.token_epochs)
+        self.epochs: dict[tuple[str, str, str], dict[str, dict]] = {}
         # (ns, job, uid, mode, secret) -> (the syncer's TLS as last read, when): Secrets are not watched
         self.tls: dict[tuple, tuple[SyncerTls, float]] = {}
         self.workers = workers
@@ -262,8 +265,9 @@ class Controller:
                 del self.syncer_info[key]
             for key in [k for k in self.syncer_polled if k[:2] == (ns, name)]:
                 del self.syncer_polled[key]
-            for key in [k for k in self.tls if k[:2] == (ns, name)]:
-                del self.tls[key]
+            for cache in (self.tls, self.epochs):
+                for key in [k for k in cache if k[:2] == (ns, name)]:
+                    del cache[key]
             return  # the garbage collector removes everything the job owns
         now = datetime.now(timezone.utc)
         old_status = job.get("status") or {}
@@ -281,6 +285,7 @@ class Controller:
                                update=False)
             await self._ensure(CONFIGMAPS, O.config_map(job, spec))
             await self._ensure(NETWORKPOLICIES, O.syncer_network_policy(job, spec, self.operator_namespace))
+            epochs = await self._learner_epochs(job)  # before the syncer: its pods mount them
             tls = await self._syncer_tls(job, spec, now)
             refused = None if finished else self._syncer_refused(job, spec, old_status, now)
             ready = await asyncio.gather(*(self._ensure_syncer_shard(job, spec, tls, shard,
@@ -317,12 +322,17 @@ class Controller:
                 plan = jobplan.plan_units(name, spec, units, decision.counts, decision.park, running_first=True)
             else:
                 plan = jobplan.plan_units(name, spec, units)
+            # Retire removed units' tokens and reserve new ones' epochs before any unit is created or deleted.
+            epochs, new_epochs = jobplan.token_epochs(epochs, [u for u in units], plan)
+            await self._write_learner_epochs(job, epochs)
+
             async def delete(unit: str) -> None:
                 last = self.cache.unit(ns, unit)
                 self.cache.deleted(LEARNERUNITS.plural, ns, unit, await self.kube.delete(LEARNERUNITS, ns, unit), last)
 
             async def create(uspec: api.LearnerUnitSpec) -> None:
-                self.cache.wrote(LEARNERUNITS.plural, await self.kube.create(LEARNERUNITS, O.learner_unit(job, uspec)))
+                unit = O.learner_unit(job, uspec, new_epochs[O.unit_name(name, uspec.template, uspec.index)])
+                self.cache.wrote(LEARNERUNITS.plural, await self.kube.create(LEARNERUNITS, unit))
 
             async def update(unit: str, uspec: api.LearnerUnitSpec) -> None:
                 self.cache.wrote(LEARNERUNITS.plural, await self.kube.merge_patch(
@@ -583,6 +593,27 @@ class Controller:
                 self.tokens[(ns, name, uid)] = token
         return token
 
+    async def _learner_epochs(self, job: dict) -> dict[str, dict]:
+        """The job's learner epochs document (as last written; read back from its ConfigMap once), ensured to exist."""
+        key = (job["metadata"]["namespace"], job["metadata"]["name"], job["metadata"].get("uid", ""))
+        if (known := self.epochs.get(key)) is None:
+            cm = await self.kube.get(CONFIGMAPS, key[0], O.epochs_config_name(key[1]))
+            known = {}
+            if cm is not None:
+                _check_controller(CONFIGMAPS, O.learner_epochs_config_map(job, {}), cm)
+                try:
+                    known = {lid: {"epoch": e.epoch, "live": e.live} for lid, e in
+                             parse_epochs((cm.get("data") or {}).get(EPOCHS_KEY, '{"learners": {}}')).items()}
+                except ValueError as exc:  # edited by hand: start over from the units (their epochs are kept)
+                    log.warning("ConfigMap %s/%s: %s", key[0], O.epochs_config_name(key[1]), exc)
+        await self._write_learner_epochs(job, known)
+        return known
+
+    async def _write_learner_epochs(self, job: dict, epochs: dict[str, dict]) -> None:
+        key = (job["metadata"]["namespace"], job["metadata"]["name"], job["metadata"].get("uid", ""))
+        await self._ensure(CONFIGMAPS, O.learner_epochs_config_map(job, epochs))
+        self.epochs[key] = epochs
+
     async def _ensure_unit_token(self, unit: dict, job: dict, remote: Remote | None = None) -> None:
         """The unit's own learner token Secret (created once). A Secret of that name owned by anything else is
         never used: the reconcile fails, saying so, rather than hand the unit someone else's credential. A unit
@@ -595,7 +626,7 @@ class Controller:
         job_token = await self._job_token(ns, job["metadata"]["name"], job["metadata"].get("uid", ""))
         if not job_token:
             raise RuntimeError(f"the token Secret of job {job['metadata']['name']} is not there yet")
-        secret = O.unit_token_secret(unit, learner_token(job_token, name))
+        secret = O.unit_token_secret(unit, learner_token(job_token, name, O.token_epoch(unit)))
         kube, where = (remote.kube, remote.namespace) if remote else (self.kube, ns)
         if remote is not None:
             secret = O.in_remote_cluster(secret, remote.namespace)

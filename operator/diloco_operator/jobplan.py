@@ -30,6 +30,7 @@ class UnitView:
     unschedulable: bool
     deleting: bool
     spec: dict
+    token_epoch: int = 0
 
 
 def unit_view(lu: dict) -> UnitView:
@@ -40,7 +41,7 @@ def unit_view(lu: dict) -> UnitView:
         pods_desired=status.get("podsDesired", spec.get("podsPerUnit", 1)), restarts=status.get("restarts", 0),
         unschedulable=not C.is_true(status.get("conditions"), C.PODS_SCHEDULED)
         and C.get_condition(status.get("conditions"), C.PODS_SCHEDULED) is not None,
-        deleting=bool(lu["metadata"].get("deletionTimestamp")), spec=spec,
+        deleting=bool(lu["metadata"].get("deletionTimestamp")), spec=spec, token_epoch=O.token_epoch(lu),
     )
 
 
@@ -115,6 +116,24 @@ def plan_units(job_name: str, spec: api.DilocoJobSpec, units: list[UnitView], co
                 missing -= 1
             i += 1
     return plan
+
+
+def token_epochs(known: dict[str, dict], units: list[UnitView], plan: UnitsPlan) -> tuple[dict[str, dict],
+                                                                                         dict[str, int]]:
+    """The learner epochs document after `plan` (objects.learner_epochs_config_map), and the epoch of each unit it
+    creates. A new unit takes one more than any epoch its name had, so its token is new and the old ones stay
+    refused; a unit removed (by the plan, by hand, or being deleted) is marked not live: its token is retired.
+    Written before the units are created or deleted, so an epoch is never handed out twice."""
+    out = {lid: {"epoch": e["epoch"], "live": False} for lid, e in known.items()}
+    for u in units:
+        if not u.deleting and u.name not in plan.delete:
+            out[u.name] = {"epoch": u.token_epoch, "live": True}  # the unit's own: its token must keep working
+        elif u.name not in out:  # removed before it was ever written down
+            out[u.name] = {"epoch": u.token_epoch, "live": False}
+    new = {name: out.get(name, {}).get("epoch", 0) + 1 for name in plan.create}
+    for name, epoch in new.items():
+        out[name] = {"epoch": epoch, "live": True}
+    return out, new
 
 
 def shard_statuses(name: str, spec: api.DilocoJobSpec, ready: list[bool],

@@ -13,6 +13,7 @@ import yaml
 from diloco_kube.labels import (LABEL_COMPONENT, LABEL_INCARNATION, LABEL_JOB, LABEL_RANK,  # noqa: F401
                                  LABEL_SHARD, LABEL_TEMPLATE, LABEL_UNIT)
 from diloco_operator import api
+from diloco_trainer.syncer.epochs import EPOCHS_KEY
 from diloco_operator.podsecurity import harden
 
 ANNOTATION_SPEC_HASH = "diloco.dev/spec-hash"
@@ -24,6 +25,8 @@ SYNCER_TLS_DIR = "/etc/diloco/tls"
 LEARNER_CA_DIR = "/etc/diloco/ca"
 ANNOTATION_TLS_HASH = "diloco.dev/tls-cert-hash"  # a renewed certificate rolls the syncer onto it
 ANNOTATION_CONFIG_HASH = "diloco.dev/config-hash"  # on syncer pods: the spec.config they were started with
+SYNCER_EPOCHS_DIR = "/etc/diloco-epochs"  # the learner token epochs the syncer checks (syncer/epochs.py)
+ANNOTATION_TOKEN_EPOCH = "diloco.dev/token-epoch"  # on a LearnerUnit: the epoch of its learner token
 SYNCER_STATE_DIR = "/var/lib/diloco"
 LEARNER_STATE_DIR = "/var/lib/diloco-learner"
 DATA_VOLUME = "data"  # the pod volume of spec.data
@@ -71,6 +74,25 @@ def tls_secret_name(job: str, tls: api.SyncerTls) -> str | None:
     """The Secret whose tls.crt/tls.key the syncer serves: the user's (Secret), the operator's (Auto), or None."""
     mode = tls.effective_mode
     return tls.secretName if mode == "Secret" else f"{syncer_name(job)}-tls" if mode == "Auto" else None
+
+
+def epochs_config_name(job: str) -> str:
+    return f"{job}-learner-epochs"
+
+
+def learner_epochs_config_map(job: dict, learners: dict[str, dict]) -> dict:
+    """Each learner id's current token epoch and whether its unit exists (`{id: {"epoch": N, "live": bool}}`): the
+    syncer refuses the token of a removed or replaced unit (syncer/epochs.py). Mounted into the syncer pods."""
+    name = job["metadata"]["name"]
+    text = json.dumps({"learners": {k: learners[k] for k in sorted(learners)}}, sort_keys=True)
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(epochs_config_name(name), job, {LABEL_JOB: name}),
+            "data": {EPOCHS_KEY: text}}
+
+
+def token_epoch(unit: dict) -> int:
+    """The epoch of a LearnerUnit's token (0: a unit from before epochs)."""
+    raw = ((unit.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_TOKEN_EPOCH, "0")
+    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 12 else 0
 
 
 def ca_config_name(job: str) -> str:
@@ -246,6 +268,11 @@ def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1, tls
     if spec.data is not None:  # the syncer builds the initial model, maybe from a checkpoint on this volume
         mounts.append(spec.data.mount(DATA_VOLUME))
         volumes.append(spec.data.volume(DATA_VOLUME))
+    # The kubelet refreshes the mounted file when the operator changes the ConfigMap; optional: a missing one
+    # (an operator from before epochs) retires nothing.
+    command += ["--learner-epochs", f"{SYNCER_EPOCHS_DIR}/{EPOCHS_KEY}"]
+    mounts.append({"name": "learner-epochs", "mountPath": SYNCER_EPOCHS_DIR, "readOnly": True})
+    volumes.append({"name": "learner-epochs", "configMap": {"name": epochs_config_name(name), "optional": True}})
     if tls_secret:
         command += ["--tls-cert", f"{SYNCER_TLS_DIR}/tls.crt", "--tls-key", f"{SYNCER_TLS_DIR}/tls.key"]
         mounts.append({"name": "tls", "mountPath": SYNCER_TLS_DIR, "readOnly": True})
@@ -318,11 +345,13 @@ def unit_spec(job_name: str, spec: api.DilocoJobSpec, template: api.UnitTemplate
     )
 
 
-def learner_unit(job: dict, spec: api.LearnerUnitSpec) -> dict:
+def learner_unit(job: dict, spec: api.LearnerUnitSpec, epoch: int = 0) -> dict:
+    """A LearnerUnit; `epoch` (>= 1) is its token's (jobplan.token_epochs), fixed for the unit's life."""
     job_name = job["metadata"]["name"]
     name = unit_name(job_name, spec.template, spec.index)
     labels = {LABEL_JOB: job_name, LABEL_TEMPLATE: spec.template}
-    return {"apiVersion": api.API_VERSION, "kind": "LearnerUnit", "metadata": _meta(name, job, labels),
+    annotations = {ANNOTATION_TOKEN_EPOCH: str(epoch)} if epoch else None
+    return {"apiVersion": api.API_VERSION, "kind": "LearnerUnit", "metadata": _meta(name, job, labels, annotations),
             "spec": spec.model_dump(mode="json", exclude_none=True)}
 
 

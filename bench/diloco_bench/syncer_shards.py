@@ -97,7 +97,9 @@ def _sender(url: str, p: int, parts: dict, shapes: dict, stop: threading.Event, 
             meta = SubmissionMeta(f"learner-{m}", f"f{p}-{n}-{m}", p, base, 24, 24 * 2048)
             status, raw = _http("POST", f"{url}/v1/fragments/{p}/outer-gradient",
                                 data=encode_submission(meta, parts, "int4", BLOCK, shapes))
-            if status not in (202, 409):  # 409: the version moved on meanwhile (a fresh base next round)
+            # 409: the version moved on meanwhile (a fresh base next round); 429: this learner's previous one is still
+            # pending (one per learner and fragment), so the driver offers the next round instead.
+            if status not in (202, 409, 429):
                 errors.append(f"submit {status}: {raw[:200]!r}")
         n += 1
 

@@ -5,6 +5,7 @@ import shutil
 import signal
 import threading
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -197,3 +198,37 @@ def test_a_syncer_that_lost_the_version_held_hands_its_current_one_over_as_a_rew
     finally:
         c.close()
         proc.stop()
+
+
+def test_a_second_submission_for_a_fragment_with_one_pending_is_retried_after_429_until_taken(tmp_path):
+    """One pending submission per learner and fragment at the syncer: the client's second one (a fresh id, as after a
+    restart) gets 429 while the first waits for quorum, is retried, and is taken once the first is merged; neither
+    is dropped nor counted rejected."""
+    proc = SyncerProcess(write_config(tmp_path / "run.yaml", grace=0.0, compression="none", quorum=2),
+                         tmp_path / "syncer", tmp_path / "syncer.log", args=("--heartbeat-s", "30"))
+    proc.start()
+    c = SyncerClient(proc.url, TOKEN, "twice", poll_s=0.05, backoff_s=0.05, backoff_max_s=0.2)
+    other = SyncerClient(proc.url, TOKEN, "other", poll_s=0.05)
+    try:
+        boot, _ = c.bootstrap(), other.bootstrap()
+        p, base = 0, boot.versions[0]
+        c.submit(_body(c, boot.plan, boot.theta, p, base, f"twice.first.p{p}.v{base}"))
+        assert _answers(c)[0].accepted
+        c.submit(_body(c, boot.plan, boot.theta, p, base, f"twice.second.p{p}.v{base}"))
+        wait_for(lambda: _rejected_429(proc) > 0, 30, "the syncer's 429 for the second one")
+        assert c.pending() == 1 and proc.status()["pending"]["0"] == 1
+        other.submit(_body(other, boot.plan, boot.theta, p, base, f"other.a.p{p}.v{base}"))
+        (answer,) = _answers(c)
+        assert answer.accepted and not answer.duplicate and answer.submission_id == f"twice.second.p{p}.v{base}"
+        assert c.snapshot()["rejected"] == 0 and c.snapshot()["acked"] == 2
+    finally:
+        c.close()
+        other.close()
+        proc.stop()
+
+
+def _rejected_429(proc: SyncerProcess) -> float:
+    with urllib.request.urlopen(f"{proc.url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    prefix = 'diloco_syncer_submissions_rejected_total{reason="pending_limit"} '
+    return sum(float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix))

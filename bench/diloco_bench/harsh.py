@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from diloco_trainer.runtime.rundir import read_jsonl
+from diloco_trainer.protocol.chaos_record import read_record
 
 from . import kill_cost, report, runs
 from .companions import ChaosCompanion
@@ -74,7 +74,7 @@ def measure(ctx: report.Context, extra: tuple[str, ...] = ()) -> dict:
         ch = runs.ensure(ctx, s, companion=ChaosCompanion(exp_path, record, root / f"{s.key}-chaos.log"))
         rates = runs.rates(ch)
         overwritten = max(0.0, 1.0 - ff_rates["goodput"])
-        kills = kill_cost.kills(Path(ch["run_dir"]), read_jsonl(record), overwritten)
+        kills = kill_cost.kills(Path(ch["run_dir"]), read_record(record), overwritten)
         kept = rates["useful_per_s"] / ff_rates["useful_per_s"]
         per_cpu = _useful_per_cpu_s(ch, rates), _useful_per_cpu_s(ff, ff_rates)
         span = runs.training_span(ch)

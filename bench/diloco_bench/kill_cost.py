@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from diloco_trainer.protocol.chaos_record import ChaosEntry
+from diloco_trainer.protocol.runfiles import read_events
 from diloco_trainer.runtime.rundir import read_jsonl
 
 PHASES = ("exit_seen", "restarted", "assigned", "registered", "corpus", "ready", "first_step", "first_acked",
@@ -51,7 +53,7 @@ def _log_marks(log_path: Path, after: float, before: float) -> dict[str, float]:
     return found
 
 
-def kills(run_dir: Path, record: list[dict], overwritten: float = 0.0) -> list[dict]:
+def kills(run_dir: Path, record: list[ChaosEntry], overwritten: float = 0.0) -> list[dict]:
     """One breakdown per fault of the record (see the module docstring); times in seconds after the kill.
 
     `overwritten`: the fraction of trained steps that never reach the model even without failures (a newer version
@@ -59,33 +61,32 @@ def kills(run_dir: Path, record: list[dict], overwritten: float = 0.0) -> list[d
     (`lost_steps`) are the unacknowledged ones less that share of the incarnation's steps."""
     run_dir = Path(run_dir)
     fragments = int(yaml.safe_load((run_dir / "config.yaml").read_text())["outer"]["fragments"])
-    events = read_jsonl(run_dir / "events.jsonl")
-    recoveries = {e["fault"]: e for e in record if e.get("event") == "recovery"}
+    events = read_events(run_dir)
+    recoveries = {e.fault: e for e in record if e.event == "recovery"}
     out = []
-    for f in (e for e in record if e.get("event") == "fault" and not e.get("dry_run")):
-        unit, at = f["unit"], float(f["time"])
-        mine = [e for e in events if e["name"] == unit]
-        exit_ = next((e for e in mine if e["event"] == "exit" and e["time"] >= at - 1.0), None)
-        start = next((e for e in mine if e["event"] == "start" and exit_ and e["time"] >= exit_["time"]), None)
-        nxt = next((e["time"] for e in mine if e["event"] == "start" and start and e["time"] > start["time"]),
-                   float("inf"))
+    for f in (e for e in record if e.event == "fault" and not e.dry_run):
+        unit, at = f.unit, f.time
+        mine = [e for e in events if e.name == unit]
+        exit_ = next((e for e in mine if e.event == "exit" and e.time >= at - 1.0), None)
+        start = next((e for e in mine if e.event == "start" and exit_ and e.time >= exit_.time), None)
+        nxt = next((e.time for e in mine if e.event == "start" and start and e.time > start.time), float("inf"))
         metrics = read_jsonl(run_dir / "learners" / unit / "metrics.jsonl")
-        k: dict = {"unit": unit, "at": at, "spare": bool(start and start.get("spare"))}
-        k["exit_seen"] = exit_["time"] - at if exit_ else None
-        k["restarted"] = start["time"] - at if start else None
+        k: dict = {"unit": unit, "at": at, "spare": bool(start and start.spare)}
+        k["exit_seen"] = exit_.time - at if exit_ else None
+        k["restarted"] = start.time - at if start else None
         if start:
             # From the exit on: a spare may log its takeover a few ms before the supervisor records the start.
-            marks = _log_marks(run_dir / "logs" / f"{unit}.log", exit_["time"], nxt)
+            marks = _log_marks(run_dir / "logs" / f"{unit}.log", exit_.time, nxt)
             for phase in LOG_MARKS:
                 k[phase] = marks[phase] - at if phase in marks else None
-            new = [r for r in metrics if start["time"] <= float(r["time"]) < nxt and int(r.get("step", 0)) > 0]
+            new = [r for r in metrics if start.time <= float(r["time"]) < nxt and int(r.get("step", 0)) > 0]
             if new:
                 r0 = new[0]
                 k["first_step"] = float(r0["time"]) - (int(r0["step"]) - 1) * float(r0.get("step_time_s") or 0) - at
                 acked = next((r for r in new if int(r.get("acked", 0)) > 0), None)
                 k["first_acked"] = float(acked["time"]) - at if acked else None
-        rec = recoveries.get(f.get("fault"))
-        k["merged_again"] = rec.get("merged_again_s") if rec else None
+        rec = recoveries.get(f.fault)
+        k["merged_again"] = rec.merged_again_s if rec else None
         old = [r for r in metrics if float(r["time"]) <= at]
         if old:
             last = old[-1]

@@ -29,6 +29,8 @@ from diloco_chaos.experiment import parse_experiment
 from diloco_chaos.record import summarize
 from diloco_chaos.schedule import Schedule
 from diloco_trainer.protocol.messages import ProcessEntry, ProcessesDoc, SyncerSample
+from diloco_trainer.protocol.chaos_record import read_record
+from diloco_trainer.protocol.runfiles import read_events
 from diloco_trainer.runtime.rundir import metrics_records, read_jsonl
 
 from . import harsh, quality, report, restart_state, runs
@@ -155,7 +157,7 @@ def run(ctx: report.Context) -> dict:
 
 
 def _faults(record: Path) -> list[dict]:
-    return [e for e in read_jsonl(record) if e.get("event") == "fault"]
+    return [e.model_dump(exclude_none=True) for e in read_record(record) if e.event == "fault"]
 
 
 def _measure(method: str, ff: dict, ch: dict, record: Path) -> dict:
@@ -167,11 +169,11 @@ def _measure(method: str, ff: dict, ch: dict, record: Path) -> dict:
         if out["failure_free"]["useful_per_s"] else None
     out["finished"] = ch.get("val_loss") is not None and "every learner finished" in str(ch.get("stop_reason"))
     if method == "decoupled":
-        out["recovery"] = summarize(read_jsonl(record))
+        out["recovery"] = summarize(read_record(record))
         out["uptime"] = chaos_goodput.from_run_dir(ch["run_dir"]).get("uptime")
     else:
-        out["job_restarts"] = [e for e in read_jsonl(Path(ch["run_dir"]) / "events.jsonl")
-                               if e.get("event") == "job_restart"]
+        out["job_restarts"] = [e.model_dump(exclude_defaults=True) for e in read_events(Path(ch["run_dir"]))
+                               if e.event == "job_restart"]
     return out
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from diloco_chaos import goodput as chaos_goodput
+from diloco_trainer.protocol.chaos_record import read_record
 from diloco_trainer.runtime.rundir import read_jsonl
 
 from . import report, runs
@@ -83,8 +84,8 @@ def _serving_and_merges(run_dir: Path, unit: str) -> tuple[list[float], list[flo
 
 def kills_of(record: Path) -> list[Kill]:
     """The syncer faults a chaos record says were injected (dry runs and faults of learners left out)."""
-    return [Kill(e.get("unit", "syncer"), e["back_at"]) for e in read_jsonl(record)
-            if e.get("event") == "fault" and not e.get("dry_run") and e.get("role", "syncer") == "syncer"]
+    return [Kill(e.unit or "syncer", e.back_at) for e in read_record(record)
+            if e.event == "fault" and not e.dry_run and (e.role or "syncer") == "syncer"]
 
 
 def _stats(xs: list[float]) -> dict | None:

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from diloco_trainer.protocol.chaos_record import ChaosEntry
+
 from .experiment import load_experiment, parse_duration
 from .metrics import ChaosMetrics
 from .record import Record
@@ -153,9 +155,9 @@ def _run(args) -> int:
         summary = asyncio.run(_main(exp, target, record, dry, display, metrics))
     finally:
         display.close()
-    end = next((e for e in reversed(record.entries) if e["event"] == "end"), None)
+    end = next((e for e in reversed(record.entries) if e.event == "end"), None)
     if end is not None:
-        print(f"experiment ended: {end['reason']} (record: {record.path})")
+        print(f"experiment ended: {end.reason} (record: {record.path})")
     print(f"faults {summary['faults']}, skipped {summary['skipped']}, recovered {summary['recovered']}, "
           f"not recovered {summary['not_recovered']}")
     if summary["trained_again_s_median"] is not None:
@@ -199,32 +201,33 @@ async def _main(exp, target, record, dry_run, display, metrics) -> dict:
             loop.remove_signal_handler(sig)
 
 
-def describe(entry: dict) -> str:
+def describe(entry: ChaosEntry) -> str:
     """One line for a record entry."""
-    kind = entry["event"]
-    stamp = time.strftime("%H:%M:%S", time.localtime(entry["time"]))
+    kind = entry.event
+    stamp = time.strftime("%H:%M:%S", time.localtime(entry.time))
     if kind == "fault":
-        verb = "WOULD " + entry["action"] if entry.get("dry_run") else entry["action"]
-        code = f" (exit code {entry['exit_code']})" if entry.get("exit_code") else ""
-        text = f"fault #{entry['fault']}: {verb}{code} {', '.join(entry['members'])} — {entry['why']}"
+        verb = "WOULD " + entry.action if entry.dry_run else entry.action
+        code = f" (exit code {entry.exit_code})" if entry.exit_code else ""
+        text = f"fault #{entry.fault}: {verb}{code} {', '.join(entry.members or [])} — {entry.why}"
     elif kind == "skipped":
-        text = f"no fault for tick #{entry.get('tick')}: {entry['reason']}"
+        text = f"no fault for tick #{entry.tick}: {entry.reason}"
     elif kind == "recovery":
-        if entry["recovered"]:
-            text = (f"fault #{entry['fault']} {entry['unit']} recovered: trained again after "
-                    f"{entry['trained_again_s']:.1f}s, merged again after {entry['merged_again_s']:.1f}s")
+        if entry.recovered:
+            text = (f"fault #{entry.fault} {entry.unit} recovered: trained again after "
+                    f"{entry.trained_again_s:.1f}s, merged again after {entry.merged_again_s:.1f}s")
         else:
-            text = f"fault #{entry['fault']} {entry['unit']} NOT recovered: {entry.get('note')}"
+            text = f"fault #{entry.fault} {entry.unit} NOT recovered: {entry.note}"
     elif kind == "held":
-        text = f"fault #{entry['fault']}: replacement of {entry['unit']} held until its downtime ends"
+        text = f"fault #{entry.fault}: replacement of {entry.unit} held until its downtime ends"
     elif kind == "released":
-        text = f"fault #{entry['fault']}: {entry['unit']} released"
+        text = f"fault #{entry.fault}: {entry.unit} released"
     elif kind == "ending":
-        text = f"no more faults: {entry['reason']}"
+        text = f"no more faults: {entry.reason}"
     elif kind == "experiment":
-        text = f"experiment {entry['name']} against {entry['target']}"
+        text = f"experiment {entry.name} against {entry.target}"
     else:
-        text = f"{kind}: {', '.join(f'{k}={v}' for k, v in entry.items() if k not in ('event', 'time'))}"
+        fields = entry.model_dump(exclude_none=True, exclude={"event", "time"})
+        text = f"{kind}: {', '.join(f'{k}={v}' for k, v in fields.items())}"
     return f"{stamp} {text}"
 
 

@@ -13,7 +13,8 @@ import yaml
 
 from diloco_trainer.goodput import goodput
 from diloco_trainer.protocol.messages import SyncerSample
-from diloco_trainer.protocol.runfiles import BaselineFinalState, SyncerFinalState, read_final_state
+from diloco_trainer.protocol.runfiles import (BaselineFinalState, SyncerFinalState, read_events,
+                                              read_final_state, starts_by_name)
 from diloco_trainer.runtime.rundir import learner_slots, metrics_records, read_jsonl
 
 MIN_STALL_S = 3.0  # the local runtime samples the syncer about once a second; shorter gaps are sampling noise
@@ -76,7 +77,8 @@ def from_run_dir(run_dir: str | Path, stall_threshold_s: float | None = None) ->
     run_dir = Path(run_dir)
     if not (run_dir / "learners").is_dir():
         raise ValueError(f"{run_dir} is not a run directory of `diloco local` (no learners/ inside)")
-    events = read_jsonl(run_dir / "events.jsonl")
+    events = read_events(run_dir)
+    starts = starts_by_name(events)
     samples = [SyncerSample.from_line(s) for s in read_jsonl(run_dir / "syncer.jsonl") if s.get("up")]
     final = read_final_state(run_dir)
     if isinstance(final, BaselineFinalState):  # a synchronous job: no syncer; useful = the final model's steps
@@ -91,8 +93,7 @@ def from_run_dir(run_dir: str | Path, stall_threshold_s: float | None = None) ->
 
     learners, t_trained = {}, None
     for name, sl in slots.items():
-        starts = [float(e["time"]) for e in events if e.get("name") == name and e["event"] == "start"]
-        learners[name] = {"incarnations": len(starts), "allocated_s": sl.allocated_s,
+        learners[name] = {"incarnations": len(starts[name]), "allocated_s": sl.allocated_s,
                           "allocated_after_startup_s": steady[name].allocated_s, "busy_s": sl.busy_s,
                           "steps": sl.steps,
                           "steps_merged": merged.get(name, 0) if merged is not None else round(sl.useful_steps),
@@ -101,8 +102,8 @@ def from_run_dir(run_dir: str | Path, stall_threshold_s: float | None = None) ->
                          if not r.final), default=None)
         if last_step is not None:
             t_trained = last_step if t_trained is None else max(t_trained, last_step)
-    t_start = min(float(e["time"]) for e in events if e.get("name") in slots and e["event"] == "start")
-    t_end = t_start + max(sl.allocated_s + _first_start(events, n) - t_start for n, sl in slots.items())
+    t_start = min(starts[name][0] for name in slots)
+    t_end = t_start + max(sl.allocated_s + starts[n][0] - t_start for n, sl in slots.items())
 
     figures = goodput(slots.values())
     advances = advances_from_samples(samples)
@@ -121,10 +122,6 @@ def from_run_dir(run_dir: str | Path, stall_threshold_s: float | None = None) ->
         "wall_s": t_end - t_start, "first_merge_after_s": None if first is None else first - t_start,
         **up,
     }
-
-
-def _first_start(events: list[dict], name: str) -> float:
-    return min(float(e["time"]) for e in events if e.get("name") == name and e["event"] == "start")
 
 
 def advances_from_samples(samples: list[SyncerSample]) -> list[float]:

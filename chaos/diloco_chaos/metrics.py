@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from diloco_trainer.protocol.chaos_record import ChaosEntry
+
 _RECOVERY_S = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 
 
@@ -29,17 +31,16 @@ class ChaosMetrics:
         self.uptime = Gauge("diloco_chaos_run_uptime", "Measured system uptime of the run under test",
                             ["experiment"], registry=r)
 
-    def observe(self, experiment: str, entry: dict) -> None:
+    def observe(self, experiment: str, entry: ChaosEntry) -> None:
         """Count one record entry."""
-        kind = entry["event"]
+        kind = entry.event
         if kind == "fault":
-            self.faults.labels(experiment, entry["action"], entry["role"], str(bool(entry["dry_run"])).lower()).inc()
+            self.faults.labels(experiment, entry.action, entry.role, str(bool(entry.dry_run)).lower()).inc()
         elif kind == "skipped":
             self.skipped.labels(experiment).inc()
         elif kind == "recovery":
-            self.recoveries.labels(experiment, "recovered" if entry["recovered"] else "not_recovered").inc()
-            for until in ("trained", "merged"):
-                value = entry.get(f"{until}_again_s")
+            self.recoveries.labels(experiment, "recovered" if entry.recovered else "not_recovered").inc()
+            for until, value in (("trained", entry.trained_again_s), ("merged", entry.merged_again_s)):
                 if value is not None:
                     self.recovery_seconds.labels(experiment, until).observe(value)
 

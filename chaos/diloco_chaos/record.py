@@ -1,13 +1,14 @@
-"""The record of an experiment (JSON lines: every fault, what, when, why, and its recovery) and the pure
-tracker that turns observations of the run into recovery times."""
+"""The record of an experiment (JSON lines of `protocol.chaos_record.ChaosEntry`: every fault, what, when, why, and
+its recovery) and the pure tracker that turns observations of the run into recovery times."""
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from diloco_trainer.protocol.chaos_record import ChaosEntry, append_entry
 
 HISTORY = 4096  # merged-counter samples kept per unit (a few hours at the runtimes' 1 Hz)
 
@@ -131,45 +132,32 @@ class Record:
 
     def __init__(self, path: Path | None):
         self.path = Path(path) if path is not None else None
-        self.entries: list[dict] = []
+        self.entries: list[ChaosEntry] = []
 
-    def write(self, event: str, **fields) -> dict:
-        entry = {"event": event, "time": time.time(), **fields}
+    def write(self, event: str, **fields) -> ChaosEntry:
+        entry = ChaosEntry(event=event, time=time.time(), **fields)
         self.entries.append(entry)
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)  # on first use: a refused run leaves nothing
-            with open(self.path, "a") as f:
-                f.write(json.dumps(entry, default=str) + "\n")
+            append_entry(self.path, entry)
         return entry
-
-
-def read_record(path: Path) -> list[dict]:
-    """Every complete line of a record file."""
-    out = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a torn last line from a killed writer
-    return out
 
 
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def summarize(entries: list[dict]) -> dict:
+def summarize(entries: list[ChaosEntry]) -> dict:
     """Counts and median/max recovery times of a record."""
-    faults = [e for e in entries if e["event"] == "fault"]
-    recoveries = [e for e in entries if e["event"] == "recovery"]
-    trained = [e["trained_again_s"] for e in recoveries if e.get("trained_again_s") is not None]
-    merged = [e["merged_again_s"] for e in recoveries if e.get("merged_again_s") is not None]
+    faults = [e for e in entries if e.event == "fault"]
+    recoveries = [e for e in entries if e.event == "recovery"]
+    trained = [e.trained_again_s for e in recoveries if e.trained_again_s is not None]
+    merged = [e.merged_again_s for e in recoveries if e.merged_again_s is not None]
     return {
         "faults": len(faults),
-        "dry_run_faults": sum(1 for e in faults if e.get("dry_run")),
-        "skipped": sum(1 for e in entries if e["event"] == "skipped"),
-        "recovered": sum(1 for e in recoveries if e.get("recovered")),
-        "not_recovered": sum(1 for e in recoveries if not e.get("recovered")),
+        "dry_run_faults": sum(1 for e in faults if e.dry_run),
+        "skipped": sum(1 for e in entries if e.event == "skipped"),
+        "recovered": sum(1 for e in recoveries if e.recovered),
+        "not_recovered": sum(1 for e in recoveries if not e.recovered),
         "trained_again_s_median": _median(trained), "trained_again_s_max": max(trained, default=None),
         "merged_again_s_median": _median(merged), "merged_again_s_max": max(merged, default=None),
     }

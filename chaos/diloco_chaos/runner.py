@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from diloco_trainer.protocol.chaos_record import ChaosEntry
+
 from .experiment import Experiment
 from .guards import decide, in_scope, stop_reason
 from .metrics import ChaosMetrics
@@ -33,7 +35,7 @@ class Progress:
     down: list[str]
     recovered: int
     ending: str | None
-    recent: list[dict] = field(default_factory=list)
+    recent: list[ChaosEntry] = field(default_factory=list)
 
 
 async def run_experiment(exp: Experiment, target: Target, record: Record, *, dry_run: bool = False,
@@ -68,7 +70,7 @@ async def run_experiment(exp: Experiment, target: Target, record: Record, *, dry
     ending, ending_at = None, None
     timeout_s = exp.safety.recovery_timeout_s
 
-    def note(event: str, **fields) -> dict:
+    def note(event: str, **fields) -> ChaosEntry:
         entry = record.write(event, **fields)
         if metrics is not None:
             metrics.observe(exp.name, entry)

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from diloco_bench import kill_cost
+from diloco_trainer.protocol.chaos_record import ChaosEntry
 
 T0 = time.mktime(time.strptime("2026-11-24 20:00:00", "%Y-%m-%d %H:%M:%S"))
 
@@ -22,9 +23,9 @@ def _run_dir(tmp_path):
     (run / "logs").mkdir()
     (run / "config.yaml").write_text(yaml.safe_dump({"outer": {"fragments": 4}}))
     kill = T0 + 100.0
-    events = [{"time": T0, "name": "learner-1", "event": "start", "pid": 10},
-              {"time": kill + 0.3, "name": "learner-1", "event": "exit", "code": -9},
-              {"time": kill + 2.3, "name": "learner-1", "event": "start", "pid": 11, "spare": True}]
+    events = [{"time": T0, "name": "learner-1", "role": "learner", "event": "start", "pid": 10},
+              {"time": kill + 0.3, "name": "learner-1", "role": "learner", "event": "exit", "code": -9},
+              {"time": kill + 2.3, "name": "learner-1", "role": "learner", "event": "start", "pid": 11, "spare": True}]
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     metrics = [  # the killed life: 40 steps, 4 × 20 fragment-steps acknowledged; then the new one, 1 step a line
         {"time": kill - 0.2, "step": 40, "acked_steps": 80, "acked": 5, "step_time_s": 0.4},
@@ -39,8 +40,8 @@ def _run_dir(tmp_path):
            f"{_stamp(kill + 3.1)} INFO learner-1[0] diloco_trainer.data.corpus: corpus from cache x.train.npy (1 / 1 bytes)",
            f"{_stamp(kill + 3.2)} INFO learner-1[0] diloco_trainer.learner.loop: learner learner-1 (...) starting at versions"]
     (run / "logs" / "learner-1.log").write_text("\n".join(log) + "\n")
-    record = [{"event": "fault", "time": kill, "unit": "learner-1", "fault": 1},
-              {"event": "recovery", "fault": 1, "unit": "learner-1", "merged_again_s": 7.5}]
+    record = [ChaosEntry(event="fault", time=kill, unit="learner-1", fault=1),
+              ChaosEntry(event="recovery", time=kill + 7.5, fault=1, unit="learner-1", merged_again_s=7.5)]
     return run, record
 
 

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from diloco_chaos.experiment import parse_experiment
-from diloco_chaos.record import Record, read_record, summarize
+from diloco_chaos.record import Record, summarize
+from diloco_trainer.protocol.chaos_record import read_record
 from diloco_chaos.runner import run_experiment
 from diloco_chaos.targets.kubernetes import KubernetesTarget
 from test_operator_cluster import cpu_units, events, job, unit_pods, wait_job_ready  # helpers only
@@ -64,29 +65,29 @@ async def test_pods_of_a_dilocojob_are_deleted_on_schedule_with_events_and_the_j
     summary = await run_experiment(exp, KubernetesTarget("victims", ns, kubeconfig=chaos_kubeconfig), record,
                                    poll_s=0.2)
 
-    faults = [e for e in record.entries if e["event"] == "fault"]
-    recoveries = [e for e in record.entries if e["event"] == "recovery"]
+    faults = [e for e in record.entries if e.event == "fault"]
+    recoveries = [e for e in record.entries if e.event == "recovery"]
     assert summary["faults"] == 3 and summary["recovered"] == 3, record.entries
-    killed = {uid for f in faults for uid in f["details"]["uids"].values()}
+    killed = {uid for f in faults for uid in f.details["uids"].values()}
     assert len(killed) == 3  # three different pods (a unit may be hit again once its replacement runs)
     # On schedule: each fault on a 2 s tick (ticks while a victim was still down were skipped, and recorded).
-    start = record.entries[0]["time"]
+    start = record.entries[0].time
     for f in faults:
-        ticks = (f["scheduled_at"] - start) / 2.0
+        ticks = (f.scheduled_at - start) / 2.0
         assert ticks >= 0.99 and abs(ticks - round(ticks)) < 0.05
-        assert f["time"] - f["scheduled_at"] < 1.5
+        assert f.time - f.scheduled_at < 1.5
     for r in recoveries:
-        assert 0 < r["trained_again_s"] < 60 and r["merged_again_s"] is None
+        assert 0 < r.trained_again_s < 60 and r.merged_again_s is None
     print(f"\nchaos pod kill -> replacement Running and Ready: median {summary['trained_again_s_median']:.2f}s, "
-          f"all {[round(r['trained_again_s'], 2) for r in recoveries]}")
+          f"all {[round(r.trained_again_s, 2) for r in recoveries]}")
     # An Event on every victim pod and on its unit, from the chaos tool.
     chaos_events = events(kubectl, ns, "ChaosPodKilled")
     for f in faults:
-        (pod,) = f["members"]
+        (pod,) = f.members
         assert any(e["involvedObject"]["kind"] == "Pod" and e["involvedObject"]["name"] == pod
-                   and e["source"]["component"] == "diloco-chaos" and f"fault #{f['fault']}" in e["message"]
+                   and e["source"]["component"] == "diloco-chaos" and f"fault #{f.fault}" in e["message"]
                    for e in chaos_events), chaos_events
-        assert any(e["involvedObject"]["kind"] == "LearnerUnit" and e["involvedObject"]["name"] == f["unit"]
+        assert any(e["involvedObject"]["kind"] == "LearnerUnit" and e["involvedObject"]["name"] == f.unit
                    for e in chaos_events)
     # The job healed: every unit ready again on new pods, 3 restarts in all, never below quorum.
     dj = wait_job_ready(kubectl, ns, "victims", 3)
@@ -104,8 +105,8 @@ async def test_a_pod_fails_with_the_exit_code_through_kwok(kubectl, operator, ns
     summary = await run_experiment(exp, KubernetesTarget("crash", ns, kubeconfig=chaos_kubeconfig), record,
                                    poll_s=0.2)
     assert summary["faults"] == 1 and summary["recovered"] == 1, record.entries
-    (fault,) = [e for e in record.entries if e["event"] == "fault"]
-    assert fault["unit"] == "crash-cpu-1"
+    (fault,) = [e for e in record.entries if e.event == "fault"]
+    assert fault.unit == "crash-cpu-1"
 
     def failed_seen():
         return [e for e in events(kubectl, ns, "PodFailed") if e["involvedObject"]["name"] == "crash-cpu-1"]
@@ -115,7 +116,7 @@ async def test_a_pod_fails_with_the_exit_code_through_kwok(kubectl, operator, ns
         print([(e["reason"], e["involvedObject"]["name"], e["message"]) for e in kubectl.get("events", ns=ns)])
         raise
     assert "exit code 3" in seen[0]["message"]
-    assert any(e["involvedObject"]["name"] == fault["members"][0] for e in events(kubectl, ns, "ChaosPodFailed"))
+    assert any(e["involvedObject"]["name"] == fault.members[0] for e in events(kubectl, ns, "ChaosPodFailed"))
     assert kubectl.get("lu", "crash-cpu-1", ns=ns)["status"]["restarts"] == 1
     assert kubectl.get("lu", "crash-cpu-0", ns=ns)["status"].get("restarts", 0) == 0
 
@@ -172,14 +173,14 @@ async def test_each_syncer_shard_is_a_target_of_its_own_and_a_fault_takes_one_sh
     record = Record(tmp_path / "record.jsonl")
     summary = await run_experiment(exp, target, record, poll_s=0.2)
     assert summary["faults"] == 2 and summary["recovered"] == 2, record.entries
-    faults = [e for e in record.entries if e["event"] == "fault"]
+    faults = [e for e in record.entries if e.event == "fault"]
     for f in faults:  # one shard's pod per fault, never both: the pod of that shard's Deployment
-        (pod,) = f["details"]["uids"]
-        assert f["unit"] in ("sharded-syncer-0", "sharded-syncer-1") and pod.startswith(f["unit"] + "-"), f
+        (pod,) = f.details["uids"]
+        assert f.unit in ("sharded-syncer-0", "sharded-syncer-1") and pod.startswith(f.unit + "-"), f
     # Both shards run again on new pods where they were hit, each Deployment healed on its own.
     wait_job_ready(kubectl, ns, "sharded", 1)
     shards = kubectl.get("dj", "sharded", ns=ns)["status"]["syncerShards"]
     assert [(s["name"], s["ready"]) for s in shards] == [("sharded-syncer-0", True), ("sharded-syncer-1", True)]
-    hit = {uid for f in faults for uid in f["details"]["uids"].values()}
+    hit = {uid for f in faults for uid in f.details["uids"].values()}
     assert hit and not hit & {p["metadata"]["uid"] for p in kubectl.get(
         "pod", ns=ns, selector=selector) if not p["metadata"].get("deletionTimestamp")}

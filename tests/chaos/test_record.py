@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from diloco_chaos.record import Record, RecoveryTracker, UnitObservation, read_record, summarize
+import pytest
+
+from diloco_chaos.record import Record, RecoveryTracker, UnitObservation, summarize
+from diloco_trainer.protocol.chaos_record import ChaosEntry, read_record
 
 
 def obs(started=None, lines=(), merged=(), running=True, running_since=None, no_lines=False):
@@ -77,7 +80,19 @@ def test_the_record_is_json_lines_that_survive_the_writer(tmp_path):
     with open(rec.path, "a") as f:
         f.write('{"event": "fau')  # torn by a kill
     entries = read_record(rec.path)
-    assert [e["event"] for e in entries] == ["fault", "recovery", "recovery"]
+    assert [e.event for e in entries] == ["fault", "recovery", "recovery"] and entries == rec.entries
     s = summarize(entries)
     assert s["faults"] == 1 and s["recovered"] == 2
     assert s["trained_again_s_median"] == 3.0 and s["merged_again_s_median"] == 6.0
+
+
+def test_a_target_s_own_details_are_kept_and_a_record_line_of_another_shape_names_its_field(tmp_path):
+    rec = Record(tmp_path / "r.jsonl")
+    rec.write("held", fault=1, unit="a", until=5.0, held_pids=[11, 12])
+    (held,) = read_record(rec.path)
+    assert held.until == 5.0 and held.model_extra == {"held_pids": [11, 12]}
+    with open(rec.path, "a") as f:
+        f.write('{"event": "fault", "time": 2.0, "fault": "first"}\n')
+    with pytest.raises(ValueError, match=r"r\.jsonl, line 2: fault"):
+        read_record(rec.path)
+    assert ChaosEntry(event="end", time=1.0, reason="done").line() == '{"event": "end", "time": 1.0, "reason": "done"}\n'

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from diloco_trainer.protocol.runfiles import read_events, starts_by_name
 from diloco_trainer.runtime.procs import child_env
 from diloco_trainer.runtime.rundir import read_jsonl, split_incarnations
-from diloco_trainer.runtime.summary import learner_starts
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -60,18 +60,18 @@ def _kill_worker_after(mode: str, run_dir: Path, victim: str, step: int, committ
 
 def _incarnations(run_dir: Path, name: str) -> list[list[dict]]:
     """A worker's metrics lines, one list per process incarnation (the supervisor's start events)."""
-    starts = learner_starts(read_jsonl(run_dir / "events.jsonl"))[name]
+    starts = starts_by_name(read_events(run_dir))[name]
     return split_incarnations(read_jsonl(run_dir / "learners" / name / "metrics.jsonl"), starts)
 
 
 def _assert_resumed_from_the_checkpoint(run_dir: Path, summary: dict, steps: int, every: int) -> int:
     """One whole-job restart from a committed multiple of `every`; totals count the work done twice.
     Returns the checkpoint step."""
-    (restart,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "job_restart"]
-    resume = restart["checkpoint_step"]
-    assert restart["failed"] == "learner-1" and restart["code"] == -signal.SIGKILL
+    (restart,) = [e for e in read_events(run_dir) if e.event == "job_restart"]
+    resume = restart.checkpoint_step
+    assert restart.failed == "learner-1" and restart.code == -signal.SIGKILL
     assert resume > 0 and resume % every == 0
-    assert summary["restarts"] == 1 and summary["lost_steps"] == restart["lost_steps"] > 0
+    assert summary["restarts"] == 1 and summary["lost_steps"] == restart.lost_steps > 0
     lost = 0
     for name in ("learner-0", "learner-1"):
         first, second = _incarnations(run_dir, name)

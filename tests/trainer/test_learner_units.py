@@ -108,3 +108,25 @@ def test_prometheus_endpoint_serves_the_latest_learner_figures():
     assert 'diloco_learner_step{learner_id="l7"} 42.0' in text
     assert 'diloco_learner_acked_tokens_total{learner_id="l7"} 640.0' in text
     assert 'diloco_learner_fragment_version{fragment="1",learner_id="l7"} 4.0' in text
+
+
+def test_every_link_counter_reaches_the_metrics_record_and_the_exported_ones_reach_metrics():
+    from diloco_trainer.learner.client import SyncerClient
+    from diloco_trainer.protocol.messages import LearnerRecord, LinkCounters
+
+    client = SyncerClient("http://127.0.0.1:9", "t", "l7")  # never bootstrapped: only its counters are read
+    try:
+        assert set(client.snapshot()) == set(LinkCounters.model_fields)
+    finally:
+        client.close()
+    assert set(LinkCounters.model_fields) <= set(LearnerRecord.model_fields)
+    record = LearnerRecord(time=1.0, learner_id="l7", sent=3, bytes_down_full=7.0, tokens=5).model_dump()
+    server = serve_metrics(0, lambda: record)
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=10).read().decode()
+    finally:
+        server.shutdown()
+    for line in ('diloco_learner_sent_total{learner_id="l7"} 3.0', 'diloco_learner_bytes_down_full_total'
+                 '{learner_id="l7"} 7.0', 'diloco_learner_tokens_total{learner_id="l7"} 5.0',
+                 'diloco_learner_pending{learner_id="l7"} 0.0', 'diloco_learner_xla_compiles_total'):
+        assert line in text

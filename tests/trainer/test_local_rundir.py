@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from diloco_trainer.protocol.messages import MetricsRecord, SyncerStatus
+from diloco_trainer.protocol.runfiles import RunEvent
 from diloco_trainer.runtime import report
 from diloco_trainer.runtime.rundir import last_jsonl, learner_totals, make_run_dir, read_jsonl, split_incarnations
 from diloco_trainer.runtime.session import load_config, parse_slowdown
@@ -45,7 +46,8 @@ def test_an_incarnation_resumed_from_a_checkpoint_counts_only_the_steps_past_it(
 
 
 def test_a_restarted_sync_job_counts_lost_steps_as_trained_but_not_kept():
-    events = [{"event": "start", "name": "learner-0"}, {"event": "job_restart", "name": "job", "lost_steps": 8}]
+    events = [RunEvent(time=1.0, event="start", name="learner-0", role="learner"),
+              RunEvent(time=2.0, event="job_restart", name="job", role="job", lost_steps=8)]
     final = {n: MetricsRecord(time=1.0, learner_id=n, step=30, resumed_from_step=20, acked_steps=10)
              for n in ("learner-0", "learner-1")}
     figures = sync_job_figures(events, final, tokens_per_step=512)
@@ -146,8 +148,8 @@ def test_quick_error_exits_count_as_a_crash_loop_but_chaos_kills_do_not():
     def events(codes):
         out, t = [], 0.0
         for code in codes:
-            out += [{"name": "learner-0", "event": "start", "time": t},
-                    {"name": "learner-0", "event": "exit", "code": code, "time": t + 2.0}]
+            out += [RunEvent(name="learner-0", role="learner", event="start", time=t),
+                    RunEvent(name="learner-0", role="learner", event="exit", code=code, time=t + 2.0)]
             t += 5.0
         return out
 

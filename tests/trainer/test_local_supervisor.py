@@ -149,7 +149,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path):
         sup.stop(["learner-0"], timeout=1.0)
         assert time.monotonic() - started < 5
         assert not child.alive and child.exits == [-signal.SIGKILL]
-        assert any(e["event"] == "kill" for e in sup.events)
+        assert any(e.event == "kill" for e in sup.events)
         assert child.restart_at is None, "a child stopped on purpose must not be restarted"
 
 
@@ -227,7 +227,7 @@ def test_a_restart_hold_keeps_a_killed_child_down_until_it_ends_and_a_lifted_hol
         assert held1.restarts == 0 and not held1.alive
         (holds / "learner-1.json").unlink()  # the tool lifted its hold: the restart follows at once
         _wait(lambda: held1.restarts == 1, timeout=2.0, sup=sup)
-        assert [e["until"] for e in sup.events if e["event"] == "held" and e["name"] == "learner-0"] == [until]
+        assert [e.until for e in sup.events if e.event == "held" and e.name == "learner-0"] == [until]
 
 
 def test_an_unreadable_restart_hold_is_ignored_so_a_broken_tool_cannot_keep_a_child_down(tmp_path):
@@ -239,4 +239,4 @@ def test_an_unreadable_restart_hold_is_ignored_so_a_broken_tool_cannot_keep_a_ch
         sup.start("learner-0")
         os.killpg(sup.children["learner-0"].proc.pid, signal.SIGKILL)
         _wait(lambda: sup.children["learner-0"].restarts == 1, timeout=3.0, sup=sup)
-        assert any(e["event"] == "hold-ignored" for e in sup.events)
+        assert any(e.event == "hold-ignored" for e in sup.events)

@@ -1,4 +1,5 @@
-"""The run-directory files other packages read, through their one reader: final/state.json in both shapes."""
+"""The run-directory files other packages read, through their one reader: final/state.json in both shapes and
+events.jsonl."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from diloco_trainer.protocol.runfiles import BaselineFinalState, SyncerFinalState, read_final_state
+from diloco_trainer.protocol.runfiles import (BaselineFinalState, RunEvent, SyncerFinalState, append_event, read_events,
+                                              read_final_state, starts_by_name)
 
 
 def _write(run_dir: Path, doc) -> Path:
@@ -46,3 +48,34 @@ def test_a_run_without_a_final_state_reads_as_none(tmp_path):
 def test_a_final_state_of_neither_shape_is_a_value_error_naming_the_file_and_field(tmp_path, doc, field):
     with pytest.raises(ValueError, match=rf"state\.json: .*{field}"):
         read_final_state(_write(tmp_path, doc))
+
+
+def test_events_written_by_the_one_writer_read_back_as_the_same_events(tmp_path):
+    events = [RunEvent(time=1.0, name="learner-0", role="learner", event="start", pid=10),
+              RunEvent(time=5.0, name="learner-0", role="learner", event="exit", code=-9),
+              RunEvent(time=6.0, name="learner-0", role="learner", event="start", pid=11, spare=True),
+              RunEvent(time=7.0, name="job", role="job", event="job_restart", restart=1, code=0, lost_steps=0,
+                       lost_steps_by_worker={"learner-1": 0})]
+    for e in events:
+        append_event(tmp_path / "events.jsonl", e)
+    assert read_events(tmp_path) == events
+    assert starts_by_name(events) == {"learner-0": [1.0, 6.0]}
+    lines = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert lines[1] == {"time": 5.0, "name": "learner-0", "role": "learner", "event": "exit", "code": -9}
+    assert lines[3]["code"] == 0 and lines[3]["lost_steps"] == 0  # a zero is a value, not a default left out
+
+
+def test_events_of_a_run_still_writing_skip_the_torn_last_line(tmp_path):
+    append_event(tmp_path / "events.jsonl", RunEvent(time=1.0, name="syncer", role="syncer", event="start", pid=3))
+    with open(tmp_path / "events.jsonl", "a") as f:
+        f.write('{"time": 2.0, "name": "syn')
+    assert [e.name for e in read_events(tmp_path)] == ["syncer"]
+    assert read_events(tmp_path / "nowhere") == []
+
+
+def test_an_event_of_another_shape_is_a_value_error_naming_the_line_and_field(tmp_path):
+    (tmp_path / "events.jsonl").write_text(json.dumps({"time": 1.0, "name": "a", "role": "learner", "event": "start"})
+                                           + "\n" + json.dumps({"time": 2.0, "name": "a", "role": "learner",
+                                                                "event": "vanished"}) + "\n")
+    with pytest.raises(ValueError, match=r"events\.jsonl, line 2: event"):
+        read_events(tmp_path)

@@ -214,8 +214,8 @@ def test_a_warm_standby_takes_over_a_syncer_killed_during_merges_and_nothing_ack
         learner.start()
         wait_for(lambda: len(learner.acked) >= 6, 60, "acknowledged submissions before the kill", 0.05)
         os.kill(first_pid, signal.SIGKILL)  # in the middle of merging: a merge follows every submission
-        wait_for(lambda: [e for e in sup.poll() if e["event"] == "start"] or syncer.restarts, 60, "the restart", 0.05)
-        assert syncer.proc.pid == standby_pid and sup.events[-1].get("standby") is True
+        wait_for(lambda: [e for e in sup.poll() if e.event == "start"] or syncer.restarts, 60, "the restart", 0.05)
+        assert syncer.proc.pid == standby_pid and sup.events[-1].standby is True
         wait_for(lambda: json.loads((state_dir / "endpoint.json").read_text())["pid"] == standby_pid, 60, "the standby to serve", 0.05)
         acked_before = len(learner.acked)
         wait_for(lambda: len(learner.acked) >= acked_before + 6, 60, "acknowledged submissions after the takeover", 0.05)

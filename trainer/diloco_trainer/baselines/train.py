@@ -22,7 +22,7 @@ from pathlib import Path
 
 from diloco_trainer import checkpoint
 from diloco_trainer.fsutil import atomic_write
-from diloco_trainer.protocol.runfiles import FINAL_STATE, BaselineFinalState
+from diloco_trainer.protocol.runfiles import EVENTS, FINAL_STATE, BaselineFinalState, RunEvent, append_event
 from diloco_trainer.runtime import elastic, launch, procs
 from diloco_trainer.runtime.procs import Child, StopFlag, Supervisor
 from diloco_trainer.runtime.rundir import append_jsonl, make_run_dir, read_jsonl, write_config, write_json
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
     stop = StopFlag()
     env = procs.child_env()
-    with Supervisor(run_dir / "processes.json", run_dir / "events.jsonl", run_dir / "holds") as sup, stop.installed():
+    with Supervisor(run_dir / "processes.json", run_dir / EVENTS, run_dir / "holds") as sup, stop.installed():
         port = _free_port()
         for rank in range(args.learners):
             name = f"learner-{rank}"
@@ -162,10 +162,10 @@ def _restart_job(session: RunSession, sup: Supervisor, run_dir: Path, failed: Ch
             for c in workers}
     lost = elastic.lost_steps(last, resume_step or 0)
     session.message(elastic.restart_message(failed.name, code, len(workers), resume_step, restart, max_restarts))
-    append_jsonl(run_dir / "events.jsonl", {
-        "time": time.time(), "name": "job", "role": "job", "event": "job_restart", "restart": restart,
-        "max_restarts": max_restarts, "failed": failed.name, "code": code, "checkpoint_step": resume_step or 0,
-        "failed_step": last[failed.name], "lost_steps": sum(lost.values()), "lost_steps_by_worker": lost})
+    append_event(run_dir / EVENTS, RunEvent(
+        time=time.time(), name="job", role="job", event="job_restart", restart=restart, max_restarts=max_restarts,
+        failed=failed.name, code=code, checkpoint_step=resume_step or 0, failed_step=last[failed.name],
+        lost_steps=sum(lost.values()), lost_steps_by_worker=lost))
     for child in workers:
         child.argv, child.finished = argv_by_rank[child.meta["rank"]], False
         sup.start(child.name)

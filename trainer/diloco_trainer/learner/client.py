@@ -18,8 +18,8 @@ from pathlib import Path
 import aiohttp
 from torch import Tensor
 
-from diloco_trainer.protocol.messages import (ErrorAnswer, HeartbeatAnswer, HeartbeatRequest, RegisterAnswer, RegisterRequest,
-                       SubmitAnswer, VersionsAnswer)
+from diloco_trainer.protocol.messages import (ErrorAnswer, HeartbeatAnswer, HeartbeatRequest, LinkCounters,
+                                              RegisterAnswer, RegisterRequest, SubmitAnswer, VersionsAnswer)
 from diloco_trainer.config import TrainConfig
 from diloco_trainer.protocol.downlink import decode_answer, initial_theta, is_quantized, reconstruct
 from diloco_trainer.protocol.tls import client_context, warn_if_plain
@@ -88,25 +88,6 @@ class FragmentUpdate:
     rewind: bool = False
 
 
-@dataclass
-class ClientStats:
-    sent: int = 0  # submissions delivered to the syncer (any HTTP answer)
-    acked: int = 0
-    acked_tokens: int = 0
-    acked_steps: int = 0
-    rejected: int = 0  # 4xx answers, stale bases (409) included; those submissions are dropped
-    stale: int = 0
-    bytes_up: int = 0
-    bytes_down: int = 0
-    bytes_down_full: int = 0  # of bytes_down: whole fragments and the start-up state
-    versions_rebuilt: int = 0  # fragment versions rebuilt from updates of the quantized down-link
-    versions_full: int = 0  # fragment versions fetched whole
-    digest_mismatches: int = 0  # rebuilt versions whose digest differed from the syncer's (then fetched whole)
-    syncer_up: bool = False
-    last_error: str = ""
-    superseded: int = 0
-
-
 class SyncerClient:
     """Network client of one learner unit (rank 0 only). All public methods are thread-safe and never block,
     except `bootstrap`, which retries until the syncer answers (or `stop_flag` is set)."""
@@ -128,7 +109,7 @@ class SyncerClient:
         self.downlink = "fp32"  # how fragment versions come: the run's outer.downlink, taken from the registration
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self.heartbeat_s = 5.0
-        self.stats = ClientStats()
+        self.stats = LinkCounters()  # `pending` is counted when asked (snapshot)
         self._lock = threading.Lock()
         self._outbox: OrderedDict[str, Submission] = OrderedDict()  # submission id -> latest body
         self._maybe_delivered: dict[str, Submission] = {}  # first attempt whose fate is unknown, per id
@@ -208,14 +189,9 @@ class SyncerClient:
             return len(self._outbox)
 
     def snapshot(self) -> dict:
-        """Counters for metrics.jsonl and /metrics."""
+        """Counters for metrics.jsonl and /metrics: the fields of LinkCounters."""
         with self._lock:
-            s = self.stats
-            return {"sent": s.sent, "acked": s.acked, "acked_tokens": s.acked_tokens, "acked_steps": s.acked_steps,
-                    "rejected": s.rejected, "stale": s.stale, "superseded": s.superseded, "bytes_up": s.bytes_up,
-                    "bytes_down": s.bytes_down, "bytes_down_full": s.bytes_down_full,
-                    "versions_rebuilt": s.versions_rebuilt, "versions_full": s.versions_full,
-                    "digest_mismatches": s.digest_mismatches, "syncer_up": s.syncer_up, "pending": len(self._outbox)}
+            return self.stats.model_dump() | {"pending": len(self._outbox)}
 
     def close(self, drain_s: float = 0.0) -> bool:
         """Wait up to `drain_s` for queued submissions to be answered, then stop; True if nothing was left."""
@@ -271,7 +247,7 @@ class SyncerClient:
             if up != self.stats.syncer_up:
                 which = "syncer" if self.shards == 1 else f"syncer shard {self.shard} ({self.url})"
                 log.info("%s %s%s", which, "reachable" if up else "unreachable", f": {error}" if error else "")
-            self.stats.syncer_up, self.stats.last_error = up, error
+            self.stats.syncer_up = up
 
     def _delay(self, attempt: int) -> float:
         """Exponential backoff with full jitter (spreads retries of many learners after a syncer restart). Capped at

@@ -4,23 +4,13 @@ from __future__ import annotations
 
 import logging
 
+from diloco_trainer.protocol.messages import LearnerRecord, prometheus_fields
+
 log = logging.getLogger(__name__)
 
-_GAUGES = {"step": "inner steps since (re)start", "loss": "training loss (mean over the last log window)",
-           "tokens_per_s": "tokens per second (last log window)", "step_time_s": "seconds per inner step",
-           "syncer_up": "1 if the last request to the syncer succeeded", "pending": "submissions awaiting an answer",
-           "epoch": "epoch of the data shard"}
-_COUNTERS = {"tokens": "tokens trained since (re)start", "queued": "outer gradients built and queued",
-             "sent": "outer gradients delivered (answered by the syncer)",
-             "acked": "outer gradients acknowledged", "acked_tokens": "tokens covered by acknowledged submissions",
-             "acked_steps": "steps covered by acknowledged submissions", "rejected": "submissions rejected (4xx)",
-             "adoptions": "fragment versions adopted", "bytes_up": "outer-gradient bytes sent",
-             "bytes_down": "fragment/state bytes received",
-             "bytes_down_full": "of bytes_down: whole fragments and the start-up state",
-             "versions_rebuilt": "fragment versions rebuilt from down-link updates",
-             "versions_full": "fragment versions fetched whole",
-             "digest_mismatches": "rebuilt versions whose digest differed from the syncer's",
-             "xla_compiles": "XLA graphs compiled (torch_xla's CompileTime count; 0 off XLA)"}
+# The metrics record's fields marked counter or gauge (protocol/messages.py), exported as diloco_learner_<name>.
+_GAUGES = prometheus_fields(LearnerRecord, "gauge")
+_COUNTERS = prometheus_fields(LearnerRecord, "counter")
 
 
 def serve_metrics(port: int, snapshot):

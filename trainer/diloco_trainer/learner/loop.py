@@ -29,17 +29,13 @@ from diloco_trainer.learner import inner_state
 from diloco_trainer.learner.inner_step import InnerStep
 from diloco_trainer.model.build import build_model, vocab_size_of
 from diloco_trainer.learner.outer_sync import OuterSync
-from diloco_trainer.protocol.messages import LearnerRecord
+from diloco_trainer.protocol.messages import LearnerRecord, LinkCounters
 
 log = logging.getLogger(__name__)
 
 # Steps between two saves of the data position and the inner state (a SIGKILL replays at most this many batches and
 # restarts from moments at most this many steps old).
 POSITION_EVERY = 10
-# What the metrics record takes from the syncer client's counters (SyncerClient.snapshot()).
-NET_COUNTERS = ("superseded", "sent", "acked", "acked_tokens", "acked_steps", "rejected", "stale", "syncer_up",
-                "pending", "bytes_up", "bytes_down", "bytes_down_full", "versions_rebuilt", "versions_full",
-                "digest_mismatches")
 
 
 @dataclass
@@ -333,7 +329,7 @@ class Learner:
             versions=self._versions(), queued=self.outer.queued, adoptions=self.outer.adoptions,
             steps_kept=self.outer.steps_kept, steps_discarded=self.outer.steps_discarded,
             epoch=self.sampler.epoch, lr=self.opt.param_groups[0]["lr"],
-            **{k: net[k] for k in NET_COUNTERS if k in net}, **devices.xla_graph_counts(self.device),
+            **{k: net[k] for k in LinkCounters.model_fields if k in net}, **devices.xla_graph_counts(self.device),
         ).model_dump()
 
     def _log(self, window: Window, final: bool = False) -> None:

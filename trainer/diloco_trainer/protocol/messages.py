@@ -225,47 +225,70 @@ class SyncerSample(_Document):
 # ------------------------------------------------------------------------------------------ run directory
 
 
-class LearnerRecord(_Document):
-    """One line of a learner's metrics.jsonl: exactly the fields `Learner._record` writes, plus `final` on the line
-    written as the learner stops. Counters restart at zero in each incarnation of the learner."""
+def _counter(doc: str, default=0):
+    """A field the learner's /metrics exports as the counter diloco_learner_<name> (learner/exporter.py)."""
+    return Field(default, description=doc, json_schema_extra={"prometheus": "counter"})
+
+
+def _gauge(doc: str, default=0):
+    """A field the learner's /metrics exports as the gauge diloco_learner_<name>."""
+    return Field(default, description=doc, json_schema_extra={"prometheus": "gauge"})
+
+
+class LinkCounters(_Document):
+    """What a learner's link to the syncer counts (learner/client.py; a sharded link sums its shards'). The one list
+    of these names: the client's stats, the metrics record and /metrics take them from here."""
+
+    superseded: int = 0  # submissions replaced in the outbox by a newer one of the same fragment before being sent
+    sent: int = _counter("outer gradients delivered (answered by the syncer)")
+    acked: int = _counter("outer gradients acknowledged")
+    acked_tokens: int = _counter("tokens covered by acknowledged submissions")
+    acked_steps: int = _counter("steps covered by acknowledged submissions")
+    rejected: int = _counter("submissions rejected (4xx)")  # stale bases (409) included; those are dropped
+    stale: int = 0
+    syncer_up: bool = _gauge("1 if the last request to the syncer succeeded", False)
+    pending: int = _gauge("submissions awaiting an answer")
+    bytes_up: float = _counter("outer-gradient bytes sent")
+    bytes_down: float = _counter("fragment/state bytes received")
+    bytes_down_full: float = _counter("of bytes_down: whole fragments and the start-up state")
+    versions_rebuilt: int = _counter("fragment versions rebuilt from down-link updates")
+    versions_full: int = _counter("fragment versions fetched whole")
+    digest_mismatches: int = _counter("rebuilt versions whose digest differed from the syncer's")  # then fetched whole
+
+
+class LearnerRecord(LinkCounters):
+    """One line of a learner's metrics.jsonl: exactly the fields `Learner._record` writes (its own and its link's
+    counters), plus `final` on the line written as the learner stops. Counters restart at zero in each incarnation
+    of the learner. Fields marked counter or gauge are what its /metrics exports."""
 
     time: float
     learner_id: str
     unit: int = 0
     world_size: int = 1
-    step: int = 0
-    loss: float | None = None
-    tokens: int = 0
-    tokens_per_s: float = 0.0
-    step_time_s: float | None = None
+    step: int = _gauge("inner steps since (re)start")
+    loss: float | None = _gauge("training loss (mean over the last log window)", None)
+    tokens: int = _counter("tokens trained since (re)start")
+    tokens_per_s: float = _gauge("tokens per second (last log window)", 0.0)
+    step_time_s: float | None = _gauge("seconds per inner step", None)
     versions: dict[str, int] = Field(default_factory=dict)
-    queued: int = 0
-    superseded: int = 0
-    sent: int = 0
-    acked: int = 0
-    acked_tokens: int = 0
-    acked_steps: int = 0
-    rejected: int = 0
-    stale: int = 0
-    adoptions: int = 0
+    queued: int = _counter("outer gradients built and queued")
+    adoptions: int = _counter("fragment versions adopted")
     steps_kept: int = 0  # steps carried over adoptions on top of the new version (outer.adopt=keep)
     steps_discarded: int = 0  # steps trained on a fragment and overwritten by an adoption (outer.adopt=overwrite)
-    syncer_up: bool = False
-    pending: int = 0
-    bytes_up: float = 0
-    bytes_down: float = 0
-    bytes_down_full: float = 0  # of bytes_down: whole fragments and the start-up state
-    versions_rebuilt: int = 0  # fragment versions rebuilt from updates of the quantized down-link
-    versions_full: int = 0
-    digest_mismatches: int = 0
-    epoch: int = 0
+    epoch: int = _gauge("epoch of the data shard")
     lr: float | None = None
     # On an XLA device, torch_xla's own counts so far (learner/devices.py): graphs compiled, seconds compiling, graphs
     # run. Compilations that keep growing with the steps mean a graph changes every step.
-    xla_compiles: int | None = None
+    xla_compiles: int | None = _counter("XLA graphs compiled (torch_xla's CompileTime count; 0 off XLA)", None)
     xla_compile_s: float | None = None
     xla_executions: int | None = None
     final: bool = False
+
+
+def prometheus_fields(model: type[BaseModel], kind: str) -> dict[str, str]:
+    """The fields of `model` marked `kind` ("counter" or "gauge"), with their help text."""
+    return {name: f.description for name, f in model.model_fields.items()
+            if (f.json_schema_extra or {}).get("prometheus") == kind}
 
 
 class MetricsRecord(LearnerRecord):

@@ -1,5 +1,6 @@
 """Files of a run directory that other packages read (summary, `diloco chaos goodput`, bench): one model and one
-reader each. final/state.json has two shapes: the syncer's last checkpoint state, or a baseline's end record."""
+reader each. events.jsonl: the supervisor's record of its processes. final/state.json has two shapes: the syncer's
+last checkpoint state, or a baseline's end record."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from diloco_trainer.fsutil import read_jsonl
 from diloco_trainer.protocol.messages import describe
 
 FINAL_STATE = Path("final") / "state.json"
+EVENTS = Path("events.jsonl")
 
 
 class _File(BaseModel):
@@ -67,3 +70,64 @@ def read_final_state(run_dir: Path) -> FinalState | None:
         return model.model_validate(raw)
     except ValidationError as exc:
         raise ValueError(f"{path}: {describe(exc)}") from None
+
+
+# ------------------------------------------------------------------------------------------------ events.jsonl
+
+EventKind = Literal["start", "exit", "kill", "held", "hold-ignored", "job_restart"]
+
+
+class RunEvent(_File):
+    """One line of events.jsonl: what the supervisor (runtime/procs.py) did to or saw of one process, or a
+    synchronous baseline's whole-job restart (`name` "job"). Fields beyond the first four belong to some kinds."""
+
+    time: float
+    name: str
+    role: str  # learner | syncer | job
+    event: EventKind
+    pid: int | None = None  # start
+    spare: bool = False  # start: a warm spare took the learner over
+    standby: bool = False  # start: a warm standby syncer took over
+    code: int | None = None  # exit: the exit code (negative: killed by that signal)
+    until: float | None = None  # held: restart held until then (unix time)
+    reason: str | None = None  # kill, hold-ignored
+    # job_restart (baselines/train.py): which worker failed, and what the restart from the checkpoint cost
+    restart: int | None = None
+    max_restarts: int | None = None
+    failed: str | None = None
+    checkpoint_step: int | None = None
+    failed_step: int | None = None
+    lost_steps: int | None = None
+    lost_steps_by_worker: dict[str, int] | None = None
+
+    def line(self) -> str:
+        """The JSON line: the fields this kind carries (defaults left out)."""
+        return self.model_dump_json(exclude_defaults=True) + "\n"
+
+
+def append_event(path: Path, event: RunEvent) -> None:
+    """Append one event to an events.jsonl file (one write, so a killed writer leaves at most a torn last line)."""
+    with open(path, "a") as f:
+        f.write(event.line())
+
+
+def read_events(run_dir: Path) -> list[RunEvent]:
+    """events.jsonl of `run_dir` as its model ([] if the run has none yet); a torn last line is skipped, a line of
+    another shape raises ValueError naming the file and the field."""
+    path = Path(run_dir) / EVENTS
+    out = []
+    for n, raw in enumerate(read_jsonl(path), 1):
+        try:
+            out.append(RunEvent.model_validate(raw))
+        except ValidationError as exc:
+            raise ValueError(f"{path}, line {n}: {describe(exc)}") from None
+    return out
+
+
+def starts_by_name(events: list[RunEvent]) -> dict[str, list[float]]:
+    """Wall-clock start times of every incarnation of every process."""
+    starts: dict[str, list[float]] = {}
+    for e in events:
+        if e.event == "start":
+            starts.setdefault(e.name, []).append(e.time)
+    return starts

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from diloco_trainer.protocol.runfiles import EVENTS
 from diloco_trainer.runtime import launch, procs
 from diloco_trainer.runtime.procs import Child, StopFlag, Supervisor
 from diloco_trainer.runtime.rundir import make_run_dir, write_config
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
                          eval_batches=args.eval_batches, snapshots=args.snapshots)
 
     stop = StopFlag()
-    with Supervisor(run_dir / "processes.json", run_dir / "events.jsonl", run_dir / "holds") as sup, stop.installed():
+    with Supervisor(run_dir / "processes.json", run_dir / EVENTS, run_dir / "holds") as sup, stop.installed():
         syncer_dirs = [run_dir / name for name in names]  # "syncer", or one directory per shard
         hosts = sorted({args.syncer_host, "127.0.0.1", "localhost"})
         tls = make_authority(run_dir / "tls", hosts) if args.tls else None
@@ -183,8 +184,8 @@ def run(args: argparse.Namespace) -> int:
         sup.poll()
         session.close_display()
         for event in sup.events:
-            if event["event"] == "kill":
-                print(f"warning: {event['name']} had to be killed: {event.get('reason')}", file=sys.stderr)
+            if event.event == "kill":
+                print(f"warning: {event.name} had to be killed: {event.reason}", file=sys.stderr)
 
     if len(syncer_dirs) == 1:
         _copy_final_checkpoint(syncer_dirs[0], run_dir / "final")

@@ -8,7 +8,6 @@ learners before the syncer) and under `runtime.guard` (the kernel stops it if th
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 import diloco_trainer
 from diloco_trainer.fsutil import atomic_write_json
 from diloco_trainer.protocol.messages import ProcessEntry, ProcessesDoc, RestartHold
+from diloco_trainer.protocol.runfiles import RunEvent, append_event
 
 from diloco_trainer.runtime.spares import SparePool
 from diloco_trainer.runtime.standby import SyncerStandby
@@ -111,7 +111,7 @@ class Supervisor:
         self.processes_json = processes_json
         self.events_jsonl = events_jsonl
         self.stopping = False
-        self.events: list[dict] = []  # start / exit / restart records, for the run directory
+        self.events: list[RunEvent] = []  # start / exit / kill / hold records, for the run directory
         self.spares: SparePool | None = None  # warm spares that restarted learners take over (optional)
         self.syncer_standby: SyncerStandby | None = None  # a warm syncer that takes over a dead one (optional)
 
@@ -154,8 +154,7 @@ class Supervisor:
         child.starts.append(time.time())
         child.restart_at = None
         child.stop_requested = False
-        self._event(child, "start", pid=child.proc.pid, **({"spare": True} if spare is not None else {}),
-                    **({"standby": True} if standby is not None else {}))
+        self._event(child, "start", pid=child.proc.pid, spare=spare is not None, standby=standby is not None)
         self.write_processes_json()
         return child
 
@@ -169,7 +168,7 @@ class Supervisor:
                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
 
-    def poll(self) -> list[dict]:
+    def poll(self) -> list[RunEvent]:
         """Reap exited children, schedule restarts for crashed ones, start those that are due.
 
         Returns the events of this poll (exits and starts) for the caller's log.
@@ -273,11 +272,10 @@ class Supervisor:
         return [c for c in self.children.values() if c.alive and (role is None or c.role == role)]
 
     def _event(self, child: Child, kind: str, **extra) -> None:
-        event = {"time": time.time(), "name": child.name, "role": child.role, "event": kind, **extra}
+        event = RunEvent(time=time.time(), name=child.name, role=child.role, event=kind, **extra)
         self.events.append(event)
         if self.events_jsonl is not None:
-            with open(self.events_jsonl, "a") as f:
-                f.write(json.dumps(event) + "\n")
+            append_event(self.events_jsonl, event)
 
     def write_processes_json(self) -> None:
         """Current PIDs and roles, atomically, so an external chaos tool can pick victims."""

@@ -17,6 +17,7 @@ from diloco_trainer.config import TrainConfig
 from diloco_trainer.fsutil import atomic_write_json, read_jsonl  # noqa: F401 - read_jsonl is part of this module's API
 from diloco_trainer.goodput import Slot, slot
 from diloco_trainer.protocol.messages import MetricsRecord
+from diloco_trainer.protocol.runfiles import read_events
 
 
 def make_run_dir(path: str | Path | None, root: str | Path = "runs") -> Path:
@@ -131,17 +132,17 @@ def learner_slots(run_dir: Path, steps_merged: dict[str, int] | None, fragments:
     means a synchronous job, whose useful steps are those its last line says the final model holds
     (resumed_from_step + acked_steps). `after_startup` counts each slot from its first training report.
     """
-    events = read_jsonl(run_dir / "events.jsonl")
-    names = {e["name"] for e in events if e.get("role") == "learner"}
+    events = read_events(run_dir)
+    names = {e.name for e in events if e.role == "learner"}
     if (run_dir / "learners").is_dir():
         names |= {p.name for p in (run_dir / "learners").iterdir() if p.is_dir()}
     slots = {}
     for name in sorted(names):
-        mine = [e for e in events if e.get("name") == name]
-        starts = [float(e["time"]) for e in mine if e["event"] == "start"]
+        mine = [e for e in events if e.name == name]
+        starts = [e.time for e in mine if e.event == "start"]
         if not starts:
             continue
-        exits = [float(e["time"]) for e in mine if e["event"] == "exit"]
+        exits = [e.time for e in mine if e.event == "exit"]
         records = metrics_records(run_dir / "learners" / name / "metrics.jsonl")
         if steps_merged is not None:
             useful = steps_merged.get(name, 0) / fragments

@@ -15,6 +15,7 @@ import yaml
 from diloco_trainer.config import TrainConfig
 from diloco_trainer.goodput import goodput
 from diloco_trainer.protocol.messages import MetricsRecord, SyncerSample, SyncerStatus
+from diloco_trainer.protocol.runfiles import RunEvent
 from diloco_trainer.runtime import progress, report
 from diloco_trainer.runtime.procs import Supervisor
 from diloco_trainer.runtime.rundir import append_jsonl, last_jsonl, learner_slots, learner_totals, metrics_records
@@ -198,12 +199,12 @@ class RunSession:
         a process killed by a signal, as chaos tools do, never counts)."""
         lives, start = [], None
         for e in sup.events:
-            if e["name"] != name:
+            if e.name != name:
                 continue
-            if e["event"] == "start":
-                start = e["time"]
-            elif e["event"] == "exit" and start is not None:
-                lives.append((e["code"], e["time"] - start))
+            if e.event == "start":
+                start = e.time
+            elif e.event == "exit" and start is not None:
+                lives.append((e.code, e.time - start))
         last = lives[-CRASH_LOOP:]
         return len(last) == CRASH_LOOP and all(code > 0 and life < CRASH_LOOP_S for code, life in last)
 
@@ -219,19 +220,19 @@ class RunSession:
         argv[argv.index("--steps") + 1] = str(steps - done)
         return True
 
-    def _on_event(self, sup: Supervisor, event: dict) -> None:
-        name, kind = event["name"], event["event"]
-        if kind == "exit" and event["code"] != 0:
+    def _on_event(self, sup: Supervisor, event: RunEvent) -> None:
+        name, kind = event.name, event.event
+        if kind == "exit" and event.code != 0:
             child = sup.children[name]
             when = (f"; restarting in {max(0.0, child.restart_at - time.monotonic()):.1f}s"
                     if child.restart_at is not None else "")
-            self.message(f"{name} exited with code {event['code']}{when}")
+            self.message(f"{name} exited with code {event.code}{when}")
             if child.finished:
                 self.message(f"{name} had trained all its steps before it failed; not restarted")
         elif kind == "start" and len(sup.children[name].starts) > 1:
-            how = "a warm spare took over, " if event.get("spare") else ""
-            how = "a warm standby takes over, " if event.get("standby") else how
-            self.message(f"{name} restarted ({how}pid {event['pid']}, restart #{sup.children[name].restarts})")
+            how = "a warm spare took over, " if event.spare else ""
+            how = "a warm standby takes over, " if event.standby else how
+            self.message(f"{name} restarted ({how}pid {event.pid}, restart #{sup.children[name].restarts})")
 
     def _sample(self, sup: Supervisor) -> None:
         """Once a second: the syncer's status into syncer.jsonl, its byte counter, and due snapshots."""

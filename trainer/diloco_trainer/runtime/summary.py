@@ -7,20 +7,12 @@ from pathlib import Path
 from diloco_trainer.config import TrainConfig
 from diloco_trainer.goodput import goodput
 from diloco_trainer.protocol.messages import MetricsRecord
-from diloco_trainer.protocol.runfiles import FinalState, SyncerFinalState, read_final_state
+from diloco_trainer.protocol.runfiles import (FinalState, RunEvent, SyncerFinalState, read_events, read_final_state,
+                                              starts_by_name)
 from diloco_trainer.runtime import report
 from diloco_trainer.runtime.plot import Curve, plot_run
 from diloco_trainer.runtime.rundir import (as_record, learner_slots, learner_totals, metrics_records, read_jsonl, split_incarnations,
                      write_json)
-
-
-def learner_starts(events: list[dict]) -> dict[str, list[float]]:
-    """Wall-clock start times of every incarnation of every process, from events.jsonl."""
-    starts: dict[str, list[float]] = {}
-    for e in events:
-        if e.get("event") == "start":
-            starts.setdefault(e["name"], []).append(float(e["time"]))
-    return starts
 
 
 def learner_curve(name: str, records: list, starts: list[float], t0: float, deaths: list[float] = ()) -> Curve:
@@ -58,8 +50,8 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
 
     from diloco_trainer.model.build import build_model, count_parameters
 
-    events = read_jsonl(run_dir / "events.jsonl")
-    starts = learner_starts(events)
+    events = read_events(run_dir)
+    starts = starts_by_name(events)
     params = count_parameters(build_model(cfg.model, cfg.seed))
     if params < 5_000_000:  # small matmuls gain nothing from threads, and lose a lot on a busy machine
         torch.set_num_threads(1)
@@ -75,7 +67,7 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
             final_lines[d.name] = records[-1]
         if records and records[-1].param_sha256:
             per_learner[d.name]["param_sha256"] = records[-1].param_sha256
-        deaths = [float(e["time"]) for e in events if e["name"] == d.name and e["event"] == "exit" and e["code"] != 0]
+        deaths = [e.time for e in events if e.name == d.name and e.event == "exit" and e.code != 0]
         curves.append(learner_curve(d.name, records, starts.get(d.name, []), t0, deaths))
     steps = sum(v["step"] for v in per_learner.values())
     tokens = sum(v["tokens"] for v in per_learner.values())
@@ -140,16 +132,16 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
     return summary, curves, evals
 
 
-def sync_job_figures(events: list[dict], final_lines: dict[str, MetricsRecord], tokens_per_step: int) -> dict:
+def sync_job_figures(events: list[RunEvent], final_lines: dict[str, MetricsRecord], tokens_per_step: int) -> dict:
     """A synchronous baseline's restarts and lost work.
 
     Work kept is what the final model holds: each worker's steps synced up to its last line (the checkpoint step
     its incarnation resumed from plus what it synced since); `lost_steps` (from the job_restart events) were
     trained and thrown away by a restart. Goodput and the merged fraction come from goodput.py like every run's.
     """
-    restarts = [e for e in events if e.get("event") == "job_restart"]
+    restarts = [e for e in events if e.event == "job_restart"]
     useful = sum(r.resumed_from_step + r.acked_steps for r in final_lines.values())
-    lost = sum(int(e.get("lost_steps", 0)) for e in restarts)
+    lost = sum(e.lost_steps or 0 for e in restarts)
     return {"restarts": len(restarts), "lost_steps": lost, "lost_tokens": lost * tokens_per_step,
             "tokens_merged": useful * tokens_per_step}
 

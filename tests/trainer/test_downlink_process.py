@@ -8,7 +8,8 @@ import urllib.request
 import pytest
 import torch
 
-from diloco_trainer.learner.client import Submission, SyncerClient
+from diloco_trainer.learner.client import SyncerClient
+from diloco_trainer.learner.link import Submission
 from diloco_trainer.protocol.downlink import decode_answer, fragment_digest
 from diloco_trainer.protocol.wire import ErrorFeedback, SubmissionMeta, encode_submission
 

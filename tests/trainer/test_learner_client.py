@@ -10,7 +10,8 @@ import urllib.request
 import pytest
 import torch
 
-from diloco_trainer.learner.client import Submission, SyncerClient, SyncerRefused
+from diloco_trainer.learner.client import SyncerClient
+from diloco_trainer.learner.link import Submission, SyncerRefused
 from diloco_trainer.config import TrainConfig
 from diloco_trainer.model.gpt import build_model
 from diloco_trainer.protocol.wire import ErrorFeedback, SubmissionMeta, encode_submission

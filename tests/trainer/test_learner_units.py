@@ -3,6 +3,8 @@ and the Prometheus endpoint."""
 
 import argparse
 import random
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -130,3 +132,23 @@ def test_every_link_counter_reaches_the_metrics_record_and_the_exported_ones_rea
                  '{learner_id="l7"} 7.0', 'diloco_learner_tokens_total{learner_id="l7"} 5.0',
                  'diloco_learner_pending{learner_id="l7"} 0.0', 'diloco_learner_xla_compiles_total'):
         assert line in text
+
+
+def test_the_single_and_the_sharded_client_are_both_a_syncer_link():
+    import inspect
+
+    from diloco_trainer.learner.client import SyncerClient
+    from diloco_trainer.learner.link import SyncerLink
+    from diloco_trainer.learner.sharded_client import ShardedSyncerClient
+
+    methods = [n for n, f in vars(SyncerLink).items() if inspect.isfunction(f) and not n.startswith("_")]
+    assert {"bootstrap", "submit", "take_updates", "take_answers", "report", "pending", "snapshot", "close"} <= set(methods)
+    for cls in (SyncerClient, ShardedSyncerClient):
+        for name in methods:
+            assert list(inspect.signature(getattr(cls, name)).parameters) == \
+                list(inspect.signature(getattr(SyncerLink, name)).parameters), (cls.__name__, name)
+
+
+def test_the_outer_step_bookkeeping_imports_no_network_client():
+    code = "import sys, diloco_trainer.learner.outer_sync; assert 'aiohttp' not in sys.modules, 'aiohttp imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

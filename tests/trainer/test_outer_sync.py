@@ -4,7 +4,7 @@ adoption does to the local parameters and counters in each `outer.adopt` mode.""
 import pytest
 import torch
 
-from diloco_trainer.learner.client import Answer
+from diloco_trainer.learner.link import Answer
 from diloco_trainer.learner.outer_sync import OuterSync
 from diloco_trainer.protocol.wire import decode_submission
 

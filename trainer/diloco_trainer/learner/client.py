@@ -12,7 +12,6 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -24,68 +23,9 @@ from diloco_trainer.config import TrainConfig
 from diloco_trainer.protocol.downlink import decode_answer, initial_theta, is_quantized, reconstruct
 from diloco_trainer.protocol.tls import client_context, warn_if_plain
 from diloco_trainer.protocol.wire import WireError, decode_tensors
+from diloco_trainer.learner.link import Answer, Bootstrap, FragmentUpdate, HeldFn, Submission, SyncerRefused
 
 log = logging.getLogger(__name__)
-
-
-class SyncerRefused(RuntimeError):
-    """The syncer answered but will never accept this learner as configured (e.g. a wrong token)."""
-
-
-@dataclass
-class Bootstrap:
-    """What a (re)starting learner pulls before its first step: the run config, plan and all of Θ."""
-
-    config: dict
-    plan: list[list[str]]
-    versions: dict[int, int]
-    heartbeat_s: float
-    theta: dict[str, Tensor]
-
-
-@dataclass
-class Submission:
-    """One compressed outer gradient for a fragment; a resend of the same Δ-from-base reuses `submission_id`."""
-
-    fragment: int
-    base_version: int
-    submission_id: str
-    body: bytes
-    c_steps: int
-    c_tokens: int
-    # Built from a previous incarnation's snapshot (its nonce, its base): a "duplicate" answer then means that
-    # incarnation's own send got there first, and its counters are that incarnation's to book, not this one's.
-    recovered: bool = False
-
-
-@dataclass
-class Answer:
-    """The syncer's final answer to a submission: accepted (2xx; `c_steps`/`c_tokens` are the counters it
-    holds) or rejected (4xx; 409 = base version too old). Retried failures never produce an Answer."""
-
-    fragment: int
-    base_version: int
-    submission_id: str
-    status: int
-    c_steps: int
-    c_tokens: int
-    duplicate: bool = False
-    reason: str = ""
-
-    @property
-    def accepted(self) -> bool:
-        return 200 <= self.status < 300
-
-
-@dataclass
-class FragmentUpdate:
-    """A newer global version of a fragment, fetched and waiting to be adopted."""
-
-    fragment: int
-    version: int
-    tensors: dict[str, Tensor]
-    # Adopt even if not newer: the learner trained from a saved version its shard no longer has (sharded_client.py)
-    rewind: bool = False
 
 
 class SyncerClient:
@@ -134,9 +74,10 @@ class SyncerClient:
 
     # ------------------------------------------------------------------ compute-thread API
 
-    def bootstrap(self, stop_flag: threading.Event | None = None) -> Bootstrap:
+    def bootstrap(self, stop_flag: threading.Event | None = None, held: HeldFn | None = None) -> Bootstrap:
         """Register and pull all of Θ, retrying with backoff until the syncer answers; then start syncing.
-        From a syncer shard: the fragments it owns (Bootstrap.theta and versions hold only those)."""
+        From a syncer shard: the fragments it owns (Bootstrap.theta and versions hold only those). `held` is not
+        used: one syncer away means no Θ to train from (a sharded link starts without a shard: sharded_client.py)."""
         return self.start_bootstrap(stop_flag).result()
 
     def start_bootstrap(self, stop_flag: threading.Event | None = None) -> concurrent.futures.Future:

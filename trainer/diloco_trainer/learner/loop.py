@@ -19,8 +19,8 @@ import torch
 
 from diloco_trainer.learner import devices
 from diloco_trainer.learner.devices import UnitGroup
-from diloco_trainer.learner.client import FragmentUpdate, SyncerClient
-from diloco_trainer.learner.sharded_client import ShardedSyncerClient, make_client
+from diloco_trainer.learner.link import FragmentUpdate, SyncerLink
+from diloco_trainer.learner.sharded_client import make_client
 from diloco_trainer.protocol.shardmap import split_syncer_urls
 from diloco_trainer.config import TrainConfig
 from diloco_trainer.data.source import open_tokens
@@ -87,7 +87,7 @@ class Learner:
         self.opts = opts
         self.group = UnitGroup()  # joined in _start(), once the device (and so the backend) is known
         self.stop_flag = threading.Event()
-        self.client: SyncerClient | ShardedSyncerClient | None = None
+        self.client: SyncerLink | None = None
         self.nonce = secrets.token_hex(4)
         self.outer: OuterSync | None = None  # built in _start(), once the plan and versions are known
         self.step = 0  # this incarnation's steps (its counters restart with the process)
@@ -110,10 +110,7 @@ class Learner:
             self.client = make_client(split_syncer_urls(self.opts.syncer), self.opts.token, self.opts.learner_id,
                                       unit=self.opts.unit, world_size=self.group.world_size,
                                       device=devices.describe(self.device), poll_s=self.opts.poll_s, ca=self.opts.ca)
-            if isinstance(self.client, ShardedSyncerClient):
-                boot = self.client.bootstrap(self.stop_flag, held=self._held_fragments)
-            else:
-                boot = self.client.bootstrap(self.stop_flag)
+            boot = self.client.bootstrap(self.stop_flag, held=self._held_fragments)
             self.run_digest = inner_state.run_digest(boot.config, boot.plan)
             info = {"config": boot.config, "plan": boot.plan, "versions": {str(k): v for k, v in boot.versions.items()}}
         else:

@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"diloco learner: {exc}", flush=True)
         return 2
-    from diloco_trainer.learner.client import SyncerRefused
+    from diloco_trainer.learner.link import SyncerRefused
     from diloco_trainer.learner.loop import Learner
 
     try:

@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from diloco_trainer.learner.client import Answer, Submission
+from diloco_trainer.learner.link import Answer, Submission
 from diloco_trainer.protocol.fragments import first_due_step
 from diloco_trainer.protocol.wire import ErrorFeedback, SubmissionMeta, encode_submission
 

@@ -11,18 +11,16 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from torch import Tensor
 
-from diloco_trainer.learner.client import Answer, Bootstrap, FragmentUpdate, Submission, SyncerClient, SyncerRefused
+from diloco_trainer.learner.client import SyncerClient
+from diloco_trainer.learner.link import Answer, Bootstrap, FragmentUpdate, HeldFn, Submission, SyncerLink, SyncerRefused
 from diloco_trainer.protocol.shardmap import owned_fragments, shard_of
 
 log = logging.getLogger(__name__)
 
-# The learner's saved Θ: called with the run's config and plan, returns {p: (version, Θ_p)} (inner_state.read_held).
-HeldFn = Callable[[dict, list[list[str]]], dict[int, tuple[int, dict[str, Tensor]]]]
 POLL_S = 0.2
 LOG_FIRST_S, LOG_EVERY_S = 3.0, 15.0  # the first "waiting for shard" line, then one every so often
 # A shard that has not answered within this long counts as away even if its first attempt has not failed yet (a
@@ -31,7 +29,7 @@ ANSWER_GRACE_S = 5.0
 
 
 class ShardedSyncerClient:
-    """The SyncerClient interface the learner uses, over N syncer shards."""
+    """The learner's SyncerLink over N syncer shards."""
 
     def __init__(self, urls: list[str], token: str, learner_id: str, **kwargs):
         self.shards = [SyncerClient(url, token, learner_id, shard=i, shards=len(urls), **kwargs)
@@ -187,8 +185,7 @@ class ShardedSyncerClient:
         return all(drained)
 
 
-def make_client(urls: list[str], token: str, learner_id: str, *, ca: Path | None = None,
-                **kwargs) -> SyncerClient | ShardedSyncerClient:
+def make_client(urls: list[str], token: str, learner_id: str, *, ca: Path | None = None, **kwargs) -> SyncerLink:
     """A SyncerClient for one syncer, a ShardedSyncerClient for several shards."""
     if len(urls) == 1:
         return SyncerClient(urls[0], token, learner_id, ca=ca, **kwargs)

@@ -190,3 +190,57 @@ def test_a_compiled_inner_step_trains():
     losses = [step.step(x[:, :-1], x[:, 1:], 3e-3) for _ in range(6)]
     assert counters["stats"]["unique_graphs"] >= 1, "the forward must have gone through dynamo"
     assert losses[-1] < losses[0] - 0.1
+
+
+def _fsdp_unit(syncer_url: str, state: Path, steps: int, logs: Path, *args: str) -> None:
+    from learner_kit import finish, start_learner
+
+    port = free_port()
+    procs = [start_learner(syncer_url, "u0", state, steps, *args, log_path=logs / f"r{r}.log",
+                           env=child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(r)))
+             for r in (0, 1)]
+    for r, proc in enumerate(procs):
+        finish(proc, logs / f"r{r}.log")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_restarted_fsdp2_unit_resumes_its_gathered_adamw_state_instead_of_starting_afresh(tmp_path):
+    import yaml
+
+    from diloco_trainer.learner import inner_state
+    from learner_kit import SyncerProcess, metrics
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": "tiny", "data": {"max_bytes": 200_000},
+        "inner": {"batch_size": 8, "warmup_steps": 5, "parallel": "fsdp", "beta2": 0.95},
+        "outer": {"fragments": 4, "sync_every": 8, "compression": "int4"}}))
+    syncer = SyncerProcess(config, tmp_path / "syncer", tmp_path / "syncer.log")
+    state, first_logs, second_logs = tmp_path / "u0", tmp_path / "first", tmp_path / "second"
+    first_logs.mkdir()
+    second_logs.mkdir()
+    try:
+        syncer.start()
+        _fsdp_unit(syncer.url, state, 20, first_logs)
+        saved = load_file(str(state / inner_state.FILE))  # written at exit: AdamW gathered from both ranks' shards
+        lr = metrics(state)[-1]["lr"]
+        first = len(metrics(state))
+        _fsdp_unit(syncer.url, state, 1, second_logs, "--log-every", "1", "--restore-inner-state")
+        after = load_file(str(state / inner_state.FILE))
+    finally:
+        syncer.stop()
+    decayed, plain = decay_groups(build_model(MODEL_PRESETS["tiny"], 0))
+    shapes = [p.shape for p in decayed + plain]  # the optimizer's order: full shapes, not a rank's shard
+    moments = {k: t for k, t in saved.items() if k.startswith("opt.") and not k.endswith(".step")}
+    assert len(moments) == 2 * len(shapes) and all(saved[f"opt.{i}.exp_avg"].shape == s for i, s in enumerate(shapes))
+    assert all(float(t) == 20 for k, t in saved.items() if k.endswith(".step"))
+    assert "resumed AdamW and error feedback after 20 steps" in (second_logs / "r0.log").read_text()
+    assert metrics(state)[first]["lr"] == pytest.approx(lr), "no second warm-up: the schedule continues at step 21"
+    # One more AdamW step on the restored moments: step 21, and v21 = β2·v20 + (1 − β2)·g² ≥ β2·v20 everywhere (fresh
+    # moments would hold (1 − β2)·g² only: far below β2·v20 for nearly every value).
+    assert all(float(after[k]) == 21 for k in saved if k.endswith(".step"))
+    for k, v20 in saved.items():
+        if k.endswith(".exp_avg_sq"):
+            assert torch.all(after[k] >= 0.95 * v20 * (1 - 1e-5)), k
+            assert not torch.equal(after[k], v20), f"{k}: the restarted unit stepped"

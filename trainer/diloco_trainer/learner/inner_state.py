@@ -43,13 +43,13 @@ def run_digest(config: dict, plan: list[list[str]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def save(path: Path, opt: torch.optim.Optimizer, ef: ErrorFeedback | None, steps: int,
+def save(path: Path, opt: torch.optim.Optimizer | dict[str, torch.Tensor], ef: ErrorFeedback | None, steps: int,
          unsent: tuple[dict[str, torch.Tensor], list[dict]] | None = None, nonce: str | None = None,
          held: tuple[dict[str, torch.Tensor], dict[int, int]] | None = None, run: str | None = None) -> None:
-    """Atomically replace `path` with the optimizer's state, the residuals, the steps trained so far and, if given,
-    the unsent work (OuterSync.unsent_work) of the incarnation `nonce` and the adopted Θ (OuterSync.held) of run
-    `run` (run_digest)."""
-    tensors = optimizer_tensors(opt)
+    """Atomically replace `path` with the optimizer's state (or those tensors as `optimizer_tensors` names them: an
+    FSDP2 unit's gathered full state), the residuals, the steps trained so far and, if given, the unsent work
+    (OuterSync.unsent_work) of the incarnation `nonce` and the adopted Θ (OuterSync.held) of run `run` (run_digest)."""
+    tensors = dict(opt) if isinstance(opt, dict) else optimizer_tensors(opt)
     if ef is not None:
         tensors.update({f"ef.{n}": t for n, t in ef.state_dict().items()})
     meta = {"kind": KIND, "steps": str(steps)}
@@ -123,13 +123,14 @@ def read_held(path: Path, run: str, plan: list[list[str]]) -> dict[int, tuple[in
 
 
 def optimizer_template(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Zero tensors named and shaped as `optimizer_tensors` of an AdamW that has stepped (a broadcast target)."""
+    """Zero tensors named and shaped as `optimizer_tensors` of an AdamW that has stepped (a broadcast target): full
+    shapes, also for the sharded parameters of an FSDP2 unit (plain tensors on the device of this rank's shard)."""
     params = [p for group in opt.param_groups for p in group["params"]]
     out = {}
     for idx, p in enumerate(params):
         out[f"opt.{idx}.step"] = torch.zeros(())
-        out[f"opt.{idx}.exp_avg"] = torch.zeros_like(p.data)
-        out[f"opt.{idx}.exp_avg_sq"] = torch.zeros_like(p.data)
+        out[f"opt.{idx}.exp_avg"] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+        out[f"opt.{idx}.exp_avg_sq"] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
     return out
 
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from diloco_trainer.checkpoint import optimizer_tensors
 from diloco_trainer.config import TrainConfig
 from diloco_trainer.learner import devices
 from diloco_trainer.learner.devices import UnitGroup
@@ -117,3 +118,36 @@ class InnerStep:
                     shard.to_local().copy_(mine.to_local())
         for n in names:
             del self.params[n]
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """AdamW's state named as `checkpoint.optimizer_tensors` names it, full tensors whatever the sharding: under
+        FSDP2 gathered from every rank's shards one tensor at a time onto the CPU (a collective: every rank enters
+        it), so the snapshot of a sharded unit is the snapshot of a replica."""
+        tensors = optimizer_tensors(self.opt)
+        if not self.sharded:
+            return tensors
+        from torch.distributed.tensor import DTensor
+
+        # One order on every rank (a restored state may hold its entries in another): the gathers must pair up.
+        order = sorted(tensors, key=lambda k: (int(k.split(".")[1]), k))
+        return {k: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+                for k in order for t in [tensors[k]]}
+
+    def local_optimizer_state(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full optimizer tensors (as `optimizer_state` gives them, the same on every rank) as this rank holds them:
+        unchanged for a replica, each FSDP2 rank's slice of the moments (no communication)."""
+        if not self.sharded:
+            return tensors
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        params = [p for group in self.opt.param_groups for p in group["params"]]
+        out = {}
+        for key, t in tensors.items():
+            section, _, rest = key.partition(".")
+            idx, _, kind = rest.partition(".")
+            p = params[int(idx)] if section == "opt" else None
+            if p is None or kind == "step" or not isinstance(p, DTensor):
+                out[key] = t  # the step count, a replicated parameter's state, or not the optimizer's (ef.*, ...)
+            else:  # src_data_rank None: every rank cuts its slice from the full tensor it already holds
+                out[key] = distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+        return out

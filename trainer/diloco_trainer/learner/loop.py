@@ -147,11 +147,8 @@ class Learner:
                                    compression=outer.compression, block_size=outer.block_size, step=self.step,
                                    sends=self.group.is_main, keep_fraction=outer.keep_fraction,
                                    state_device=devices.outer_state_device(self.device))
-        if self.opts.restore_inner and not self.inner.sharded:
+        if self.opts.restore_inner:
             self._restore_inner_state(versions)
-        elif self.inner.sharded:
-            log.info("FSDP2 unit: AdamW moments start afresh and are not snapshotted (inner-state restore covers "
-                     "replicated units only)")
 
         tokens = open_tokens(self.cfg.data, vocab_size_of(self.model, self.cfg.model), self.opts.data_cache)
         # One unit-wide sampler (same on every rank); each rank trains its own slice of the unit's batch, so the
@@ -185,29 +182,46 @@ class Learner:
             log.warning("ignoring the saved data position %s: %s", path, exc)
 
     def _save_position(self) -> None:
+        """The data position and the inner state (every rank calls it: gathering an FSDP2 unit's AdamW state is a
+        collective; rank 0 writes)."""
         path = self._position_path()
-        if path is not None and self.group.is_main:
-            atomic_write_json(path, self.sampler.state_dict())
-            if self.step and not self.inner.sharded:  # an optimizer that has not stepped has no state worth a snapshot
-                inner_state.save(self.opts.state_dir / inner_state.FILE, self.opt, self.outer.ef,
-                                 self.steps_before + self.step, self.outer.unsent_work(), self.nonce,
-                                 self.outer.held(), self.run_digest)
+        if path is None:
+            return
+        snapshot = self.step > 0  # an optimizer that has not stepped has no state worth a snapshot
+        opt = self.inner.optimizer_state() if snapshot and self.inner.sharded else self.opt
+        # The unsent work holds θ of its fragments: full tensors (under FSDP2 gathered, so rank 0 says which).
+        unsent = self.group.broadcast_json(self.outer.unsent_fragments() if snapshot else [])
+        with self.inner.full([n for p in unsent for n in self.plan[p]]):
+            if self.group.is_main:
+                atomic_write_json(path, self.sampler.state_dict())
+                if snapshot:
+                    inner_state.save(self.opts.state_dir / inner_state.FILE, opt, self.outer.ef,
+                                     self.steps_before + self.step, self.outer.unsent_work(), self.nonce,
+                                     self.outer.held(), self.run_digest)
 
     def _restore_inner_state(self, versions: dict[int, int]) -> None:
         """AdamW moments and step, and the residuals, from the last snapshot (rank 0 reads, the unit gets them)."""
         found = None
         if self.group.is_main and self.opts.state_dir is not None:
-            found = inner_state.read(self.opts.state_dir / inner_state.FILE, self.opt, self.params)
+            # The model's parameters for their names and (full, also when sharded) shapes.
+            found = inner_state.read(self.opts.state_dir / inner_state.FILE, self.opt,
+                                     dict(self.model.named_parameters()))
         steps = self.group.broadcast_json(found.steps if found else None)
         if steps is None:
             return
         template = inner_state.optimizer_template(self.opt)  # the names every rank broadcasts, in one order
         tensors = found.tensors if found else template
         self.group.broadcast_tensors([tensors[k] for k in sorted(template)])
-        inner_state.restore(self.opt, self.outer.ef if self.group.is_main else None, tensors)
+        inner_state.restore(self.opt, self.outer.ef if self.group.is_main else None,
+                            self.inner.local_optimizer_state(tensors))
         self.steps_before = steps
         log.info("resumed AdamW and error feedback after %d steps trained before this start", steps)
-        if found and found.unsent and found.nonce and self.client is not None:
+        resend = found is not None and found.unsent and found.nonce and self.client is not None
+        if not self.group.broadcast_json(bool(resend)):
+            return
+        with self.inner.full(self.names):  # the shapes of θ (a collective under FSDP2)
+            if not resend:
+                return
             subs = self.outer.resend(found.tensors, found.unsent, versions, self.opts.learner_id, found.nonce)
             for sub in subs:
                 self.client.submit(sub)

@@ -206,16 +206,19 @@ class OuterSync:
 
     # ------------------------------------------------------------------ across a restart
 
+    def unsent_fragments(self) -> list[int]:
+        """The fragments with trained steps that no acknowledged Δ covers (none where this process does not send)."""
+        if not self.sends:
+            return []
+        return [p for p, fs in enumerate(self.frags) if not fs.acked and fs.c_steps > 0]
+
     def unsent_work(self) -> tuple[dict[str, Tensor], list[dict]]:
         """What a SIGKILL now would lose: each fragment with work no acknowledged Δ covers, as (tensors
         `base.{p}.{name}` and `theta.{p}.{name}`, [{fragment, version, c_steps, c_tokens}]) for the snapshot."""
         tensors: dict[str, Tensor] = {}
         fragments: list[dict] = []
-        if not self.sends:
-            return tensors, fragments
-        for p, fs in enumerate(self.frags):
-            if fs.acked or fs.c_steps == 0:
-                continue
+        for p in self.unsent_fragments():
+            fs = self.frags[p]
             fragments.append({"fragment": p, "version": fs.version, "c_steps": fs.c_steps, "c_tokens": fs.c_tokens})
             for n in self.plan[p]:
                 tensors[f"base.{p}.{n}"] = fs.base[n]

@@ -116,23 +116,22 @@ def _warm_up(config: str | None = None) -> None:
     from diloco_trainer.learner import loop as learner  # noqa
     from diloco_trainer.config import MODEL_PRESETS, TrainConfig
     from diloco_trainer.model.build import build_model
+    from diloco_trainer.model.optimizer import inner_optimizer
 
     if config:
         import yaml
 
         cfg = TrainConfig.model_validate(yaml.safe_load(Path(config).read_text()))
-        model_cfg, shape, lr = cfg.model, (cfg.inner.batch_size, cfg.model.seq_len), cfg.inner.lr
+        shape = (cfg.inner.batch_size, cfg.model.seq_len)
         data.preload(cfg.data)  # the learners of `diloco local` read the default data cache
     else:
-        model_cfg, shape, lr = MODEL_PRESETS["tiny"], (1, 8), 1e-3
-    model = build_model(model_cfg, seed=0)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=lr)
+        cfg, shape = TrainConfig(model=MODEL_PRESETS["tiny"], inner={"lr": 1e-3}), (1, 8)
+    model = build_model(cfg.model, seed=0)
+    opt, _ = inner_optimizer(model, cfg)  # the learner's own AdamW: its groups, betas and weight decay
     x = torch.zeros(*shape, dtype=torch.long)
     _, loss = model(x, x)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
     opt.step()
 
 

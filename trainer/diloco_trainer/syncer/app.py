@@ -8,13 +8,11 @@ import asyncio
 import hmac
 import json
 import logging
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from diloco_trainer.protocol.downlink import encode_chain, fragment_digest, full_nbytes, is_quantized
 from diloco_trainer.protocol.messages import (FragmentQuery, HeartbeatAnswer, HeartbeatRequest, LearnerStatus, ProtocolError,
@@ -24,6 +22,7 @@ from diloco_trainer.protocol.tokens import token_identity
 from diloco_trainer.protocol.wire import WireError, decode_submission, encode_tensors
 
 from diloco_trainer.syncer.epochs import EpochFile
+from diloco_trainer.syncer.httpio import json_answer, read_at_most, too_large
 from diloco_trainer.syncer.limits import SubmissionLimits
 from diloco_trainer.syncer.metrics import SyncerMetrics
 from diloco_trainer.syncer.state import Rejected, SyncerState
@@ -197,10 +196,10 @@ class Syncer:
     async def _json_body(self, request: web.Request, model):
         """The request's JSON body validated as `model`; Rejected (400 naming the field, 413 too large) if not."""
         if request.content_length is not None and request.content_length > MAX_JSON_BODY:
-            raise _too_large(request.content_length, MAX_JSON_BODY)
-        body = await _read_at_most(request, MAX_JSON_BODY + 1)
+            raise too_large(request.content_length, MAX_JSON_BODY)
+        body = await read_at_most(request, MAX_JSON_BODY + 1)
         if len(body) > MAX_JSON_BODY:
-            raise _too_large(None, MAX_JSON_BODY)
+            raise too_large(None, MAX_JSON_BODY)
         self.metrics.bytes_in.labels(request.path.rsplit("/", 1)[-1]).inc(len(body))
         try:
             data = json.loads(body)
@@ -234,7 +233,7 @@ class Syncer:
         log.info("learner %s registered (unit %s, world size %s, device %s)", req.learner_id, req.unit,
                  req.world_size, req.device)
         st = self.state
-        return _json(RegisterAnswer(config=st.config.model_dump(mode="json"),
+        return json_answer(RegisterAnswer(config=st.config.model_dump(mode="json"),
                                     plan={str(p): names for p, names in enumerate(st.plan)},
                                     versions=self._versions(), heartbeat_s=self.opt.heartbeat_s,
                                     shard=st.shard, shards=st.shards, owned=st.owned))
@@ -243,13 +242,13 @@ class Syncer:
         req: HeartbeatRequest = await self._json_body(request, HeartbeatRequest)
         self._as_learner(request, req.learner_id)
         self.state.heartbeat(req.learner_id, req.step, req.step_time_s, req.tokens)
-        return _json(HeartbeatAnswer(versions=self._versions()))
+        return json_answer(HeartbeatAnswer(versions=self._versions()))
 
     async def submit(self, request: web.Request) -> web.Response:
         p = self._fragment_param(request)
         holder = request.get(AUTH_LEARNER)
         if request.content_length is not None and request.content_length > self._body_limit(p):
-            raise self._too_large(p, request.content_length)
+            raise self._body_too_large(p, request.content_length)
         if holder is None:  # the job's token (the operator, diloco local): trusted, checked after decoding
             return await self._submit(request, p, None)
         # A learner's own token: who it is, and that it reads one body at a time, is checked before one body byte is
@@ -269,9 +268,9 @@ class Syncer:
         async with self._upload_slots:
             m.uploads_in_progress.inc()
             try:
-                body = await _read_at_most(request, limit + 1)
+                body = await read_at_most(request, limit + 1)
                 if len(body) > limit:
-                    raise self._too_large(p)
+                    raise self._body_too_large(p)
                 m.bytes_in.labels("outer-gradient").inc(len(body))
                 return await asyncio.to_thread(decode_submission, body, self.state.fragment_shapes(p),
                                                max_header=self.limits.header_bytes[p], require=self.limits.compression)
@@ -285,10 +284,10 @@ class Syncer:
         --max-body-mb."""
         return min(self.limits.body_bytes[p], self.opt.max_body_bytes)
 
-    def _too_large(self, p: int, size: int | None = None) -> Rejected:
+    def _body_too_large(self, p: int, size: int | None = None) -> Rejected:
         if self.limits.body_bytes[p] > self.opt.max_body_bytes:
-            return _too_large(size, self.opt.max_body_bytes)
-        return _too_large(size, self.limits.body_bytes[p], p)
+            return too_large(size, self.opt.max_body_bytes)
+        return too_large(size, self.limits.body_bytes[p], p)
 
     async def _submit(self, request: web.Request, p: int, holder: str | None) -> web.Response:
         st, m = self.state, self.metrics
@@ -305,7 +304,7 @@ class Syncer:
         if st.is_known(sid):
             m.duplicates.inc()
             st.seen(meta.learner_id)
-            return _json(SubmitAnswer(accepted=True, duplicate=True, pending=len(st.pending[p])), status=202)
+            return json_answer(SubmitAnswer(accepted=True, duplicate=True, pending=len(st.pending[p])), status=202)
         claim = (meta.learner_id, p)
         if claim in self._claims or st.has_pending(*claim):
             raise Rejected(429, f"learner {meta.learner_id!r} already has a submission pending for fragment {p}: "
@@ -326,7 +325,7 @@ class Syncer:
         st.seen(meta.learner_id)
         m.accepted.inc()
         self._kicks[p].set()
-        return _json(SubmitAnswer(accepted=True, duplicate=False, pending=len(st.pending[p])), status=202)
+        return json_answer(SubmitAnswer(accepted=True, duplicate=False, pending=len(st.pending[p])), status=202)
 
     async def get_fragment(self, request: web.Request) -> web.Response:
         st = self.state
@@ -397,11 +396,11 @@ class Syncer:
 
     async def get_versions(self, request: web.Request) -> web.Response:
         st = self.state
-        return _json(VersionsAnswer(versions=self._versions(), outer_steps=sum(st.outer_steps),
+        return json_answer(VersionsAnswer(versions=self._versions(), outer_steps=sum(st.outer_steps),
                                     tokens_merged=st.tokens_merged))
 
     async def get_status(self, request: web.Request) -> web.Response:
-        return _json(self.status())
+        return json_answer(self.status())
 
     def status(self) -> SyncerStatus:
         """The /v1/status document (see docs/protocol.md)."""
@@ -444,49 +443,6 @@ class Syncer:
         return web.Response(body=m.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-def _json(doc, status: int = 200) -> web.Response:
-    """A protocol model as a JSON answer."""
-    return web.Response(body=doc.model_dump_json().encode(), status=status, content_type="application/json")
-
-
-def _too_large(size: int | None, limit: int, fragment: int | None = None) -> Rejected:
-    got = "" if size is None else f" ({size} bytes)"
-    where = "(--max-body-mb)" if fragment is None else \
-        f"for fragment {fragment} (its parameters under outer.compression and outer.block_size)"
-    return Rejected(413, f"body too large{got}: the limit is {limit} bytes {where}", "too_large")
-
-
-class ServerLog(logging.LoggerAdapter):
-    """aiohttp's server logger for the syncer's runner (`web.AppRunner(..., logger=ServerLog())`): a request that
-    aiohttp's HTTP parser refuses with a 4xx (a header line over its limit, a garbled request line or header), or
-    a client that hangs up before its body arrived, is the client's doing, so it is one WARNING line without a
-    traceback instead of an ERROR with one. Anything else keeps aiohttp's ERROR and traceback."""
-
-    def __init__(self, logger: logging.Logger | None = None):
-        super().__init__(logger or logging.getLogger("aiohttp.server"), {})
-
-    def exception(self, msg, *args, exc_info=True, **kwargs) -> None:
-        exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
-        if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 0) < 500:
-            reason = " ".join(str(exc.message or exc).split())[:200]
-            self.warning(msg + ": %d %s (%s)", *args, exc.code, reason, type(exc).__name__, **kwargs)
-            return
-        if isinstance(exc, ConnectionResetError):  # the client went away mid-request (aiohttp: "Connection lost")
-            self.warning(msg + ": the client closed the connection before the request was read (%s)", *args,
-                         str(exc) or type(exc).__name__, **kwargs)
-            return
-        super().exception(msg, *args, exc_info=exc_info, **kwargs)
-
-
-async def _read_at_most(request: web.Request, limit: int) -> bytes:
-    """The request's whole body, or its first `limit` bytes if it is longer: read until the end, since one read
-    returns only what has arrived (a body split over two TCP segments would otherwise be cut short)."""
-    body = bytearray()
-    while len(body) < limit and (chunk := await request.content.read(limit - len(body))):
-        body += chunk
-    return bytes(body)
-
-
 SYNCER = web.AppKey("syncer", Syncer)
 # The only paths served without a token: the kubelet's readiness probe and Prometheus's scrape (no secrets in
 # either). An allow-list, so a route added later is authenticated unless it is added here on purpose.
@@ -519,7 +475,7 @@ def make_app(syncer: Syncer) -> web.Application:
                 syncer.metrics.rejected.labels(r.label).inc()
             return web.json_response({"error": r.reason}, status=r.status)
         except web.HTTPRequestEntityTooLarge as exc:
-            r = _too_large(None, syncer.opt.max_body_bytes)
+            r = too_large(None, syncer.opt.max_body_bytes)
             if request.path.endswith("/outer-gradient"):
                 syncer.metrics.rejected.labels(r.label).inc()
             return web.json_response({"error": r.reason + f" ({exc.text})"}, status=413)

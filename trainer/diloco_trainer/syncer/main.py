@@ -176,7 +176,8 @@ def _warm_up(config: TrainConfig, build: bool) -> None:
 async def _serve(args: argparse.Namespace, config: TrainConfig, token: str) -> int:
     from aiohttp import web
 
-    from diloco_trainer.syncer.app import ServerLog, Syncer, SyncerOptions, make_app
+    from diloco_trainer.syncer.app import Syncer, SyncerOptions, make_app
+    from diloco_trainer.syncer.httpio import ServerLog
     from diloco_trainer.syncer.state import SyncerState
 
     state_dir = Path(args.state_dir)

@@ -11,7 +11,9 @@
 #   DILOCO_TRAINER_IMAGE=diloco-trainer:TAG
 #   DILOCO_OPERATOR_IMAGE=diloco-operator:TAG
 # Environment: DILOCO_BUILD_NETWORK (docker build --network, default host), DILOCO_TORCH_INDEX (default pypi),
-# DILOCO_DEBIAN_MIRROR (default: read from apt's sources), DILOCO_BUILD_TMP (scratch space, default /var/tmp).
+# DILOCO_DEBIAN_MIRROR (default: read from apt's sources), DILOCO_BUILD_TMP (scratch space, default /var/tmp),
+# DILOCO_BUILD_XLA=1 (also diloco-trainer-xla:TAG, the Dockerfile's trainer-xla target: torch_xla's torch, libtpu;
+# ~8 GB, not imported into containerd unless DILOCO_IMPORT_XLA=1; its tag is the third line from the end).
 set -euo pipefail
 export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
 cd "$(dirname "$0")/.."
@@ -21,7 +23,8 @@ DEBIAN_IMAGE=diloco.local/debian:bookworm
 PYTHON_IMAGE=diloco.local/python:3.11
 NETWORK=${DILOCO_BUILD_NETWORK:-host}
 TORCH_INDEX=${DILOCO_TORCH_INDEX:-pypi}
-CONTEXT_PATHS=(Dockerfile .dockerignore requirements.lock pyproject.toml README.md trainer operator chaos kube crds)
+CONTEXT_PATHS=(Dockerfile .dockerignore requirements.lock requirements-xla.lock pyproject.toml README.md trainer operator
+               chaos kube crds)
 export DOCKER_BUILDKIT=0
 
 T0=$(date +%s)
@@ -155,6 +158,13 @@ build_target trainer diloco-trainer
 import_k8s_io diloco-operator "$TAG"
 import_k8s_io diloco-trainer "$TAG"
 
-log "done in $(( $(date +%s) - T0 )) s"
+if [ "${DILOCO_BUILD_XLA:-0}" = 1 ]; then
+  build_target trainer-xla diloco-trainer-xla
+  [ "${DILOCO_IMPORT_XLA:-0}" = 1 ] && import_k8s_io diloco-trainer-xla "$TAG"
+  log "done in $(( $(date +%s) - T0 )) s"
+  echo "DILOCO_TRAINER_XLA_IMAGE=diloco-trainer-xla:$TAG"
+else
+  log "done in $(( $(date +%s) - T0 )) s"
+fi
 echo "DILOCO_TRAINER_IMAGE=diloco-trainer:$TAG"
 echo "DILOCO_OPERATOR_IMAGE=diloco-operator:$TAG"

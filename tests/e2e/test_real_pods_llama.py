@@ -136,6 +136,28 @@ def test_the_data_volume_is_mounted_read_only_and_a_llama_trains_from_its_shards
     wait_for(lambda: job.status().get("outerSteps", 0) >= 4, 300, "merges of the Llama's fragments", 1.0)
 
 
+def test_a_llama_split_into_more_fragments_than_tensors_is_refused_by_its_syncer_without_a_crash_loop(job):
+    # Only building the model counts its tensors (2 layers: 21); the CRD admits the job, the syncer refuses it (exit
+    # 2, reason in the termination message the kubelet keeps), the operator reports it and stops the syncer.
+    manifest = job_manifest(job.kubectl.get("dj", JOB, ns=job.ns)["spec"]["image"])
+    manifest["metadata"]["name"] = "too-split"
+    manifest["spec"]["config"]["outer"]["fragments"] = 64
+    manifest["spec"]["units"][0]["count"] = 1
+    job.kubectl.apply(manifest, "-n", job.ns)
+    try:
+        def refused():
+            dj = job.kubectl.get("dj", "too-split", ns=job.ns) or {}
+            ready = next((c for c in (dj.get("status") or {}).get("conditions", []) if c["type"] == "Ready"), {})
+            return ready if ready.get("reason") == "InvalidSpec" else None
+        ready = wait_for(refused, 300, "the refused job Ready=False/InvalidSpec", 1.0)
+        assert ready["message"].startswith("spec.config.outer.fragments (64) must not exceed the model's"), ready
+        wait_for(lambda: job.kubectl.get("deployment", "too-split-syncer", ns=job.ns)["spec"]["replicas"] == 0
+                 and not job.kubectl.get("pod", ns=job.ns, selector="diloco.dev/job=too-split,diloco.dev/component=syncer"),
+                 120, "the refused syncer scaled to zero and gone", 1.0)
+    finally:
+        job.kubectl.run("delete", "dj", "too-split", "-n", job.ns, "--wait=false", check=False)
+
+
 @pytest.mark.timeout(1500)
 def test_the_final_llama_beats_the_unigram_baseline_and_exports_to_transformers(job, kubectl, data, tmp_path):
     import torch

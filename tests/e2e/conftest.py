@@ -23,6 +23,19 @@ from diloco_devcluster import realnode, testbed as testbed_mod  # noqa: E402
 from diloco_devcluster.cli import install_crds  # noqa: E402
 
 OPERATOR_NS = "diloco-system"
+# pytest-timeout counts fixture set-up, and the first e2e test of a session also pays for the images
+# (hack/build-images.sh: ~8 min with nothing cached, minutes more on a loaded machine) and the real node: every e2e
+# test gets this much on top of its own timeout (the ini's 600 s or its mark). Its own waits stay bounded.
+SETUP_ALLOWANCE_S = 1800
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).resolve().parent
+    for item in items:
+        if here in Path(str(item.path)).resolve().parents:
+            mark = item.get_closest_marker("timeout")
+            own = float(mark.args[0]) if mark and mark.args else float(config.getini("timeout") or 600)
+            item.add_marker(pytest.mark.timeout(own + SETUP_ALLOWANCE_S), append=False)
 
 
 @dataclass(frozen=True)

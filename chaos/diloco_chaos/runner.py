@@ -14,10 +14,10 @@ from typing import Callable
 from diloco_trainer.protocol.chaos_record import ChaosEntry
 
 from .experiment import Experiment
-from .guards import decide, in_scope, stop_reason
+from .guards import Candidate, Decision, decide, in_scope, stop_reason
 from .metrics import ChaosMetrics
 from .record import Record, RecoveryTracker, summarize
-from .schedule import Schedule
+from .schedule import Schedule, Tick
 from .targets import Fault, Target
 
 
@@ -63,10 +63,7 @@ async def run_experiment(exp: Experiment, target: Target, record: Record, *, dry
     missed = sched.due(clock(), scoped)  # only when resuming: those moments have passed
     if missed:
         record.write("resumed", missed_ticks=len(missed), started_at=start)
-    rng = random.Random(exp.schedule.seed)
     tracker = RecoveryTracker()
-    active: dict[int, Fault] = {}  # faults with a pause or downtime still running
-    counts = {"faults": 0, "skipped": 0, "recovered": 0}
     ending, ending_at = None, None
     timeout_s = exp.safety.recovery_timeout_s
 
@@ -77,6 +74,9 @@ async def run_experiment(exp: Experiment, target: Target, record: Record, *, dry
         if event == "skipped":
             counts["skipped"] += 1
         return entry
+
+    run = _Run(exp, target, sched, random.Random(exp.schedule.seed), tracker, note, dry_run, on_fault)
+    active, counts = run.active, run.counts
 
     try:
         while True:
@@ -100,7 +100,7 @@ async def run_experiment(exp: Experiment, target: Target, record: Record, *, dry
                     ending_at = now
                     note("ending", reason=ending)
             if ending is None:
-                await _fire_due(exp, target, sched, rng, tracker, active, counts, note, now, dry_run, on_fault)
+                await _fire_due(run, now)
             if ending is not None and (gone or not active and not tracker.faults or now - ending_at > timeout_s):
                 break
             if metrics is not None:
@@ -134,42 +134,70 @@ async def run_experiment(exp: Experiment, target: Target, record: Record, *, dry
     return summary
 
 
-async def _fire_due(exp, target, sched, rng, tracker, active, counts, note, now, dry_run, on_fault) -> None:
-    cands = await target.candidates()
+@dataclass
+class _Run:
+    """One experiment while it runs: what firing the due ticks reads and changes."""
+
+    exp: Experiment
+    target: Target
+    sched: Schedule
+    rng: random.Random
+    tracker: RecoveryTracker
+    note: Callable[..., ChaosEntry]  # writes a record entry (and counts it)
+    dry_run: bool
+    on_fault: Callable[[Fault, dict], object] | None
+    active: dict[int, Fault] = field(default_factory=dict)  # faults with a pause or downtime still running
+    counts: dict[str, int] = field(default_factory=lambda: {"faults": 0, "skipped": 0, "recovered": 0})
+
+    def budget_used(self, now: float) -> bool:
+        return stop_reason(now - self.sched.start, self.counts["faults"], self.exp.safety) is not None
+
+
+async def _fire_due(run: _Run, now: float) -> None:
+    """Every tick due by `now`: pick its victims (guards.decide) and inject a fault into each, within the budget."""
+    exp = run.exp
+    cands = await run.target.candidates()
     scoped = [c.unit for c in cands if in_scope(c, exp.target, exp.safety)]
-    for tick in sched.due(now, scoped):
-        if stop_reason(now - sched.start, counts["faults"], exp.safety):
+    for tick in run.sched.due(now, scoped):
+        if run.budget_used(now):
             return
-        down = tracker.down() | {f.unit for f in active.values()}
-        decision = decide(tick, cands, down, exp, rng)
+        down = run.tracker.down() | {f.unit for f in run.active.values()}
+        decision = decide(tick, cands, down, exp, run.rng)
         if decision.skipped:
-            note("skipped", tick=tick.index + 1, scheduled_at=tick.at, reason=decision.skipped)
+            run.note("skipped", tick=tick.index + 1, scheduled_at=tick.at, reason=decision.skipped)
             continue
         for victim in decision.victims:
-            if stop_reason(now - sched.start, counts["faults"], exp.safety):
+            if run.budget_used(now):
                 return
-            counts["faults"] += 1
-            back_at = now + (exp.action.duration_s if exp.action.type == "pause" else exp.schedule.downtime_s)
-            fault = Fault(counts["faults"], victim.unit, victim.role, decision.members[victim.unit], exp.action.type,
-                          now, back_at, exp.action.exit_code, exp.name, decision.why)
-            entry = {"fault": fault.id, "tick": tick.index + 1, "scheduled_at": tick.at, "unit": fault.unit,
-                     "role": fault.role, "members": list(fault.members), "action": fault.action,
-                     "exit_code": fault.exit_code, "back_at": back_at, "why": decision.why, "dry_run": dry_run}
-            if dry_run:
-                note("fault", **entry, details={"would": f"{fault.action} {', '.join(fault.members)}"})
-                continue
-            try:
-                details = await target.inject(fault)
-            except RuntimeError as exc:
-                counts["faults"] -= 1
-                note("skipped", tick=tick.index + 1, scheduled_at=tick.at, unit=fault.unit, reason=str(exc))
-                continue
-            note("fault", **entry, details=details)
-            tracker.add(fault.id, fault.unit, fault.action, now, back_at)
-            if back_at > now:
-                active[fault.id] = fault
-            if on_fault is not None:
-                result = on_fault(fault, details)
-                if asyncio.iscoroutine(result):
-                    await result
-            cands = await target.candidates()  # the victim is no longer alive: the next tick sees that
+            if await _inject(run, tick, victim, decision, now):
+                cands = await run.target.candidates()  # the victim is no longer alive: the next tick sees that
+
+
+async def _inject(run: _Run, tick: Tick, victim: Candidate, decision: Decision, now: float) -> bool:
+    """One fault into `victim`, recorded (a dry run records what it would do); False if none was injected."""
+    exp = run.exp
+    run.counts["faults"] += 1
+    back_at = now + (exp.action.duration_s if exp.action.type == "pause" else exp.schedule.downtime_s)
+    fault = Fault(run.counts["faults"], victim.unit, victim.role, decision.members[victim.unit], exp.action.type,
+                  now, back_at, exp.action.exit_code, exp.name, decision.why)
+    entry = {"fault": fault.id, "tick": tick.index + 1, "scheduled_at": tick.at, "unit": fault.unit,
+             "role": fault.role, "members": list(fault.members), "action": fault.action,
+             "exit_code": fault.exit_code, "back_at": back_at, "why": decision.why, "dry_run": run.dry_run}
+    if run.dry_run:
+        run.note("fault", **entry, details={"would": f"{fault.action} {', '.join(fault.members)}"})
+        return False
+    try:
+        details = await run.target.inject(fault)
+    except RuntimeError as exc:
+        run.counts["faults"] -= 1
+        run.note("skipped", tick=tick.index + 1, scheduled_at=tick.at, unit=fault.unit, reason=str(exc))
+        return False
+    run.note("fault", **entry, details=details)
+    run.tracker.add(fault.id, fault.unit, fault.action, now, back_at)
+    if back_at > now:
+        run.active[fault.id] = fault
+    if run.on_fault is not None:
+        result = run.on_fault(fault, details)
+        if asyncio.iscoroutine(result):
+            await result
+    return True

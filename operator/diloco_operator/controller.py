@@ -166,6 +166,7 @@ class Controller:
     async def _worker(self) -> None:
         while True:
             key = await self.queue.get()
+            metrics.QUEUE_DEPTH.set(self.queue.qsize())  # it stayed at the last enqueue's size until the next one
             self.queued.discard(key)
             self.active.add(key)
             started = time.monotonic()

@@ -100,6 +100,19 @@ class OperatorProcess:
                 out[key] = float(value)
         return out
 
+    def wait_looked_again(self, timeout: float = 60) -> None:
+        """Wait until the operator has taken up every object it knows for a reconcile since this call, so that what
+        a test then finds unchanged is what the operator decided, not what it has not got to yet. Proof from its
+        /metrics: a resync (it queues every known object) after the call, a second one a resync period later, and
+        its queue empty after that: each object queued by the first resync has been taken up (and had a period to
+        finish its pass), or it was queued again and taken up since."""
+        start = self.metrics().get("diloco_operator_resyncs_total", 0.0)
+
+        def looked() -> bool:
+            m = self.metrics()
+            return m.get("diloco_operator_resyncs_total", 0.0) >= start + 2 and m["diloco_operator_queue_depth"] == 0
+        wait_for(looked, timeout, "two operator resyncs after now and its queue drained", 0.2)
+
     def log_tail(self, lines: int = 40) -> str:
         text = (self.logdir / f"operator-{self.starts}.log").read_text(errors="replace")
         return "\n".join(text.splitlines()[-lines:])

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import pytest
 import yaml
@@ -139,7 +138,7 @@ def test_units_in_a_remote_cluster_run_heal_scale_degrade_alone_and_are_removed_
                 if not o["metadata"].get("deletionTimestamp")]
     wait_for(lambda: not remote_left(), 60, "the job's objects gone from the remote cluster", 0.5)
     wait_for(lambda: kubectl.get("dj", "two", ns=ns) is None, 60, "the job gone", 0.5)
-    time.sleep(6)  # longer than a remote unit's polling period: no unit of the deleted job puts a pod back there
+    operator.wait_looked_again()  # and its remote units' polling: no unit of the deleted job puts a pod back there
     assert not remote_left(), remote_left()
 
 

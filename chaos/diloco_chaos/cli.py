@@ -213,8 +213,10 @@ def describe(entry: ChaosEntry) -> str:
         text = f"no fault for tick #{entry.tick}: {entry.reason}"
     elif kind == "recovery":
         if entry.recovered:
-            text = (f"fault #{entry.fault} {entry.unit} recovered: trained again after "
-                    f"{entry.trained_again_s:.1f}s, merged again after {entry.merged_again_s:.1f}s")
+            merged = (f"merged again after {entry.merged_again_s:.1f}s" if entry.merged_again_s is not None
+                      else entry.note or "merges not observed")  # a target without the syncer's status
+            text = (f"fault #{entry.fault} {entry.unit} recovered: trained again after {entry.trained_again_s:.1f}s, "
+                    f"{merged}")
         else:
             text = f"fault #{entry.fault} {entry.unit} NOT recovered: {entry.note}"
     elif kind == "held":

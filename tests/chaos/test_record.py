@@ -95,4 +95,18 @@ def test_a_target_s_own_details_are_kept_and_a_record_line_of_another_shape_name
         f.write('{"event": "fault", "time": 2.0, "fault": "first"}\n')
     with pytest.raises(ValueError, match=r"r\.jsonl, line 2: fault"):
         read_record(rec.path)
-    assert ChaosEntry(event="end", time=1.0, reason="done").line() == '{"event": "end", "time": 1.0, "reason": "done"}\n'
+    line = ChaosEntry(event="end", time=1.0, reason="done").line()
+    assert line == '{"event": "end", "time": 1.0, "reason": "done"}\n'
+
+
+def test_a_recovery_whose_merges_the_target_cannot_see_is_described_without_a_merge_time():
+    from diloco_chaos.cli import describe
+
+    rec = RecoveryTracker()
+    rec.add(1, "a", "kill", at=0.0)
+    (done,) = rec.feed(5.0, {"a": UnitObservation(started=1.0, lines=[(2.0, 1)], merged=None)})
+    line = describe(ChaosEntry(event="recovery", time=5.0, **done))
+    assert "recovered: trained again after 2.0s, merges not observable" in line
+    seen = describe(ChaosEntry(event="recovery", time=5.0, fault=2, unit="b", recovered=True,
+                               trained_again_s=1.0, merged_again_s=3.5))
+    assert seen.endswith("recovered: trained again after 1.0s, merged again after 3.5s")

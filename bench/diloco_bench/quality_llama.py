@@ -85,6 +85,7 @@ def run(ctx: report.Context) -> dict:
         per.setdefault(method, []).append({
             "seed": seed, "val_loss": s["val_loss"], "unigram": s["unigram_loss"], "tokens": s["tokens_trained"],
             "wall_time_s": s["wall_time_s"], "tokens_per_s": runs.learner_tokens_per_s(s), "params": s["params"],
+            "cpu_s": (s.get("usage") or {}).get("cpu_s"),  # the run's own processes: load-independent, unlike wall time
             "merged_fraction": s.get("merged_fraction"), "stop_reason": s["stop_reason"],
             "curve": dict(zip(("time_s", "tokens", "val_loss"), runs.val_curve(s))), "run": s["run_dir"]})
         task.advance()
@@ -104,7 +105,8 @@ def _summarize(result: dict, per: dict[str, list[dict]]) -> None:
     t["title"] = (f"quality, Llama-style model ({first['params']:,} parameters, BPE {fig['model']['vocab_size']}) — "
                   f"final validation loss (nats/token), 4 learners × {fig['steps_per_learner']} steps, "
                   f"{max(len(rs) for rs in per.values())} seed(s)")
-    t["columns"] = ["method", "val loss", "unigram", "vs DDP", "vs sync DiLoCo", "tokens", "tokens/s", "wall time"]
+    t["columns"] = ["method", "val loss", "unigram", "vs DDP", "vs sync DiLoCo", "tokens", "tokens/s", "wall time",
+                    "CPU time"]
     fig["summary"] = {}
     for method, rs in per.items():
         sp = report.spread([r["val_loss"] for r in rs if r["val_loss"] is not None])
@@ -112,11 +114,13 @@ def _summarize(result: dict, per: dict[str, list[dict]]) -> None:
                "vs_ddp": relative(per, method, "ddp"), "vs_sync": relative(per, method, "sync-diloco"),
                "tokens": statistics.fmean(r["tokens"] for r in rs),
                "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in rs),
-               "wall_time_s": statistics.fmean(r["wall_time_s"] for r in rs)}
+               "wall_time_s": statistics.fmean(r["wall_time_s"] for r in rs),
+               "cpu_s": statistics.fmean(r["cpu_s"] for r in rs) if all(r["cpu_s"] for r in rs) else None}
         fig["summary"][method] = row
         t["rows"].append([method, f"{sp['mean']:.4f}" + (f" ± {sp['std']:.4f}" if sp["n"] > 1 else ""),
                           f"{row['unigram']:.4f}", _pct(row["vs_ddp"]), _pct(row["vs_sync"]), f"{row['tokens']:,.0f}",
-                          f"{row['tokens_per_s']:,.0f}", f"{row['wall_time_s']:.0f} s"])
+                          f"{row['tokens_per_s']:,.0f}", f"{row['wall_time_s']:.0f} s",
+                          f"{row['cpu_s']:.0f} s" if row["cpu_s"] else "-"])
     tokens = {m: s["tokens"] for m, s in fig["summary"].items()}
     if max(tokens.values()) > 1.02 * min(tokens.values()):
         result["notes"].append(f"runs did not all train the same tokens (a time budget cut some short): {tokens}")

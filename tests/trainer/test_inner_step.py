@@ -244,3 +244,25 @@ def test_a_restarted_fsdp2_unit_resumes_its_gathered_adamw_state_instead_of_star
         if k.endswith(".exp_avg_sq"):
             assert torch.all(after[k] >= 0.95 * v20 * (1 - 1e-5)), k
             assert not torch.equal(after[k], v20), f"{k}: the restarted unit stepped"
+
+
+@pytest.mark.slow
+def test_an_fsdp2_units_adamw_state_saved_and_restored_into_a_fresh_unit_is_identical_on_every_rank(tmp_path):
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+        log = open(tmp_path / f"rank{rank}.log", "wb")
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/trainer/fsdp_state_worker.py"), str(tmp_path)],
+                                      env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+    for rank, proc in enumerate(procs):
+        assert proc.wait(timeout=300) == 0, (tmp_path / f"rank{rank}.log").read_text()[-3000:]
+    saved = load_file(str(tmp_path / "saved-rank0.safetensors"))
+    decayed, plain = decay_groups(build_model(MODEL_PRESETS["tiny"], 0))
+    assert len(saved) == 3 * len(decayed + plain) and all(float(t) == 3 for k, t in saved.items() if k.endswith(".step"))
+    for i, p in enumerate(decayed + plain):  # full tensors, not a rank's shard, and trained (not zero)
+        assert saved[f"opt.{i}.exp_avg_sq"].shape == p.shape and saved[f"opt.{i}.exp_avg_sq"].abs().sum() > 0
+    for r in (0, 1):
+        restored = load_file(str(tmp_path / f"restored-rank{r}.safetensors"))
+        assert restored.keys() == saved.keys()
+        assert all(torch.equal(restored[k], saved[k]) for k in saved), f"rank {r} restored other values"

@@ -1,7 +1,9 @@
 """Fixtures for the end-to-end tier: the project's images (hack/build-images.sh), a control plane with a real
 node (kubelet on containerd, kube-proxy, CoreDNS; realnode.py), the CRDs, and the operator running from its own
-image in a real pod with the RBAC of manifests/operator.yaml. Nothing here is skipped: a machine that cannot run
-real pods fails the tier with the reason."""
+image in a real pod as the namespaced install of manifests/operator-namespaced.yaml: its ServiceAccount holds only
+the manifest's Role in each job namespace (JOB_NAMESPACES), and every namespace, the operator's own included, is
+labelled as the manifest labels it (Pod Security `restricted`, enforced). Nothing here is skipped: a machine that
+cannot run real pods fails the tier with the reason."""
 
 from __future__ import annotations
 
@@ -36,6 +38,12 @@ def pytest_collection_modifyitems(config, items):
             mark = item.get_closest_marker("timeout")
             own = float(mark.args[0]) if mark and mark.args else float(config.getini("timeout") or 600)
             item.add_marker(pytest.mark.timeout(own + SETUP_ALLOWANCE_S), append=False)
+
+
+# The namespaces the e2e jobs run in (one per test module), watched by the operator from its start: they live for the
+# whole session (a namespaced operator whose namespace, and so its Role, is deleted loses its watch there).
+JOB_NAMESPACES = ("e2e", "e2e-shards", "e2e-llama")
+WATCHED_IN_MANIFEST = "diloco-jobs"  # the one namespace manifests/operator-namespaced.yaml watches
 
 
 @dataclass(frozen=True)
@@ -86,13 +94,29 @@ def kubectl(cluster) -> Kubectl:
     return Kubectl(cluster)
 
 
-def operator_manifests(image: str) -> str:
-    """manifests/operator.yaml as users apply it, with the image this run built."""
-    docs = [d for d in yaml.safe_load_all((ROOT / "manifests" / "operator.yaml").read_text()) if d]
+def operator_manifests(image: str, namespaces: tuple[str, ...] = JOB_NAMESPACES) -> str:
+    """manifests/operator-namespaced.yaml as users apply it, with the image this run built and its one watched
+    namespace (its Namespace with the manifest's labels, its Role and RoleBinding, its --namespace flag) repeated for
+    each of `namespaces`."""
+    docs = [d for d in yaml.safe_load_all((ROOT / "manifests" / "operator-namespaced.yaml").read_text()) if d]
+    out = []
     for doc in docs:
+        watched = doc["metadata"].get("namespace") == WATCHED_IN_MANIFEST or (
+            doc["kind"] == "Namespace" and doc["metadata"]["name"] == WATCHED_IN_MANIFEST)
+        if not watched:
+            out.append(doc)
+        for ns in namespaces if watched else ():
+            copy = yaml.safe_load(yaml.safe_dump(doc))
+            copy["metadata"]["name" if doc["kind"] == "Namespace" else "namespace"] = ns
+            out.append(copy)
         if doc["kind"] == "Deployment":
-            doc["spec"]["template"]["spec"]["containers"][0]["image"] = image
-    return "---\n".join(yaml.safe_dump(d) for d in docs)
+            container = doc["spec"]["template"]["spec"]["containers"][0]
+            container["image"] = image
+            flag = f"--namespace={WATCHED_IN_MANIFEST}"
+            assert flag in container["command"], container["command"]
+            at = container["command"].index(flag)
+            container["command"][at:at + 1] = [f"--namespace={ns}" for ns in namespaces]
+    return "---\n".join(yaml.safe_dump(d) for d in out)
 
 
 @dataclass
@@ -116,7 +140,8 @@ class OperatorPod:
 
 @pytest.fixture(scope="session")
 def operator_pod(cluster, kubectl, images) -> OperatorPod:
-    """The operator from its image, in a real pod, under manifests/operator.yaml's ServiceAccount and RBAC."""
+    """The operator from its image, in a real pod, installed as manifests/operator-namespaced.yaml (watching
+    JOB_NAMESPACES, each with the manifest's Role and Pod Security labels)."""
     for name in install_crds(cluster):
         kubectl.run("wait", "--for=condition=Established", f"crd/{name}", "--timeout=30s")
     kubectl.apply(operator_manifests(images.operator))

@@ -1,13 +1,13 @@
 """Reads of real pods shared by the e2e tests: a syncer's status over TLS pinned to the job's CA, a learner's step
-from its /metrics, which container of a syncer pod served (from the incarnations on its volume), and containerd's
-id of a container."""
+from its /metrics, which container of a syncer pod served (from the incarnations on its volume), containerd's id of a
+container and what the kernel says of its process; the (watched, restricted) namespace a job runs in."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import ssl
-import time
+import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -81,14 +81,34 @@ def container_of(incarnation: dict) -> str:
     return "standby" if incarnation["standby"] else "syncer"
 
 
+RESTRICTED = "pod-security.kubernetes.io/enforce"
+
+
 @contextmanager
-def job_namespace(kubectl, prefix: str, manifest: dict) -> Iterator[str]:
-    """A fresh namespace holding the DilocoJob `manifest`; deleted (with everything in it) afterwards."""
-    ns = f"{prefix}-{int(time.time())}"
-    kubectl.run("create", "namespace", ns)
+def job_namespace(kubectl, ns: str, *manifests: dict) -> Iterator[str]:
+    """Namespace `ns` (one the operator watches, conftest.JOB_NAMESPACES) holding `manifests` (the DilocoJob last);
+    afterwards the jobs and claims in it are deleted. The namespace stays, as a user's does: the namespaced operator
+    holds its Role there."""
+    labels = kubectl.get("namespaces", ns)["metadata"].get("labels", {})
+    assert labels.get(RESTRICTED) == "restricted", f"namespace {ns} is not under Pod Security restricted: {labels}"
     try:
         wait_for(lambda: kubectl.get("serviceaccount", "default", ns=ns), 30, what="default ServiceAccount")
-        kubectl.apply(manifest, "-n", ns)
+        for manifest in manifests:
+            kubectl.apply(manifest, "-n", ns)
         yield ns
     finally:
-        kubectl.run("delete", "namespace", ns, "--wait=false", check=False)
+        kubectl.run("delete", "dilocojobs,persistentvolumeclaims", "--all", "-n", ns, "--wait=false", check=False)
+
+
+def process_of(container: str) -> dict[str, str]:
+    """What the kernel says of a real container's main process: its /proc status fields (Uid, NoNewPrivs, Seccomp,
+    CapEff, ...) and, as `mount <path>`, the options of each mount point it sees."""
+    tasks = subprocess.run(["ctr", "-n", "k8s.io", "tasks", "ls"], capture_output=True, text=True, check=True)
+    pid = next(line.split()[1] for line in tasks.stdout.splitlines()[1:] if line.split()[0] == container)
+    proc = Path("/proc") / pid
+    fields = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines() if ":" in line)
+    out = {k: v.strip() for k, v in fields.items()}
+    for line in (proc / "mountinfo").read_text().splitlines():  # later mounts over a path win
+        parts = line.split()
+        out[f"mount {parts[4]}"] = parts[5]
+    return out

@@ -1,5 +1,7 @@
-"""A DilocoJob trains in real containers on a real kubelet: the syncer and learner pods run the trainer image and
-talk over TLS with the certificate the operator issued (spec.syncer.tls Auto, the default), a killed learner pod (deleted, or by spec.chaos) restarts its unit while the others train on, a SIGKILLed syncer
+"""A DilocoJob trains in real containers on a real kubelet, in a namespace under Pod Security `restricted` and
+reconciled by the namespaced install (an operator pod holding only its Role there): every container runs as UID
+10001 with no capability, no new privileges, a seccomp filter and a read-only root; the syncer and learner pods run
+the trainer image and talk over TLS with the certificate the operator issued (spec.syncer.tls Auto, the default), a killed learner pod (deleted, or by spec.chaos) restarts its unit while the others train on, a SIGKILLed syncer
 is replaced by the other container of its pod (spec.syncer.standby), which resumes from the checkpoint, spool and
 merge journal on the PVC losing no acknowledged update, the job succeeds with a final checkpoint
 that beats the unigram baseline, and deleting the job removes everything it owned.
@@ -24,7 +26,7 @@ import pytest
 from polling import wait_for
 from diloco_devcluster import realnode
 from diloco_trainer.syncer.takeover import read_incarnations
-from e2e_kit import (SYNCER_PORT, container_id, container_of, job_namespace, learner_step, pv_dir,
+from e2e_kit import (SYNCER_PORT, container_id, container_of, job_namespace, learner_step, process_of, pv_dir,
                      syncer_status)
 
 pytestmark = [pytest.mark.e2e]
@@ -151,6 +153,41 @@ def test_the_syncer_and_every_learner_run_as_real_containers_and_outer_steps_adv
     # The operator reads the same progress from the syncer into the job's status.
     wait_for(lambda: job.status().get("outerSteps", 0) > 0, 60, "status.outerSteps from the syncer", 1.0)
     assert job.status().get("phase") == "Running"
+
+
+def test_every_container_runs_restricted_in_a_restricted_namespace_under_an_operator_with_only_its_role(
+        job, kubectl, operator_pod, images):
+    # The job's namespace enforces Pod Security `restricted`: the pods above were admitted under it, an unhardened
+    # pod is refused.
+    labels = kubectl.get("namespaces", job.ns)["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted", labels
+    bare = kubectl.run("run", "bare", f"--image={images.trainer}", "--restart=Never", "-n", job.ns,
+                       "--dry-run=server", check=False)
+    assert bare.returncode != 0 and "violates PodSecurity" in bare.stderr, bare
+    # What the kernel says of every real container (the standby's, the operator's too): the image's user, no new
+    # privileges, a seccomp filter, no capability, a read-only root with /tmp writable.
+    pods = job.running("syncer") + job.running("learner") + [operator_pod.pod()]
+    for pod in pods:
+        for status in pod["status"]["containerStatuses"]:
+            proc = process_of(status["containerID"].split("://", 1)[1])
+            where = f"{pod['metadata']['name']}/{status['name']}"
+            assert proc["Uid"].split() == ["10001"] * 4 and proc["Gid"].split()[0] == "10001", (where, proc["Uid"])
+            assert proc["NoNewPrivs"] == "1" and proc["Seccomp"] == "2", (where, proc["NoNewPrivs"], proc["Seccomp"])
+            assert int(proc["CapEff"], 16) == int(proc["CapPrm"], 16) == 0, (where, proc["CapEff"])
+            assert "ro" in proc["mount /"].split(",") and "rw" in proc["mount /tmp"].split(","), where
+    # The operator is the namespaced install: its ServiceAccount, the job namespaces only, no cluster-wide right.
+    op = operator_pod.pod()
+    command = op["spec"]["containers"][0]["command"]
+    assert op["spec"]["serviceAccountName"] == "diloco-operator"
+    assert f"--namespace={job.ns}" in command and "--no-watch-nodes" in command, command
+    user = f"system:serviceaccount:{op['metadata']['namespace']}:diloco-operator"
+
+    def can(*args: str) -> bool:
+        return kubectl.run("auth", "can-i", *args, f"--as={user}", check=False).stdout.strip() == "yes"
+    assert can("create", "pods", "-n", job.ns) and can("get", "secrets", "-n", job.ns)
+    for args in (["list", "pods", "-A"], ["get", "secrets", "-n", "default"], ["list", "nodes"],
+                 ["create", "clusterrolebindings"]):
+        assert not can(*args), f"the operator may {' '.join(args)}"
 
 
 def test_learners_train_over_tls_with_the_operators_certificate_and_their_own_tokens(job, kubectl):

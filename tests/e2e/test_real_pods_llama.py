@@ -12,14 +12,13 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import pytest
 
 from polling import wait_for
 from diloco_devcluster import realnode
-from e2e_kit import learner_step, pv_dir
+from e2e_kit import job_namespace, learner_step, pv_dir
 
 pytestmark = [pytest.mark.e2e]
 
@@ -111,15 +110,8 @@ class LlamaJob:
 
 @pytest.fixture(scope="module")
 def job(kubectl, operator_pod, images, data):
-    ns = f"llama-{int(time.time())}"
-    kubectl.run("create", "namespace", ns)
-    try:
-        wait_for(lambda: kubectl.get("serviceaccount", "default", ns=ns), 30, "default ServiceAccount")
-        kubectl.apply(data_claim(kubectl, data), "-n", ns)
-        kubectl.apply(job_manifest(images.trainer), "-n", ns)
+    with job_namespace(kubectl, "e2e-llama", data_claim(kubectl, data), job_manifest(images.trainer)) as ns:
         yield LlamaJob(kubectl, ns)
-    finally:
-        kubectl.run("delete", "namespace", ns, "--wait=false", check=False)
 
 
 def test_the_data_volume_is_mounted_read_only_and_a_llama_trains_from_its_shards(job):

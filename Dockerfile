@@ -71,6 +71,9 @@ ARG LIBTPU=libtpu==0.0.21
 COPY requirements-xla.lock ./
 RUN pip install -r requirements-xla.lock \
  && if [ "${LIBTPU}" != none ]; then pip install "${LIBTPU}"; fi
+# torch_xla's _XLAC links against libpython3.11.so.1.0: python:3.11-slim has it, a base on Debian's python3 may not.
+RUN ldconfig -p | grep -q 'libpython3\.11\.so\.1\.0' || { apt-get -o Acquire::Retries=3 update \
+ && apt-get install -y --no-install-recommends libpython3.11 && apt-get clean && rm -rf /var/lib/apt/lists/*; }
 COPY pyproject.toml README.md ./
 COPY trainer/ trainer/
 COPY operator/ operator/

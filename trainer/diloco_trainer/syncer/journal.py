@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from diloco_trainer.fsutil import atomic_write
+from diloco_trainer.fsutil import atomic_write, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +63,20 @@ class MergeJournal:
             return list(self._entries)
 
     def append(self, entry: JournalEntry) -> None:
-        """Durably record one merge (write, fsync) before it is published."""
+        """Durably record one merge (the whole line written, fsync; the directory too when the file is new) before
+        it is published."""
+        line = memoryview((entry.to_line() + "\n").encode())
         with self._lock:
+            created = not self.path.exists()
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                os.write(fd, (entry.to_line() + "\n").encode())
+                while line:  # a write may take less than it was given (a signal, a full disk on the way)
+                    line = line[os.write(fd, line):]
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if created:  # the file's own name must survive a crash too
+                fsync_dir(self.path.parent)
             self._entries.append(entry)
 
     def covered(self, versions: list[int]) -> None:

@@ -297,9 +297,9 @@ class Controller:
             self.enqueue(("job", ns, name), NOT_CONTROLLED_RETRY_S)
             return
         if refused is not None:  # the syncer stays at zero (no crash loop) and no unit is added until a retry
+            # (the periodic resync looks again; past refusal.RETRY_AFTER_S the syncer is given the spec again)
             await self._job_blocked(job, old_status, C.Reason.INVALID_SPEC, refused["message"], now,
                                     prefix="invalid spec: ", extra={"syncerRefusal": refused})
-            self.enqueue(("job", ns, name), refusal.RETRY_AFTER_S + 1)
             return
         syncer_ready = all(ready)
         infos = {i: self.syncer_info.get((ns, name, i)) for i in range(shards)}

@@ -89,6 +89,7 @@ class Reason:
     BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
     COMPLETED = "Completed"
     JOB_FINISHED = "JobFinished"
+    NOT_CONTROLLED_BY_JOB = "NotControlledByJob"  # names a job that does not control it: refused, never run
 
 
 def now_iso(now: datetime | None = None) -> str:

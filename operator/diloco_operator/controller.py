@@ -70,6 +70,20 @@ def _check_controller(res: Resource, desired: dict, current: dict | None) -> Non
 
 
 @dataclass
+class _NotTheJobs:
+    """Unit names taken by LearnerUnits the job does not control (whatever job they name): `name in` it is what
+    jobplan.plan_units asks before it creates a unit, so the job never creates over someone else's unit."""
+
+    cache: Cache
+    namespace: str
+    uid: str | None
+
+    def __contains__(self, name: object) -> bool:
+        lu = self.cache.unit(self.namespace, str(name))
+        return lu is not None and unitplan.job_controller_uid(lu) != self.uid
+
+
+@dataclass
 class SyncerTls:
     """The syncer's certificate as the operator last saw it (spec.syncer.tls)."""
 
@@ -305,7 +319,8 @@ class Controller:
         infos = {i: self.syncer_info.get((ns, name, i)) for i in range(shards)}
         info = syncer_status.combine([x for x in infos.values() if x is not None])
 
-        lus = self.cache.units_of_job(ns, name)
+        uid = job["metadata"].get("uid")
+        lus = self._own_units(ns, name, uid)
         units = [jobplan.unit_view(lu) for lu in lus]
         events: list[tuple[str, str, str]] = []
         decision = None
@@ -320,9 +335,10 @@ class Controller:
                                                    lu["metadata"].get("deletionTimestamp")], free,
                                             old_status.get("autoscaling"), now)
                 events += decision.events
-                plan = jobplan.plan_units(name, spec, units, decision.counts, decision.park, running_first=True)
+                plan = jobplan.plan_units(name, spec, units, decision.counts, decision.park, running_first=True,
+                                          foreign=_NotTheJobs(self.cache, ns, uid))
             else:
-                plan = jobplan.plan_units(name, spec, units)
+                plan = jobplan.plan_units(name, spec, units, foreign=_NotTheJobs(self.cache, ns, uid))
             # Retire removed units' tokens and reserve new ones' epochs before any unit is created or deleted.
             epochs, new_epochs = jobplan.token_epochs(epochs, [u for u in units], plan)
             await self._write_learner_epochs(job, epochs)
@@ -343,7 +359,7 @@ class Controller:
                            + [update(u, us) for u, us in plan.update.items()])
             events += jobplan.unit_events(plan, decision.park if decision else ())
             if plan.delete or plan.create:
-                lus = self.cache.units_of_job(ns, name)
+                lus = self._own_units(ns, name, uid)
                 units = [jobplan.unit_view(lu) for lu in lus if lu["metadata"]["name"] not in plan.delete]
         status, status_events = jobplan.job_status(
             name, spec, job["metadata"].get("generation"), units, syncer_ready, old_status, now, info,
@@ -390,6 +406,11 @@ class Controller:
             for unit, last in info["learners"].items():
                 if unit in seen and seen[unit] != last:
                     self.enqueue(("unit", ns, unit))
+
+    def _own_units(self, ns: str, job: str, uid: str | None) -> list[dict]:
+        """The job's LearnerUnits: those naming it and controlled by it. A unit that names the job and is not its
+        own is never counted, updated or deleted by the job (its own reconcile refuses it: reconcile_unit)."""
+        return [lu for lu in self.cache.units_of_job(ns, job) if unitplan.job_controller_uid(lu) == uid]
 
     async def _job_blocked(self, job: dict, old_status: dict, reason: str, msg: str, now: datetime,
                            prefix: str = "", extra: dict | None = None) -> None:
@@ -709,6 +730,19 @@ class Controller:
         self.enqueue(("job", ns, spec.jobName))
         self.enqueue(("unit", ns, name), REMOTE_RETRY_S)
 
+    async def _unit_refused(self, unit: dict, job: dict, why: str) -> None:
+        """A unit the job does not control: no pod, no token, nothing deleted; its status says why, and a Warning
+        Event on the unit and on the job tells it once."""
+        ns, name = unit["metadata"]["namespace"], unit["metadata"]["name"]
+        written = unit.get("status") or {}
+        status, events = unitplan.refused_status(written, why, datetime.now(timezone.utc),
+                                                 unit["metadata"].get("generation"))
+        if (patch := status_patch(written, status)) is not None:
+            self.cache.wrote(LEARNERUNITS.plural,
+                             await self.kube.merge_patch(LEARNERUNITS, ns, name, {"status": patch}, "status"))
+        await self._events(unit, events)
+        await self._events(job, events)
+
     async def _job_ca(self, ns: str, job: str) -> str:
         """The CA learners verify the syncer against (the home ConfigMap the job's TLS set-up keeps)."""
         cm = await self.kube.get(CONFIGMAPS, ns, O.ca_config_name(job))
@@ -727,6 +761,9 @@ class Controller:
         if job is None or job["metadata"].get("deletionTimestamp"):
             # Being garbage-collected with its job; while a job's finalizer removes its objects in remote clusters,
             # no unit may put pods back there (they would outlive the job).
+            return
+        if (why := unitplan.not_controlled_by_job(unit, job)) is not None:
+            await self._unit_refused(unit, job, why)
             return
         job_finished = (job.get("status") or {}).get("phase") in jobplan.TERMINAL_JOB
         remote = None

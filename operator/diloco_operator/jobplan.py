@@ -3,6 +3,7 @@ delete, and the job's status and conditions from what its units and syncer repor
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -82,11 +83,13 @@ class UnitsPlan:
 
 
 def plan_units(job_name: str, spec: api.DilocoJobSpec, units: list[UnitView], counts: dict[str, int] | None = None,
-               park: list[str] | tuple = (), running_first: bool = False) -> UnitsPlan:
+               park: list[str] | tuple = (), running_first: bool = False,
+               foreign: Container[str] = ()) -> UnitsPlan:
     """Which units to keep, add and remove so each template has its share (`counts`, else `distribute`); kept
     units are never touched except to update a changed spec. `park` units are removed whatever their index.
     Removal takes the highest indices first (with `running_first`, units that do not run go before those that
-    do); new units take the lowest free indices."""
+    do); new units take the lowest free indices. `units` must be the job's own (controlled by it); `foreign`
+    names LearnerUnits that exist and are not: never created over, so an index they hold is skipped."""
     plan = UnitsPlan(counts=counts if counts is not None else distribute(spec.units, spec.total_units()))
     templates = {t.name: t for t in spec.units}
     live = [u for u in units if not u.deleting]
@@ -108,7 +111,7 @@ def plan_units(job_name: str, spec: api.DilocoJobSpec, units: list[UnitView], co
         missing = plan.counts.get(t.name, 0) - sum(1 for u in kept if u.template == t.name)
         i = 0
         while missing > 0:
-            if (t.name, i) not in taken:
+            if (t.name, i) not in taken and O.unit_name(job_name, t.name, i) not in foreign:
                 while next_index in used:
                     next_index += 1
                 used.add(next_index)

@@ -178,6 +178,44 @@ def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | Non
     return _finish(plan, st, conds, current, now, node_pools)
 
 
+def _controller_ref(unit: dict) -> dict | None:
+    return next((r for r in (unit.get("metadata") or {}).get("ownerReferences") or [] if r.get("controller")), None)
+
+
+def job_controller_uid(unit: dict) -> str | None:
+    """The UID in a LearnerUnit's controller ownerReference when that controller is a DilocoJob (None otherwise).
+    Only the reference counts, never the home-owner annotation objects in remote clusters carry."""
+    ref = _controller_ref(unit)
+    return ref.get("uid") if ref is not None and ref.get("kind") == "DilocoJob" else None
+
+
+def not_controlled_by_job(unit: dict, job: dict) -> str | None:
+    """Why the operator must not run `unit` for `job` (None: the job controls it). Only a unit whose controller
+    ownerReference is the job's UID is the job's: another unit naming the job in spec.jobName gets no pods and no
+    token (it would run with a learner token of the job, on an image its author chose)."""
+    uid = job["metadata"].get("uid")
+    if uid is not None and job_controller_uid(unit) == uid:
+        return None
+    meta, ref = unit["metadata"], _controller_ref(unit)
+    by = (f"its controller is {ref.get('kind')} {ref.get('name')} (uid {ref.get('uid')})" if ref is not None
+          else "it has no controller reference")
+    return (f"LearnerUnit {meta['namespace']}/{meta['name']} names job {job['metadata']['name']} but is not "
+            f"controlled by it ({by}; the job's uid is {job['metadata'].get('uid')}): the operator runs no pods and "
+            "makes no token for it. Units are created by their DilocoJob; scale the job instead")
+
+
+def refused_status(status: dict | None, why: str, now: datetime, generation: int | None) -> tuple[dict, list[Event]]:
+    """The status of a unit refused for `why` (not_controlled_by_job): Ready=False / NotControlledByJob, and a
+    Warning Event only when that refusal is new (not on every look)."""
+    old = dict(status or {})
+    before = C.get_condition(old.get("conditions"), C.READY) or {}
+    conds = C.set_condition(old.get("conditions", []), C.READY, False, C.Reason.NOT_CONTROLLED_BY_JOB, why, now,
+                            generation)
+    new = {**old, "conditions": conds, "message": why}
+    fresh = before.get("reason") != C.Reason.NOT_CONTROLLED_BY_JOB or before.get("message") != why
+    return new, [("Warning", C.Reason.NOT_CONTROLLED_BY_JOB, why)] if fresh else []
+
+
 def status_may_wait(status: dict, written: dict | None = None) -> bool:
     """A launch whose pods are there but not yet ready (nor refused by the scheduler), and whose restart, if any, is
     already on record in the `written` status: nothing in `status` needs writing at once, so its write may wait a

@@ -453,3 +453,44 @@ def test_an_existing_object_is_the_jobs_only_if_the_job_controls_it():
     assert objects.controller_uid(remote) == "u-1" and objects.same_controller(remote, remote)
     assert not objects.same_controller(remote, objects.in_remote_cluster(objects.config_map(other_job, job_spec()),
                                                                          "far"))
+
+
+def _learner_unit(owner: dict | None, name: str = "demo-cpu-0") -> dict:
+    spec = objects.unit_spec("demo", job_spec(), api.UnitTemplate(name="cpu"), 0, 0)
+    unit = objects.learner_unit(JOB, spec)
+    unit["metadata"]["name"] = name
+    if owner is None:
+        del unit["metadata"]["ownerReferences"]
+    else:
+        unit["metadata"]["ownerReferences"] = [objects.owner_ref(owner)]
+    return unit
+
+
+def test_a_unit_is_run_for_a_job_only_if_that_job_is_its_controller():
+    assert unitplan.not_controlled_by_job(_learner_unit(JOB), JOB) is None
+    why = unitplan.not_controlled_by_job(_learner_unit(None, "stray"), JOB)
+    assert "LearnerUnit ns/stray names job demo but is not controlled by it" in why
+    assert "no controller reference" in why and "runs no pods and makes no token" in why
+    other = {**JOB, "metadata": {**JOB["metadata"], "uid": "u-other"}}
+    assert "its controller is DilocoJob demo (uid u-other)" in unitplan.not_controlled_by_job(_learner_unit(other), JOB)
+    # Neither an ownerReference that is not the controller nor the remote clusters' home-owner annotation counts.
+    weak = _learner_unit(JOB)
+    weak["metadata"]["ownerReferences"][0]["controller"] = False
+    assert unitplan.not_controlled_by_job(weak, JOB) is not None
+    annotated = objects.in_remote_cluster(_learner_unit(JOB), "ns")
+    assert objects.controller_uid(annotated) == "u-1" and unitplan.not_controlled_by_job(annotated, JOB) is not None
+
+
+def test_a_refused_unit_says_why_in_ready_false_and_warns_only_when_the_refusal_is_new():
+    why = unitplan.not_controlled_by_job(_learner_unit(None, "stray"), JOB)
+    status, events = unitplan.refused_status(None, why, T0, 1)
+    ready = C.get_condition(status["conditions"], C.READY)
+    assert (ready["status"], ready["reason"], ready["message"]) == ("False", "NotControlledByJob", why)
+    assert status["message"] == why and events == [("Warning", "NotControlledByJob", why)]
+    again, events = unitplan.refused_status(status, why, T0 + timedelta(minutes=1), 1)
+    assert again == status and events == [], "looked at again: nothing new to write or tell"
+
+
+def test_the_job_never_creates_a_unit_over_a_name_someone_elses_unit_holds():
+    plan = jobplan.plan_units("demo", job_spec(), [], foreign={"demo-gpu-0", "demo-cpu-0"})
+    assert sorted(plan.create) == ["demo-cpu-1", "demo-gpu-1", "demo-gpu-2"], "the next free index instead"

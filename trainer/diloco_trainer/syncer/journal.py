@@ -58,7 +58,7 @@ class MergeJournal:
         return entries
 
     def entries(self) -> list[JournalEntry]:
-        """Every journaled merge not yet covered by a checkpoint (as far as this file knows), oldest first."""
+        """Every journaled merge the previous checkpoint does not cover (as far as this file knows), oldest first."""
         with self._lock:
             return list(self._entries)
 
@@ -79,11 +79,14 @@ class MergeJournal:
                 fsync_dir(self.path.parent)
             self._entries.append(entry)
 
-    def covered(self, versions: list[int]) -> None:
-        """A checkpoint holding fragment p at `versions[p]` is written: drop the lines it covers (atomic rewrite)."""
+    def covered(self, versions: list[int]) -> list[JournalEntry]:
+        """The checkpoints kept all hold fragment p at `versions[p]` or later: drop the lines they cover (atomic
+        rewrite). Returns the lines dropped."""
         with self._lock:
             keep = [e for e in self._entries if e.version > versions[e.fragment]]
             if len(keep) == len(self._entries):
-                return
+                return []
+            dropped = [e for e in self._entries if e.version <= versions[e.fragment]]
             atomic_write(self.path, "".join(e.to_line() + "\n" for e in keep).encode())
             self._entries = keep
+            return dropped

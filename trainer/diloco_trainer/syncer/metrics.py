@@ -51,6 +51,9 @@ class SyncerMetrics:
         self.checkpoint_seconds = Histogram("diloco_syncer_checkpoint_seconds", "Time to write a checkpoint",
                                             buckets=_SECONDS, registry=r)
         self.checkpoints = Counter("diloco_syncer_checkpoints", "Checkpoints written", registry=r)
+        self.checkpoint_fallbacks = Counter(
+            "diloco_syncer_checkpoint_fallbacks", "This incarnation: 1 if it found the latest checkpoint damaged "
+            "(unreadable, truncated or not its checksums) and started from the previous one", registry=r)
         self.takeover_seconds = Gauge("diloco_syncer_takeover_seconds", "This incarnation: seconds from getting the "
                                       "state directory's lock (its previous holder gone) to serving", registry=r)
         self.state_load_seconds = Gauge("diloco_syncer_state_load_seconds", "This incarnation: seconds to load the "

@@ -25,7 +25,8 @@ from diloco_trainer.protocol.shardmap import owned_fragments, shard_of
 from diloco_trainer.protocol.wire import SubmissionMeta
 
 from diloco_trainer.syncer.journal import JournalEntry, MergeJournal
-from diloco_trainer.syncer.store import Checkpoint, Spool, SpoolEntry, VersionReservation, read_checkpoint, write_checkpoint
+from diloco_trainer.syncer.store import (Checkpoint, Spool, SpoolEntry, VersionReservation, load_checkpoint,
+                                         previous_versions, set_aside_damaged, write_checkpoint)
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,6 @@ class MergeResult:
 @dataclass
 class CheckpointJob:
     checkpoint: Checkpoint
-    spool_names: list[str]  # spool files covered by this checkpoint (deleted once it is written)
 
 
 @dataclass
@@ -157,7 +157,6 @@ class SyncerState:
         # once a written checkpoint covers it and its base is more than versions_kept versions behind its fragment
         # (see forget_old_ids); a retry that late is refused as stale (409) instead, never merged twice.
         self.merged_ids: dict[str, tuple[int, int]] = {}
-        self.merged_spool: list[str] = []  # spool files merged but not yet in a checkpoint
         self.learners: dict[str, LearnerInfo] = {}
         self.tokens_merged = 0
         self.contributions_merged = 0
@@ -166,6 +165,7 @@ class SyncerState:
         self.quorum_reached_at: list[float | None] = [None] * P
         self.dirty = False  # merged since the last checkpoint snapshot
         self.last_checkpoint: float | None = None  # unix time of the last checkpoint written or loaded
+        self.checkpoint_fallback: str | None = None  # why the latest checkpoint was passed over at start, if it was
         self.dir.mkdir(parents=True, exist_ok=True)
         self.spool = Spool(self.dir / "spool")
         self.reservation = VersionReservation(self.dir, P)
@@ -308,7 +308,6 @@ class SyncerState:
         for c in r.contribs:
             del self.pending[p][c.submission_id]
             self.merged_ids[c.submission_id] = (p, c.base_version)
-            self.merged_spool.append(c.spool_name)
             info = self.learners.setdefault(c.learner_id, LearnerInfo())
             info.tokens_merged += c.c_tokens
             info.steps_merged += c.c_steps
@@ -360,18 +359,18 @@ class SyncerState:
         }
         self.dirty = False
         residual = {n: t for res in self.residual for n, t in res.items()}
-        return CheckpointJob(Checkpoint(dict(self.theta), momentum, state, residual), list(self.merged_spool))
+        return CheckpointJob(Checkpoint(dict(self.theta), momentum, state, residual))
 
     def write(self, job: CheckpointJob) -> None:
-        """Write a checkpoint, then drop the spool files it covers (I/O: call from a worker thread)."""
+        """Write a checkpoint (the one it replaces stays as the previous one), then drop the journal lines and spool
+        files the previous one covers: a start that falls back to it redoes every later merge from them, so no
+        acknowledged update is lost (I/O: call from a worker thread)."""
         write_checkpoint(self.dir, job.checkpoint)
-        self.spool.remove(job.spool_names)
-        written = job.checkpoint.state["versions"]
-        self.journal.covered([int(written.get(str(p), 0)) for p in range(self.num_fragments)])
+        reach = previous_versions(self.dir) or job.checkpoint.state["versions"]  # no previous: nothing to redo
+        dropped = self.journal.covered([int(reach.get(str(p), 0)) for p in range(self.num_fragments)])
+        self.spool.remove(sorted({n for e in dropped for n in e.spool}))
 
     def checkpoint_written(self, job: CheckpointJob) -> None:
-        covered = set(job.spool_names)
-        self.merged_spool = [n for n in self.merged_spool if n not in covered]
         self.last_checkpoint = job.checkpoint.state["written_at"]
         self.forget_old_ids(job.checkpoint.state)
 
@@ -391,14 +390,22 @@ class SyncerState:
             self.merged_ids.pop(sid, None)
 
     def _load(self) -> None:
-        ckpt = read_checkpoint(self.dir)
-        if ckpt is not None:
-            self._load_checkpoint(ckpt)
+        loaded = load_checkpoint(self.dir)  # ValueError if every checkpoint there is damaged
+        ckpt = loaded.checkpoint if loaded else None
+        if loaded is not None:
+            self._load_checkpoint(loaded.checkpoint)
+            if loaded.damaged:
+                aside = set_aside_damaged(self.dir)
+                self.checkpoint_fallback = "; ".join(loaded.damaged)
+                log.error("started from the previous checkpoint %s (versions %s): the latest is damaged and was "
+                          "moved to %s; the merge journal redoes the merges since", loaded.path,
+                          list(self.versions), aside)
         for p in self.owned:
             self._remember(p, self.versions[p], self.fragment(p))
         self.reservation.floor = [max(f, v + 1) for f, v in zip(self.reservation.floor, self.versions)]
         replayed = 0
         entries = self.spool.load_all()
+        kept = {n for j in self.journal.entries() for n in j.spool}  # the previous checkpoint's fallback needs them
         journaled = self._replay_journal(entries)
         for e in entries:
             if e.name in journaled:
@@ -407,7 +414,8 @@ class SyncerState:
             p = int(m["fragment"])
             if m["submission_id"] in self.merged_ids or (
                     0 <= p < self.num_fragments and int(m["base_version"]) < self.idempotency_floor(p)):
-                self.spool.remove([e.name])  # in the checkpoint already; only the deletion was lost
+                if e.name not in kept:
+                    self.spool.remove([e.name])  # in the checkpoint already; only the deletion was lost
                 continue
             if not 0 <= p < self.num_fragments or set(e.tensors) != set(self.plan[p]) or p not in self.owned:
                 log.error("spool file %s does not match this run's fragment plan; left in place", e.name)

@@ -275,6 +275,20 @@ class RestartPolicy(_Api):
     maxBackoffSeconds: float = Field(300.0, ge=0, le=86400)
 
 
+NODE_LOST_SECONDS = 20  # default of failurePolicy.nodeLostSeconds
+
+
+class FailurePolicy(_Api):
+    """What counts as a failure the operator acts on by itself: a node that stopped being Ready."""
+
+    nodeLostSeconds: int = Field(
+        NODE_LOST_SECONDS, ge=5, le=86400,
+        description="A node whose Ready condition has not been True for this long (5 to 86400 s) is lost: its "
+                    "learner pods are force-deleted and their units restart on other nodes (with Nodes watched), and "
+                    "every pod of the job tolerates the not-ready/unreachable taints this long (Kubernetes' "
+                    "default: 300 s).")
+
+
 class Autoscaling(_Api):
     """Capacity-aware autoscaling: how many units the job may run and in which order its templates are filled."""
 
@@ -311,6 +325,7 @@ class DilocoJobSpec(_Api):
     units: list[UnitTemplate] = Field(..., min_length=1, max_length=16)
     syncer: SyncerSpec = Field(default_factory=SyncerSpec)
     restartPolicy: RestartPolicy = Field(default_factory=RestartPolicy)
+    failurePolicy: FailurePolicy = Field(default_factory=FailurePolicy)
     chaos: JobChaos | None = None  # a chaos schedule the operator runs on this job's own units (docs/chaos.md)
     autoscaling: Autoscaling | None = None  # capacity-aware: units follow the room on the templates' pools
     clusters: list[RemoteCluster] = Field(default_factory=list, max_length=16)  # units[].cluster names one
@@ -399,6 +414,8 @@ class LearnerUnitSpec(_Api):
     steps: int | None = Field(None, ge=1, le=MAX_STEPS)
     stateVolume: Checkpoint | None = None
     restartPolicy: RestartPolicy = Field(default_factory=RestartPolicy)
+    # the job's: not part of the pods' spec hash (a changed value reaches new pods, restarts none)
+    failurePolicy: FailurePolicy = Field(default_factory=FailurePolicy)
     # https to the syncer, verified against the job's CA (ConfigMap <job>-syncer-ca); false: plain http
     syncerTls: bool = True
     # the job's config.syncer.shards (None: one syncer): the learner dials every shard's Service

@@ -15,6 +15,7 @@ FAILED = "Failed"
 PODS_SCHEDULED = "PodsScheduled"  # LearnerUnit only
 SCALING_LIMITED = "ScalingLimited"  # DilocoJob with spec.autoscaling
 LINK_ENCRYPTED = "LinkEncrypted"  # DilocoJob: TLS between learners and the syncer (spec.syncer.tls)
+NODE_LOST = "NodeLost"  # LearnerUnit: True while it moves off a lost node (spec.failurePolicy.nodeLostSeconds)
 CLUSTER_REACHABLE = "ClusterReachable"  # LearnerUnit in a remote cluster (spec.clusters)
 CLUSTERS_REACHABLE = "ClustersReachable"  # DilocoJob with spec.clusters: every remote cluster answers
 # DilocoJob with a trusted diloco.dev/syncer-url annotation: whether the operator follows it
@@ -90,6 +91,8 @@ class Reason:
     COMPLETED = "Completed"
     JOB_FINISHED = "JobFinished"
     NOT_CONTROLLED_BY_JOB = "NotControlledByJob"  # names a job that does not control it: refused, never run
+    NODE_LOST = "NodeLost"  # a node not Ready for nodeLostSeconds: its pods force-deleted, the unit restarted
+    RUNNING_ELSEWHERE = "RunningElsewhere"  # condition NodeLost=False: the unit runs again, on other nodes
 
 
 def now_iso(now: datetime | None = None) -> str:

@@ -22,7 +22,7 @@ from diloco_operator import conditions as C
 from diloco_operator import jobplan
 from diloco_operator import objects as O
 from diloco_operator import refusal
-from diloco_operator import syncer_status, unitplan
+from diloco_operator import nodeloss, syncer_status, unitplan
 from diloco_operator.cache import Cache
 from diloco_kube.client import (CONFIGMAPS, DEPLOYMENTS, DILOCOJOBS, LEARNERUNITS, NETWORKPOLICIES, NODES, PODS,
                                   PVCS, SECRETS, SERVICES, ApiError, Kube, Resource, status_patch)
@@ -134,6 +134,8 @@ class Controller:
         self.swept: dict[tuple[str, str, str], float] = {}  # (ns, job, cluster) -> last orphan sweep
         # (ns, job, cluster) -> (template -> units that fit there, when): remote Nodes are listed, not watched
         self.remote_room: dict[tuple[str, str, str], tuple[dict[str, int | None], float]] = {}
+        # node -> when this operator first saw it not Ready (nodeloss.not_ready); dropped once it is Ready
+        self.node_down_since: dict[str, datetime] = {}
 
     # --- queue -------------------------------------------------------------------------------------------
     def enqueue(self, key: Key, delay: float = 0.0) -> None:
@@ -153,6 +155,19 @@ class Controller:
         """Re-queue every known job (a Node changed: capacity for the autoscaler)."""
         for key in [k for k in self.known if k[0] == "job"]:
             self.enqueue(key)
+
+    def node_changed(self, node: dict) -> None:
+        """A Node changed: a node not Ready has its units looked at (each then waits out nodeLostSeconds by a
+        delayed requeue); a Ready one is forgotten as down."""
+        name = node["metadata"]["name"]
+        if nodeloss.not_ready(node, datetime.now(timezone.utc)) is None:
+            self.node_down_since.pop(name, None)
+            return
+        for pod in self.cache.all_pods():
+            if (pod.get("spec") or {}).get("nodeName") == name:
+                unit = (pod["metadata"].get("labels") or {}).get(O.LABEL_UNIT)
+                if unit:
+                    self.enqueue(("unit", pod["metadata"]["namespace"], unit))
 
     def forget(self, key: Key) -> None:
         self.known.discard(key)
@@ -680,6 +695,24 @@ class Controller:
         self.enqueue(("job", ns, name), self.syncer_poll_s)  # keep the numbers fresh while it answers
 
     # --- LearnerUnit ---------------------------------------------------------------------------------------
+    def _lost_pods(self, spec: api.LearnerUnitSpec, pods: list[unitplan.PodView],
+                   now: datetime) -> tuple[dict[str, str], float | None]:
+        """The unit's pods on lost nodes (name -> why) and in how many seconds the next may be: from the watched
+        Nodes (none without them: --no-watch-nodes leaves lost nodes to the pods' tolerations)."""
+        if not self.cache.watches_nodes:
+            return {}, None
+        down = {}
+        for name in {p.node for p in pods if p.node}:
+            node = self.cache.node(name)
+            state = nodeloss.not_ready(node, self.node_down_since.get(name, now)) if node else None
+            if state is None:
+                self.node_down_since.pop(name, None)
+                continue
+            self.node_down_since.setdefault(name, state.since)
+            down[name] = state
+        lost, wait = nodeloss.lost_pods(pods, down, now, spec.failurePolicy.nodeLostSeconds)
+        return {p.pod: p.message for p in lost}, wait
+
     def _pools(self, pods: list[unitplan.PodView]) -> dict[str, str]:
         return {p.node: ((self.cache.node(p.node) or {}).get("metadata", {}).get("labels") or {}).get(POOL_LABEL, "")
                 for p in pods if p.node}
@@ -783,9 +816,11 @@ class Controller:
         if held is not None and held[0] != unit["metadata"].get("uid"):
             held = None  # a new unit of the same name
         old_status = held[1] if held else written  # what this operator decided last, written or not
-        plan = unitplan.plan_unit(spec, unit["spec"], old_status, pods, datetime.now(timezone.utc),
+        now = datetime.now(timezone.utc)
+        lost, lost_wait = self._lost_pods(spec, pods, now) if remote is None else ({}, None)
+        plan = unitplan.plan_unit(spec, unit["spec"], old_status, pods, now,
                                   generation=unit["metadata"].get("generation"), node_pools=self._pools(pods),
-                                  job_finished=job_finished)
+                                  job_finished=job_finished, lost=lost)
         last_seen = max((info.get("learners", {}).get(name) or "" for key, info in self.syncer_info.items()
                          if key[:2] == (ns, spec.jobName)), default="") or None
         if last_seen:
@@ -797,8 +832,8 @@ class Controller:
                 unit["metadata"].get("generation"))
             plan.requeue_after = min(plan.requeue_after or REMOTE_POLL_S, REMOTE_POLL_S)
 
-        async def delete(pod: str) -> None:
-            answer = await kube.delete(PODS, remote.namespace if remote else ns, pod)
+        async def delete(pod: str, grace: int | None = None) -> None:
+            answer = await kube.delete(PODS, remote.namespace if remote else ns, pod, grace_seconds=grace)
             if remote is None:
                 self.cache.deleted(PODS.plural, ns, pod, answer, pod_objs.get(pod))
 
@@ -811,7 +846,8 @@ class Controller:
             else:
                 self.cache.wrote(PODS.plural, await kube.create(PODS, pod))
         try:
-            await _bounded([delete(p) for p in plan.delete])
+            # A pod on a lost node goes at once (grace 0): its kubelet would never confirm a graceful delete.
+            await _bounded([delete(p, 0) for p in plan.force_delete] + [delete(p) for p in plan.delete])
             if plan.create:
                 if O.needs_unit_service(spec):
                     await self._ensure(SERVICES, O.unit_service(unit), update=False, remote=remote)
@@ -843,7 +879,12 @@ class Controller:
         if plan.status.get("restarts", 0) > old_status.get("restarts", 0):
             metrics.UNIT_RESTARTS.labels(ns, spec.jobName).inc()
         await self._events(unit, plan.events)
+        if plan.force_delete:
+            metrics.PODS_ON_LOST_NODES.labels(ns, spec.jobName).inc(len(plan.force_delete))
+            await self._events(job, [(t, r, f"unit {name}: {m}") for t, r, m in plan.events if r == C.Reason.NODE_LOST])
         if plan.requeue_after is not None:
             self.enqueue(("unit", ns, name), plan.requeue_after)
+        if lost_wait is not None:  # a node not Ready yet for nodeLostSeconds: look again when it will have been
+            self.enqueue(("unit", ns, name), lost_wait + 0.1)
         if patch:  # the job's status is computed from its units': let it follow at once
             self.enqueue(("job", ns, spec.jobName))

@@ -147,9 +147,12 @@ async def pod_event(body: kopf.Body, memo: kopf.Memo, **_) -> None:
         memo["controller"].enqueue(("unit", body["metadata"]["namespace"], labels[O.LABEL_UNIT]))
 
 
-async def node_event(memo: kopf.Memo, **_) -> None:
-    """Capacity may have appeared or gone: autoscaled jobs look again (reads only, from the caches)."""
+async def node_event(body: kopf.Body, event: dict, memo: kopf.Memo, **_) -> None:
+    """Capacity may have appeared or gone: autoscaled jobs look again (reads only, from the caches); a node not
+    Ready has the units with pods on it looked at (failurePolicy.nodeLostSeconds)."""
     memo["controller"].enqueue_jobs()
+    if event.get("type") != "DELETED":
+        memo["controller"].node_changed(body)
 
 
 # Nodes are cluster-scoped: watched unless `diloco operator --no-watch-nodes` (a namespaced install without any

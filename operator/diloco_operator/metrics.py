@@ -10,3 +10,6 @@ RECONCILE_SECONDS = Histogram("diloco_operator_reconcile_seconds", "Duration of 
 QUEUE_DEPTH = Gauge("diloco_operator_queue_depth", "Objects waiting for a reconcile")
 UNIT_RESTARTS = Counter("diloco_operator_unit_restarts_total", "Whole-unit restarts decided", ["namespace", "job"])
 RESYNCS = Counter("diloco_operator_resyncs_total", "Periodic resyncs (every known object re-queued)")
+PODS_ON_LOST_NODES = Counter("diloco_operator_lost_node_pods_deleted_total",
+                             "Learner pods force-deleted because their node was lost (failurePolicy.nodeLostSeconds)",
+                             ["namespace", "job"])

@@ -30,7 +30,7 @@ ANNOTATION_TOKEN_EPOCH = "diloco.dev/token-epoch"  # on a LearnerUnit: the epoch
 SYNCER_STATE_DIR = "/var/lib/diloco"
 LEARNER_STATE_DIR = "/var/lib/diloco-learner"
 DATA_VOLUME = "data"  # the pod volume of spec.data
-NODE_LOSS_GRACE_S = 30
+NODE_LOSS_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
 
 
 def secret_name(job: str) -> str:
@@ -115,6 +115,12 @@ def spec_hash(obj: dict) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def pod_spec_hash(unit_spec: dict) -> str:
+    """The hash a unit's pods carry (ANNOTATION_SPEC_HASH): of its spec without failurePolicy, so a new
+    nodeLostSeconds reaches the pods created next and restarts none (and pods from before the field keep theirs)."""
+    return spec_hash({k: v for k, v in unit_spec.items() if k != "failurePolicy"})
+
+
 def config_hash(spec: api.DilocoJobSpec) -> str:
     """The hash of the job's training config that its syncer pods carry (ANNOTATION_CONFIG_HASH)."""
     return spec_hash(spec.config.model_dump(mode="json"))
@@ -182,6 +188,14 @@ def _resources(res: api.Resources, extra: dict[str, int] | None = None) -> dict:
 
 def _tolerations(tols: list[api.Toleration]) -> list[dict]:
     return [t.model_dump(exclude_none=True) for t in tols]
+
+
+def node_loss_tolerations(tols: list[api.Toleration], seconds: int) -> list[dict]:
+    """Tolerations of the not-ready/unreachable NoExecute taints for `seconds` (Kubernetes adds 300 s otherwise),
+    except for a key the user's own tolerations already name (theirs decides: the shortest would win)."""
+    named = {t.key for t in tols}
+    return [{"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": seconds}
+            for key in NODE_LOSS_TAINTS if key not in named]
 
 
 def off_accelerators() -> dict:
@@ -298,8 +312,8 @@ def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1, tls
         pod_spec["nodeSelector"] = dict(spec.syncer.nodeSelector)
     else:  # an explicit nodeSelector is the user's placement; by default the syncer stays off accelerators
         pod_spec["affinity"] = off_accelerators()
-    if spec.syncer.tolerations:
-        pod_spec["tolerations"] = _tolerations(spec.syncer.tolerations)
+    pod_spec["tolerations"] = _tolerations(spec.syncer.tolerations) + node_loss_tolerations(
+        spec.syncer.tolerations, spec.failurePolicy.nodeLostSeconds)
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(api.SYNCER_PORT),
                    ANNOTATION_CONFIG_HASH: config_hash(spec)}
     if tls_secret:
@@ -337,6 +351,7 @@ def unit_spec(job_name: str, spec: api.DilocoJobSpec, template: api.UnitTemplate
         imagePullPolicy=spec.imagePullPolicy, podsPerUnit=template.podsPerUnit, accelerator=template.accelerator,
         nodeSelector=template.nodeSelector, tolerations=template.tolerations, resources=template.resources,
         steps=template.steps, stateVolume=template.stateVolume, restartPolicy=spec.restartPolicy,
+        failurePolicy=spec.failurePolicy,
         syncerTls=spec.syncer.tls.effective_mode != "Disabled",
         syncerShards=spec.config.syncer.shards if spec.config.syncer.shards > 1 else None,
         cluster=template.cluster,
@@ -391,16 +406,15 @@ def unit_state_pvc(unit: dict, rank: int) -> dict | None:
 
 
 def learner_tolerations(spec: api.LearnerUnitSpec) -> list[dict]:
-    """A learner pod's tolerations: the template's, its accelerator pool's taint, and a short grace on lost nodes."""
+    """A learner pod's tolerations: the template's, its accelerator pool's taint, and nodeLostSeconds on lost nodes."""
     resource, label, _ = api.ACCELERATORS[spec.accelerator.type]
     tolerations = _tolerations(spec.tolerations)
     if resource and label:
         # Accelerator pools are tainted with their resource name; pods that request it tolerate it.
         tolerations.append({"key": resource, "operator": "Exists", "effect": "NoSchedule"})
-    # A lost node evicts its pods after 30 s instead of the default 300 s, so the unit restarts elsewhere sooner.
-    return tolerations + [{"key": key, "operator": "Exists", "effect": "NoExecute",
-                           "tolerationSeconds": NODE_LOSS_GRACE_S}
-                          for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")]
+    # A lost node's taints evict its pods after nodeLostSeconds instead of the default 300 s (where the cluster's
+    # controller-manager evicts; the operator's own node watch force-deletes them too: nodeloss.py).
+    return tolerations + node_loss_tolerations(spec.tolerations, spec.failurePolicy.nodeLostSeconds)
 
 
 def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
@@ -470,7 +484,7 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
     if resource is None:  # a CPU unit never uses an accelerator: never let it take an accelerator node's room
         pod_spec["affinity"] = off_accelerators()
     pod_spec["tolerations"] = tolerations
-    annotations = {ANNOTATION_SPEC_HASH: spec_hash(unit["spec"]), "prometheus.io/scrape": "true",
+    annotations = {ANNOTATION_SPEC_HASH: pod_spec_hash(unit["spec"]), "prometheus.io/scrape": "true",
                    "prometheus.io/port": str(api.METRICS_PORT)}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": _meta(pod_name(name, incarnation, rank), unit, labels,
                                                                   annotations), "spec": pod_spec}

@@ -3,6 +3,7 @@ delete, the new status and the Events to post. A unit restarts as a whole (all i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -59,11 +60,13 @@ def pod_view(pod: dict) -> PodView:
 
 @dataclass
 class UnitPlan:
-    """What to do for a unit, in order: delete pods, create ranks (of status['incarnation']), write status."""
+    """What to do for a unit, in order: delete pods (force_delete: at once, grace 0), create ranks (of
+    status['incarnation']), write status."""
 
     status: dict
     create: list[int] = field(default_factory=list)
     delete: list[str] = field(default_factory=list)
+    force_delete: list[str] = field(default_factory=list)  # pods on lost nodes: they cannot run their shutdown
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
 
@@ -75,25 +78,42 @@ def backoff_seconds(policy: api.RestartPolicy, consecutive_failures: int) -> flo
     return min(policy.backoffSeconds * 2 ** (consecutive_failures - 1), policy.maxBackoffSeconds)
 
 
-def _failure_cause(spec: api.LearnerUnitSpec, current: list[PodView], want_hash: str) -> tuple[str, str, bool] | None:
-    """Why the launched pod group can no longer run as a whole: (reason, message, counts as a restart)."""
+@dataclass(frozen=True)
+class Cause:
+    """Why the launched pod group can no longer run as a whole. `counted`: a restart in status.restarts; `failure`:
+    the unit's own (backs off, counts towards maxRestarts)."""
+
+    reason: str
+    message: str
+    counted: bool
+    failure: bool
+
+
+def _failure_cause(spec: api.LearnerUnitSpec, current: list[PodView], want_hash: str,
+                   lost: Mapping[str, str]) -> Cause | None:
+    on_lost = [p for p in current if p.name in lost]
+    if on_lost:  # before "deleted": a pod evicted from a lost node is that node's doing, not the unit's
+        p = on_lost[0]
+        return Cause(C.Reason.NODE_LOST, f"{lost[p.name]}: pod {p.name} force-deleted", True, False)
     by_rank = {p.rank: p for p in current if not p.deleting}
     failed = [p for p in current if p.phase == "Failed"]
     if failed:
         p = failed[0]
-        return C.Reason.POD_FAILED, f"pod {p.name} failed" + (f": {p.failure}" if p.failure else ""), True
+        return Cause(C.Reason.POD_FAILED, f"pod {p.name} failed" + (f": {p.failure}" if p.failure else ""), True, True)
     gone = [r for r in range(spec.podsPerUnit) if r not in by_rank]
     if gone:
-        return C.Reason.POD_DELETED, f"pod(s) of rank {', '.join(map(str, gone))} deleted", True
+        return Cause(C.Reason.POD_DELETED, f"pod(s) of rank {', '.join(map(str, gone))} deleted", True, True)
     if any(p.spec_hash and p.spec_hash != want_hash for p in current if not p.terminal):
-        return C.Reason.SPEC_CHANGED, "unit spec changed; recreating its pods", False
+        return Cause(C.Reason.SPEC_CHANGED, "unit spec changed; recreating its pods", False, False)
     return None
 
 
 def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | None, pods: list[PodView],
               now: datetime, *, generation: int | None = None, node_pools: dict[str, str] | None = None,
-              job_finished: bool = False) -> UnitPlan:
-    """Decide one reconcile of a unit. Terminal phases (Succeeded, Failed) stick."""
+              job_finished: bool = False, lost: Mapping[str, str] | None = None) -> UnitPlan:
+    """Decide one reconcile of a unit. Terminal phases (Succeeded, Failed) stick. `lost`: pods on lost nodes (name ->
+    why, nodeloss.lost_pods): force-deleted, and a launched unit with one restarts without backoff."""
+    lost = lost or {}
     old = dict(status or {})
     st = {**old}
     st.setdefault("restarts", 0)
@@ -102,48 +122,55 @@ def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | Non
     st["podsDesired"] = spec.podsPerUnit
     st["observedGeneration"] = generation
     conds = list(old.get("conditions", []))
-    plan = UnitPlan(status=st)
+    plan = UnitPlan(status=st, force_delete=[p.name for p in pods if p.name in lost])
     inc = st["incarnation"]
     launched = st.get("launchedIncarnation") == inc
     current = [p for p in pods if p.incarnation == inc]
     stale = [p for p in pods if p.incarnation != inc]
-    plan.delete += [p.name for p in stale if not p.deleting]
+    plan.delete += [p.name for p in stale if not p.deleting and p.name not in lost]
 
     if old.get("phase") in TERMINAL_UNIT or job_finished:
         if old.get("phase") != "Succeeded":  # a failed unit, or any unit of a finished job, holds no accelerators
-            plan.delete += [p.name for p in current if not p.deleting and not p.terminal]
+            plan.delete += [p.name for p in current if not p.deleting and not p.terminal and p.name not in lost]
         if old.get("phase") not in TERMINAL_UNIT:
             st["phase"], st["message"] = "Failed", "the job finished; unit stopped"
             plan.events.append(("Normal", C.Reason.JOB_FINISHED, st["message"]))
         return _finish(plan, st, conds, current, now, node_pools)
 
-    want_hash = O.spec_hash(unit_spec_raw)
-    cause = _failure_cause(spec, current, want_hash) if launched else None
+    want_hash = O.pod_spec_hash(unit_spec_raw)
+    cause = _failure_cause(spec, current, want_hash, lost) if launched else None
     if launched and not cause and len(current) == spec.podsPerUnit and all(p.phase == "Succeeded" for p in current):
         st["phase"], st["message"] = "Succeeded", "all pods completed"
         plan.events.append(("Normal", C.Reason.COMPLETED, f"unit completed (incarnation {inc})"))
         return _finish(plan, st, conds, current, now, node_pools)
     if cause:
-        reason, message, counted = cause
-        plan.delete += [p.name for p in current if not p.deleting]
-        if counted and st["restarts"] >= spec.restartPolicy.maxRestarts:
+        plan.delete += [p.name for p in current if not p.deleting and p.name not in lost]
+        if cause.failure and st["restarts"] >= spec.restartPolicy.maxRestarts:
             st["phase"] = "Failed"
-            st["message"] = f"{message}; restart limit {spec.restartPolicy.maxRestarts} reached"
+            st["message"] = f"{cause.message}; restart limit {spec.restartPolicy.maxRestarts} reached"
             plan.events.append(("Warning", C.Reason.BACKOFF_LIMIT_EXCEEDED, st["message"]))
             return _finish(plan, st, conds, [], now, node_pools)
         delay = 0.0
-        if counted:
+        if cause.counted:
             st["restarts"] += 1
+        if cause.failure:
             st["consecutiveFailures"] += 1
             delay = backoff_seconds(spec.restartPolicy, st["consecutiveFailures"])
         st["incarnation"] = inc = inc + 1
         st["restartAfter"] = C.now_iso(now + timedelta(seconds=delay))
-        st["phase"], st["message"] = "Restarting", message
-        plan.events.append(("Warning" if counted else "Normal", reason,
-                            f"{message}; restarting the whole unit as incarnation {inc}"
-                            + (f" (restart {st['restarts']}/{spec.restartPolicy.maxRestarts}, backoff {delay:g}s)"
-                               if counted else "")))
-        if delay > 0 or pods:  # a backoff to wait, or old pods to see gone first (a clean slate)
+        st["phase"], st["message"] = "Restarting", cause.message
+        detail = ""
+        if cause.failure:
+            detail = f" (restart {st['restarts']}/{spec.restartPolicy.maxRestarts}, backoff {delay:g}s)"
+        elif cause.counted:
+            detail = f" (restart {st['restarts']}, no backoff: not the unit's failure)"
+        plan.events.append(("Warning" if cause.counted else "Normal", cause.reason,
+                            f"{cause.message}; restarting the whole unit as incarnation {inc}{detail}"))
+        if cause.reason == C.Reason.NODE_LOST:
+            conds = C.set_condition(conds, C.NODE_LOST, True, C.Reason.NODE_LOST, cause.message, now,
+                                    st["observedGeneration"])
+        # A backoff to wait, or old pods to see gone first (a clean slate; force-deleted ones are gone at once).
+        if delay > 0 or any(p.name not in lost for p in pods):
             plan.requeue_after = max(delay, 0.2)
             return _finish(plan, st, conds, [], now, node_pools)
         # No backoff and no pod left: the new incarnation starts in this same pass (one status write, not two).
@@ -156,8 +183,9 @@ def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | Non
             st["message"] = f"backing off until {st['restartAfter']}"
             plan.requeue_after = (restart_after - now).total_seconds()
             return _finish(plan, st, conds, current, now, node_pools, backoff=True)
-        if stale:  # a unit restarts on a clean slate: old pods release their accelerators and DNS names first
-            st["phase"], st["message"] = "Restarting", f"waiting for {len(stale)} old pod(s) to go"
+        going = [p for p in stale if p.name not in lost]  # force-deleted ones are gone at once
+        if going:  # a unit restarts on a clean slate: old pods release their accelerators and DNS names first
+            st["phase"], st["message"] = "Restarting", f"waiting for {len(going)} old pod(s) to go"
             plan.requeue_after = 0.5
             return _finish(plan, st, conds, current, now, node_pools)
         have = {p.rank for p in current}
@@ -172,6 +200,11 @@ def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | Non
     ready = sum(1 for p in current if p.phase == "Running" and p.ready and not p.deleting)
     if ready == spec.podsPerUnit:
         st["phase"], st["message"], st["consecutiveFailures"] = "Running", "all pods ready", 0
+        if C.is_true(conds, C.NODE_LOST):  # moved off the lost node: say where it runs now, keep what happened
+            was = C.get_condition(conds, C.NODE_LOST)["message"]
+            nodes = ", ".join(sorted({p.node for p in current if p.node}))
+            conds = C.set_condition(conds, C.NODE_LOST, False, C.Reason.RUNNING_ELSEWHERE,
+                                    f"running on {nodes} (incarnation {inc}) after: {was}", now, st["observedGeneration"])
     else:
         st["phase"] = "Pending"
         st["message"] = f"{ready}/{spec.podsPerUnit} pods ready"
@@ -230,7 +263,7 @@ def status_may_wait(status: dict, written: dict | None = None) -> bool:
 
 def _finish(plan: UnitPlan, st: dict, conds: list[dict], current: list[PodView], now: datetime,
             node_pools: dict[str, str] | None, backoff: bool = False) -> UnitPlan:
-    live = [p for p in current if not p.deleting and p.name not in plan.delete]
+    live = [p for p in current if not p.deleting and p.name not in plan.delete and p.name not in plan.force_delete]
     ready = sum(1 for p in live if p.phase == "Running" and p.ready)
     st["podsReady"] = ready
     st["nodes"] = sorted({p.node for p in live if p.node})

@@ -45,7 +45,7 @@ ABSURD = [f"spec.config.{f}" for f in (
     "inner.batch_size", "inner.warmup_steps", "outer.sync_every", "outer.overlap", "outer.fragments",
     "outer.block_size", "outer.versions_kept", "data.max_bytes", "seed")] + [
     "spec.units.0.steps", "spec.units.0.count", "spec.units.0.podsPerUnit", "spec.restartPolicy.maxRestarts",
-    "spec.syncer.maxBodyMb"]
+    "spec.syncer.maxBodyMb", "spec.failurePolicy.nodeLostSeconds"]
 
 # (what is wrong, manifest, text the apiserver's error must contain)
 BAD = [
@@ -60,6 +60,7 @@ BAD = [
     ("replicas above every maxCount",
      _with("spec", {"image": "x", "replicas": 5, "units": [{"name": "a", "count": 1, "maxCount": 2}]}),
      "spec.replicas"),
+    ("node lost after under 5 s", _with("spec.failurePolicy.nodeLostSeconds", 2), "spec.failurePolicy.nodeLostSeconds"),
     ("chaos without a schedule", _with("spec.chaos", {"action": {"type": "kill"}}), "spec.chaos.schedule"),
     ("unknown chaos action", _with("spec.chaos", {"schedule": {"every": "2m"}, "action": {"type": "explode"}}),
      "spec.chaos.action.type"),

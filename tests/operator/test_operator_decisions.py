@@ -44,7 +44,7 @@ def test_a_new_unit_creates_all_its_pods_and_records_the_launch():
 
 def test_a_running_unit_is_left_alone():
     spec, raw = unit_spec()
-    h = objects.spec_hash(raw)
+    h = objects.pod_spec_hash(raw)
     status = {"incarnation": 0, "launchedIncarnation": 0, "phase": "Running", "restarts": 0}
     plan = unitplan.plan_unit(spec, raw, status, [pod(0, h=h), pod(1, h=h)], T0)
     assert plan.create == [] and plan.delete == [] and plan.status["phase"] == "Running"
@@ -53,7 +53,7 @@ def test_a_running_unit_is_left_alone():
 
 def test_a_deleted_pod_restarts_the_whole_unit_with_backoff_and_counts_it():
     spec, raw = unit_spec()
-    h = objects.spec_hash(raw)
+    h = objects.pod_spec_hash(raw)
     status = {"incarnation": 0, "launchedIncarnation": 0, "phase": "Running", "restarts": 0}
     plan = unitplan.plan_unit(spec, raw, status, [pod(0, h=h)], T0)  # rank 1 was deleted
     assert plan.delete == ["demo-gpu-0-0-0"], "the surviving rank is restarted with the group"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: sets up the virtualenv, builds (or reuses) the
-# Kubernetes test binaries, then runs pytest. Extra arguments go to pytest. The e2e tier (tests/e2e) also
+# Kubernetes test binaries and helm, then runs pytest. Extra arguments go to pytest. The e2e tier (tests/e2e) also
 # installs and starts the container engine and builds the images (hack/build-images.sh, cached): it needs root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,5 +12,6 @@ if [ $# -eq 0 ]; then
   bash hack/xla-env.sh >/dev/null 2>"${TMPDIR:-/tmp}/diloco-xla-env.log" &
 fi
 DILOCO_TESTBED_DIR=$(bash hack/build-testbed.sh | tail -n 1)
-export DILOCO_TESTBED_DIR
+DILOCO_HELM=$(bash hack/build-helm.sh | tail -n 1)   # the chart tests' helm (tests/operator/helm_kit.py)
+export DILOCO_TESTBED_DIR DILOCO_HELM
 exec .venv/bin/python -m pytest "$@"

@@ -1,6 +1,6 @@
 """Generates the CRDs in crds/ from the pydantic models in api.py, so the two cannot drift.
 
-`python -m diloco_operator.schema [--check] [DIR]` writes (or checks) crds/*.yaml.
+`python -m diloco_operator.schema [--check] [DIR ...]` writes (or checks) crds/*.yaml and the Helm chart's copy.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from diloco_operator import api
 from diloco_trainer.config import TENSORS_FIXED, TENSORS_PER_LAYER, ModelConfig, OuterConfig, TrainConfig
 
 CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
+# The chart installs its own copy (Helm reads a chart's crds/ folder only); generated here too, byte for byte.
+CHART_CRD_DIR = Path(__file__).resolve().parents[2] / "charts" / "decoupled-diloco" / "crds"
 _KEEP = ("type", "enum", "pattern", "minLength", "maxLength", "minimum", "maximum", "minItems", "maxItems", "format")
 
 
@@ -301,19 +303,20 @@ def render() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("dir", nargs="?", default=str(CRD_DIR))
+    parser.add_argument("dir", nargs="*", default=[str(CRD_DIR), str(CHART_CRD_DIR)])
     parser.add_argument("--check", action="store_true", help="fail if the files differ from the models")
     args = parser.parse_args(argv)
-    out = Path(args.dir)
     stale = []
-    for name, text in render().items():
-        path = out / name
-        if args.check:
-            if not path.exists() or path.read_text() != text:
-                stale.append(str(path))
-        else:
-            path.write_text(text)
-            print(f"wrote {path}")
+    for out in map(Path, args.dir):
+        for name, text in render().items():
+            path = out / name
+            if args.check:
+                if not path.exists() or path.read_text() != text:
+                    stale.append(str(path))
+            else:
+                out.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+                print(f"wrote {path}")
     if stale:
         print(f"out of date: {', '.join(stale)}; run python -m diloco_operator.schema", file=sys.stderr)
         return 1

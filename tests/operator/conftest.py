@@ -19,6 +19,7 @@ from diloco_devcluster.cli import install_crds
 
 from polling import wait_for
 from cluster_kit import KUBECTL, PYTHONPATH, ROOT, Kubectl
+from helm_kit import Helm, helm_binary
 
 
 @pytest.fixture(scope="session")
@@ -149,3 +150,9 @@ def ns(kubectl, testbed):
     wait_for(lambda: kubectl.get("serviceaccount", "default", ns=name), 30, what="default ServiceAccount")
     yield name
     kubectl.run("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def helm(tmp_path_factory):
+    """A real helm (hack/build-helm.sh, cached by version) with private config and cache folders."""
+    return Helm(helm_binary(), tmp_path_factory.mktemp("helm"))

@@ -142,10 +142,13 @@ BAD = [
 ]
 
 
-def test_committed_crds_are_generated_from_the_models():
+def test_committed_crds_and_the_charts_copy_are_generated_from_the_models():
     rendered = schema.render()
-    for name, text in rendered.items():
-        assert (ROOT / "crds" / name).read_text() == text, f"crds/{name} is stale: python -m diloco_operator.schema"
+    for folder in ("crds", "charts/decoupled-diloco/crds"):
+        assert sorted(p.name for p in (ROOT / folder).iterdir()) == sorted(rendered), f"{folder}/ holds other files"
+        for name, text in rendered.items():
+            assert (ROOT / folder / name).read_text() == text, \
+                f"{folder}/{name} is stale: python -m diloco_operator.schema"
 
 
 def test_the_crd_schema_is_structural_and_carries_the_training_config():

@@ -19,9 +19,10 @@ def helm_binary() -> str:
     """DILOCO_HELM, else the cached build (hack/build-helm.sh builds it on the first call: a few minutes)."""
     if os.environ.get("DILOCO_HELM"):
         return os.environ["DILOCO_HELM"]
-    out = subprocess.run(["bash", str(ROOT / "hack" / "build-helm.sh")], capture_output=True, text=True)
+    # Its progress goes to stderr as it happens (shown with -s, and in the report of a failed test).
+    out = subprocess.run(["bash", str(ROOT / "hack" / "build-helm.sh")], stdout=subprocess.PIPE, text=True)
     if out.returncode:
-        raise AssertionError(f"hack/build-helm.sh failed: {out.stderr[-2000:]}")
+        raise AssertionError(f"hack/build-helm.sh failed (exit {out.returncode}); its log is above")
     return out.stdout.strip().splitlines()[-1]
 
 

@@ -104,14 +104,26 @@ def test_helm_installs_upgrades_and_uninstalls_the_operator(kube, helm_here):
     assert "--no-watch-nodes" in container(kube)["command"]
     assert can(kube, "create", "pods", "-n", "team-a")
     assert not can(kube, "create", "pods", "-n", "default") and not can(kube, "list", "nodes")
+
+    # upgrade, namespaced with read on Nodes and the metrics Service: the one cluster-wide right is reading Nodes.
+    helm_here.run("upgrade", RELEASE, str(CHART), "--namespace", HOME, "--reuse-values", "--set", "watchNodes=true",
+                  "--set", "metrics.service.enabled=true")
+    assert can(kube, "list", "nodes") and not can(kube, "delete", "nodes")
+    assert not can(kube, "create", "pods", "-n", "default")
+    assert "--no-watch-nodes" not in container(kube)["command"]
+    service = kube.get("services", "diloco-operator-metrics", ns=HOME)
+    assert service["spec"]["selector"] == {"app.kubernetes.io/name": "diloco-operator"}
+    assert service["spec"]["ports"][0]["port"] == 8080
     history = helm_here.run("history", RELEASE, "--namespace", HOME, "-o", "json").stdout
-    assert [r["revision"] for r in yaml.safe_load(history)] == [1, 2, 3]
+    assert [r["revision"] for r in yaml.safe_load(history)] == [1, 2, 3, 4]
 
     # uninstall: every object the chart made is gone; the CRDs and the jobs stay (Helm never deletes CRDs).
     helm_here.run("uninstall", RELEASE, "--namespace", HOME)
     wait_for(lambda: deployment(kube) is None and kube.get("serviceaccount", "diloco-operator", ns=HOME) is None,
              60, "the Deployment and ServiceAccount removed")
+    assert kube.get("services", "diloco-operator-metrics", ns=HOME) is None
     assert kube.run("get", "role,rolebinding", "-n", "team-a", "-o", "name").stdout.strip() == ""
-    assert kube.run("get", "clusterrolebinding", "diloco-operator", check=False).returncode != 0
+    for kind in ("clusterrole", "clusterrolebinding"):
+        assert kube.run("get", kind, "diloco-operator-nodes", check=False).returncode != 0
     assert kube.get("dj", "cpu-demo", ns="team-a") is not None
     assert helm_here.run("list", "--namespace", HOME, "-q").stdout.strip() == ""

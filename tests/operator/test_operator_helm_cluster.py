@@ -94,6 +94,9 @@ def test_helm_installs_upgrades_and_uninstalls_the_operator(kube, helm_here):
     assert container(kube)["resources"]["limits"]["memory"] == "1Gi"
     assert container(kube)["command"][-1] == "--workers=8"
     assert deployment(kube)["metadata"]["generation"] > generation
+    # Helm never upgrades CRDs; the documented way, kubectl apply of the chart's crds/, works over Helm's own.
+    applied = kube.run("apply", "-f", str(CHART / "crds"))
+    assert applied.stdout.count("customresourcedefinition.apiextensions.k8s.io/") == 2, applied.stdout
 
     # upgrade to the namespaced install: the ClusterRole goes, a Role in team-a comes, and the operator is told.
     helm_here.run("upgrade", RELEASE, str(CHART), "--namespace", HOME, "--set", "watchNamespaces={team-a}")

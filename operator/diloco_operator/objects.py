@@ -27,6 +27,9 @@ ANNOTATION_TLS_HASH = "diloco.dev/tls-cert-hash"  # a renewed certificate rolls 
 ANNOTATION_CONFIG_HASH = "diloco.dev/config-hash"  # on syncer pods: the spec.config they were started with
 SYNCER_EPOCHS_DIR = "/etc/diloco-epochs"  # the learner token epochs the syncer checks (syncer/epochs.py)
 ANNOTATION_TOKEN_EPOCH = "diloco.dev/token-epoch"  # on a LearnerUnit: the epoch of its learner token
+TOKEN_VOLUME = "token"  # the pod volume of the token Secret (token_volume)
+TOKEN_DIR = "/etc/diloco-token"
+TOKEN_FILE = f"{TOKEN_DIR}/{TOKEN_KEY}"  # what --token-file reads in syncer and learner pods
 SYNCER_STATE_DIR = "/var/lib/diloco"
 LEARNER_STATE_DIR = "/var/lib/diloco-learner"
 DATA_VOLUME = "data"  # the pod volume of spec.data
@@ -252,8 +255,14 @@ def checkpoint_pvc(job: dict, spec: api.DilocoJobSpec, shard: int = 0) -> dict:
             "metadata": _meta(pvc_name(name, shard, shards), job, syncer_labels(name, shard, shards)), "spec": pvc_spec}
 
 
-def _token_env() -> dict:
-    return {"name": "DILOCO_TOKEN", "valueFrom": {"secretKeyRef": {"name": "", "key": TOKEN_KEY}}}
+def token_volume(secret: str) -> tuple[dict, dict]:
+    """The mount and volume of a token Secret: only its `token` key, as a file at TOKEN_FILE read with --token-file,
+    never in the environment (where /proc/PID/environ and tools that dump it show it). Mode 0440 under the pod's
+    fsGroup: root owns it, only the image's group (the container's processes) reads it, nobody writes it (the kubelet
+    would widen 0400 to 0440 under fsGroup anyway, and without fsGroup the image's user could not read 0400)."""
+    return ({"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
+            {"name": TOKEN_VOLUME, "secret": {"secretName": secret, "defaultMode": 0o440,
+                                              "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}]}})
 
 
 def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1, tls_hash: str | None = None,
@@ -266,19 +275,18 @@ def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1, tls
     name, shards = job["metadata"]["name"], spec.config.syncer.shards
     tls_secret = tls_secret_name(name, spec.syncer.tls)
     labels = syncer_labels(name, shard, shards)
-    token_env = _token_env()
-    token_env["valueFrom"]["secretKeyRef"]["name"] = secret_name(name)
     command = ["diloco", "syncer", "--config", f"/etc/diloco/{CONFIG_KEY}", "--host", "0.0.0.0",
-               "--port", str(api.SYNCER_PORT), "--state-dir", SYNCER_STATE_DIR, "--token-env", "DILOCO_TOKEN",
+               "--port", str(api.SYNCER_PORT), "--state-dir", SYNCER_STATE_DIR, "--token-file", TOKEN_FILE,
                "--max-body-mb", str(spec.syncer.maxBodyMb),
                # An inner step covers at most batch x seq_len x this many tokens: the syncer refuses more.
                "--max-unit-processes", str(max(u.podsPerUnit for u in spec.units))]
     if shards > 1:
         command += ["--shard", str(shard)]
+    token_mount, token_vol = token_volume(secret_name(name))
     mounts = [{"name": "config", "mountPath": "/etc/diloco", "readOnly": True},
-              {"name": "state", "mountPath": SYNCER_STATE_DIR}]
+              {"name": "state", "mountPath": SYNCER_STATE_DIR}, token_mount]
     volumes = [{"name": "config", "configMap": {"name": config_name(name)}},
-               {"name": "state", "persistentVolumeClaim": {"claimName": pvc_name(name, shard, shards)}}]
+               {"name": "state", "persistentVolumeClaim": {"claimName": pvc_name(name, shard, shards)}}, token_vol]
     if spec.data is not None:  # the syncer builds the initial model, maybe from a checkpoint on this volume
         mounts.append(spec.data.mount(DATA_VOLUME))
         volumes.append(spec.data.volume(DATA_VOLUME))
@@ -295,7 +303,7 @@ def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1, tls
             {"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}]}})
     containers = [{
         "name": "syncer", "image": spec.image, "imagePullPolicy": spec.imagePullPolicy, "command": command,
-        "env": [token_env], "ports": [{"name": "api", "containerPort": api.SYNCER_PORT}],
+        "ports": [{"name": "api", "containerPort": api.SYNCER_PORT}],
         # The pod's port answers whichever container serves: ready while either one does.
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": api.SYNCER_PORT,
                                        "scheme": "HTTPS" if tls_secret else "HTTP"}, "periodSeconds": 5},
@@ -305,7 +313,7 @@ def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1, tls
     if spec.syncer.standby:  # no fork of a successor: the kubelet restarts the container that died instead
         containers.append({**{k: v for k, v in containers[0].items() if k not in ("ports", "readinessProbe")},
                            "name": "standby", "command": [*command, "--standby", "--no-fork-successor"]})
-    # Restricted pods (podsecurity.py); fsGroup: the image's user writes the checkpoint PVC.
+    # Restricted pods (podsecurity.py); fsGroup: the image's user writes the checkpoint PVC and reads the token.
     pod_spec = harden({"automountServiceAccountToken": False, "containers": containers, "volumes": volumes},
                       fs_group=True)
     if spec.syncer.nodeSelector:
@@ -433,12 +441,13 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
     url = spec.syncerUrl or syncer_urls(spec.jobName, spec.syncerTls, spec.syncerShards or 1)
     command = ["diloco", "learner", "--syncer", url, "--learner-id", name,
                "--unit", str(spec.unitIndex), "--units", str(spec.shards or spec.unitIndex + 1), "--device", device, "--state-dir", LEARNER_STATE_DIR,
-               "--metrics-port", str(api.METRICS_PORT)]
+               "--metrics-port", str(api.METRICS_PORT), "--token-file", TOKEN_FILE]
     if spec.steps:
         command += ["--steps", str(spec.steps)]
-    mounts = [{"name": "state", "mountPath": LEARNER_STATE_DIR}]
+    token_mount, token_vol = token_volume(unit_token_secret_name(name))  # the unit's own token, never the job's
+    mounts = [{"name": "state", "mountPath": LEARNER_STATE_DIR}, token_mount]
     volumes = [{"name": "state", "persistentVolumeClaim": {"claimName": state_pvc_name(name, rank)}}
-               if spec.stateVolume else {"name": "state", "emptyDir": {}}]
+               if spec.stateVolume else {"name": "state", "emptyDir": {}}, token_vol]
     if spec.data is not None:
         mounts.append(spec.data.mount(DATA_VOLUME))
         volumes.append(spec.data.volume(DATA_VOLUME))
@@ -446,12 +455,9 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
         command += ["--ca", f"{LEARNER_CA_DIR}/{CA_KEY}"]
         mounts.append({"name": "syncer-ca", "mountPath": LEARNER_CA_DIR, "readOnly": True})
         volumes.append({"name": "syncer-ca", "configMap": {"name": ca_config_name(spec.jobName)}})
-    token_env = _token_env()
-    token_env["valueFrom"]["secretKeyRef"]["name"] = unit_token_secret_name(name)
     # A single pod is its own rendezvous (it has no headless Service, so no rank-R.<unit> DNS name).
     hosts = [f"rank-{r}.{name}" for r in range(spec.podsPerUnit)] if needs_unit_service(spec) else ["localhost"]
     env = [
-        token_env,
         {"name": "DILOCO_SYNCER_URL", "value": url},
         {"name": "DILOCO_UNIT", "value": str(spec.unitIndex)},
         {"name": "DILOCO_LEARNER_ID", "value": name},
@@ -478,7 +484,7 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
         }],
         "volumes": volumes,
     }
-    harden(pod_spec, fs_group=spec.stateVolume is not None)  # restricted (podsecurity.py); fsGroup: its state PVC
+    harden(pod_spec, fs_group=True)  # restricted (podsecurity.py); fsGroup: the token file, and a state PVC
     if node_selector:
         pod_spec["nodeSelector"] = node_selector
     if resource is None:  # a CPU unit never uses an accelerator: never let it take an accelerator node's room

@@ -100,12 +100,16 @@ def job_namespace(kubectl, ns: str, *manifests: dict) -> Iterator[str]:
         kubectl.run("delete", "dilocojobs,persistentvolumeclaims", "--all", "-n", ns, "--wait=false", check=False)
 
 
+def pid_of(container: str) -> str:
+    """The host PID of a real container's main process."""
+    tasks = subprocess.run(["ctr", "-n", "k8s.io", "tasks", "ls"], capture_output=True, text=True, check=True)
+    return next(line.split()[1] for line in tasks.stdout.splitlines()[1:] if line.split()[0] == container)
+
+
 def process_of(container: str) -> dict[str, str]:
     """What the kernel says of a real container's main process: its /proc status fields (Uid, NoNewPrivs, Seccomp,
     CapEff, ...) and, as `mount <path>`, the options of each mount point it sees."""
-    tasks = subprocess.run(["ctr", "-n", "k8s.io", "tasks", "ls"], capture_output=True, text=True, check=True)
-    pid = next(line.split()[1] for line in tasks.stdout.splitlines()[1:] if line.split()[0] == container)
-    proc = Path("/proc") / pid
+    proc = Path("/proc") / pid_of(container)
     fields = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines() if ":" in line)
     out = {k: v.strip() for k, v in fields.items()}
     for line in (proc / "mountinfo").read_text().splitlines():  # later mounts over a path win

@@ -26,8 +26,8 @@ import pytest
 from polling import wait_for
 from diloco_devcluster import realnode
 from diloco_trainer.syncer.takeover import read_incarnations
-from e2e_kit import (SYNCER_PORT, container_id, container_of, job_namespace, learner_step, process_of, pv_dir,
-                     syncer_status)
+from e2e_kit import (SYNCER_PORT, container_id, container_of, job_namespace, learner_step, pid_of, process_of,
+                     pv_dir, syncer_status)
 
 pytestmark = [pytest.mark.e2e]
 
@@ -199,8 +199,22 @@ def test_learners_train_over_tls_with_the_operators_certificate_and_their_own_to
         assert command[command.index("--syncer") + 1] == f"https://{JOB}-syncer:{SYNCER_PORT}"
         assert command[command.index("--ca") + 1] == "/etc/diloco/ca/ca.crt"
         unit = pod["metadata"]["labels"]["diloco.dev/unit"]
-        token_ref = next(e for e in container["env"] if e["name"] == "DILOCO_TOKEN")["valueFrom"]["secretKeyRef"]
-        assert token_ref["name"] == f"{unit}-learner-token"
+        assert command[command.index("--token-file") + 1] == "/etc/diloco-token/token"
+        token_volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "token")["secret"]
+        assert token_volume["secretName"] == f"{unit}-learner-token" and token_volume["defaultMode"] == 0o440
+    # Every real container holds its token as a read-only file of mode 0440 in the image's group (the pods'
+    # fsGroup), and nowhere in its environment: the unit's own token in a learner, the job's in the syncer.
+    for pod in job.running("learner") + job.running("syncer"):
+        unit = pod["metadata"]["labels"].get("diloco.dev/unit")
+        secret = kubectl.get("secret", f"{unit}-learner-token" if unit else f"{JOB}-token", ns=job.ns)
+        for status in pod["status"]["containerStatuses"]:  # the syncer's standby too
+            proc = Path("/proc") / pid_of(status["containerID"].split("://", 1)[1])
+            where = f"{pod['metadata']['name']}/{status['name']}"
+            assert not [e for e in (proc / "environ").read_bytes().split(b"\0") if b"TOKEN=" in e], where
+            token_file = proc / "root" / "etc" / "diloco-token" / "token"
+            st = token_file.stat()
+            assert (st.st_mode & 0o777, st.st_gid) == (0o440, 10001), (where, oct(st.st_mode), st.st_gid)
+            assert token_file.read_text() == base64.b64decode(secret["data"]["token"]).decode(), where
     syncer = job.running("syncer")[0]
     assert syncer["spec"]["containers"][0]["command"][-4:] == ["--tls-cert", "/etc/diloco/tls/tls.crt",
                                                                "--tls-key", "/etc/diloco/tls/tls.key"]

@@ -299,7 +299,7 @@ def test_every_learner_pod_command_is_accepted_by_the_learner_itself(monkeypatch
 
     spec = job_spec(units=[{"name": "gpu", "count": 2, "maxCount": 3, "accelerator": {"type": "nvidia-l4", "count": 1}},
                            {"name": "cpu", "count": 2}])
-    monkeypatch.setenv("DILOCO_TOKEN", "t")
+    monkeypatch.delenv("DILOCO_TOKEN", raising=False)  # the pods have none
     shards = set()
     for tmpl, index, unit_index in ((spec.units[0], 0, 0), (spec.units[0], 1, 1), (spec.units[1], 0, 2),
                                     (spec.units[1], 1, 3), (spec.units[1], 2, 7)):  # unit 7: scaled past the counts
@@ -314,7 +314,12 @@ def test_every_learner_pod_command_is_accepted_by_the_learner_itself(monkeypatch
         assert args[ca] == f"{objects.LEARNER_CA_DIR}/ca.crt"
         args[ca] = str(tmp_path / "ca.crt")
         (tmp_path / "ca.crt").write_text("a CA")
+        token = args.index("--token-file") + 1  # the unit's token Secret the pod mounts: a file here
+        assert args[token] == objects.TOKEN_FILE
+        args[token] = str(tmp_path / "token")
+        (tmp_path / "token").write_text("unit-token\n")
         opts = learner_main.options_from_args(parser.parse_args(args))
+        assert opts.token == "unit-token"
         assert opts.metrics_port == container["ports"][0]["containerPort"] == api.METRICS_PORT
         shards.add((opts.unit, opts.units))
     assert {u for u, _ in shards} == {0, 1, 2, 3, 7}

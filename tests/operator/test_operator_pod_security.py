@@ -100,8 +100,8 @@ def test_every_learner_pod_variant_meets_the_restricted_profile_with_a_read_only
     pod_spec = learner_pod_specs()[variant]
     assert restricted_violations(pod_spec) == []
     assert pod_spec["securityContext"]["runAsUser"] == 10001
-    # fsGroup only where a PVC needs it: a chown of an emptyDir is wasted work.
-    assert ("fsGroup" in pod_spec["securityContext"]) == ("state PVC" in variant)
+    # fsGroup on every learner: the token file (mode 0440, root-owned) is readable through the image's group only.
+    assert pod_spec["securityContext"]["fsGroup"] == 10001
 
 
 def test_the_standby_and_its_syncer_each_mount_the_scratch_volume_once():
@@ -132,3 +132,31 @@ def test_the_checker_sees_what_an_unhardened_pod_lacks():
     for rule in ("hostNetwork", "volume h", "allowPrivilegeEscalation", "capabilities", "runAsNonRoot",
                  "seccompProfile", "readOnlyRootFilesystem", "/tmp", "HOME"):
         assert any(rule in v for v in found), (rule, found)
+
+
+def _token_mount(container: dict, pod_spec: dict) -> tuple[str, dict]:
+    """The path --token-file reads and the Secret volume mounted there, checked for the shape every pod must have."""
+    cmd = container["command"]
+    path = cmd[cmd.index("--token-file") + 1]
+    (mount,) = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod_spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["defaultMode"] == 0o440 and volume["secret"]["items"] == [{"key": "token",
+                                                                                       "path": "token"}]
+    assert path == f"{mount['mountPath']}/token"
+    return path, volume["secret"]
+
+
+@pytest.mark.parametrize("variant", [*(f"syncer: {v}" for v in syncer_pod_specs()),
+                                     *(f"learner: {v}" for v in learner_pod_specs())])
+def test_no_pod_holds_a_token_in_its_environment_only_as_a_read_only_file_of_mode_0440(variant):
+    kind, name = variant.split(": ", 1)
+    pod_spec = (syncer_pod_specs() if kind == "syncer" else learner_pod_specs())[name]
+    for container in pod_spec["containers"]:  # the syncer's standby too
+        assert not any("valueFrom" in e or "TOKEN" in e["name"] for e in container.get("env", [])), container["env"]
+        assert "--token-env" not in container["command"]
+        path, secret = _token_mount(container, pod_spec)
+        # The syncer reads the job's token; a learner only its own unit's (never the job's).
+        assert secret["secretName"] == ("demo-token" if kind == "syncer" else "demo-cpu-0-learner-token"
+                                        if name.startswith("cpu") else f"demo-{name[:3]}-0-learner-token")
+        assert pod_spec["securityContext"]["fsGroup"] == podsecurity.IMAGE_GID, "the group that may read 0440"

@@ -139,7 +139,8 @@ def test_the_syncer_serves_the_auto_certificate_and_learners_dial_https_with_the
     assert lcmd[lcmd.index("--syncer") + 1] == "https://demo-syncer:8470"
     assert lcmd[lcmd.index("--ca") + 1] == "/etc/diloco/ca/ca.crt"
     assert {"name": "syncer-ca", "configMap": {"name": "demo-syncer-ca"}} in learner["volumes"]
-    assert not any("secret" in v for v in learner["volumes"])  # a learner's node never gets the syncer's key
+    # A learner's node never gets the syncer's key: the one Secret it mounts is its unit's token.
+    assert [v["secret"]["secretName"] for v in learner["volumes"] if "secret" in v] == ["demo-cpu-0-learner-token"]
 
 
 def test_secret_mode_mounts_the_given_secret_and_disabled_mode_is_plain_http():

@@ -88,8 +88,12 @@ def test_auto_mode_issues_a_certificate_for_the_syncer_service_that_the_syncer_s
     units = {p["metadata"]["labels"]["diloco.dev/unit"]: p for p in pods(kubectl, ns, "diloco.dev/component=learner")}
     assert sorted(units) == ["tls-cpu-0", "tls-cpu-1"]
     for unit, pod in units.items():  # the unit's own token, never the job's
-        (token_env,) = [e for e in pod["spec"]["containers"][0]["env"] if e["name"] == "DILOCO_TOKEN"]
-        assert token_env["valueFrom"]["secretKeyRef"]["name"] == f"{unit}-learner-token"
+        container = pod["spec"]["containers"][0]
+        assert not any("TOKEN" in e["name"] or "valueFrom" in e for e in container["env"]), "never in the environment"
+        assert arg(container["command"], "--token-file") == "/etc/diloco-token/token"
+        (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "token"]
+        assert volume["secret"] == {"secretName": f"{unit}-learner-token", "defaultMode": 0o440,
+                                    "items": [{"key": "token", "path": "token"}]}
         owner = kubectl.get("secret", f"{unit}-learner-token", ns=ns)["metadata"]["ownerReferences"][0]
         assert owner["kind"] == "LearnerUnit" and owner["name"] == unit
     for c in learners:

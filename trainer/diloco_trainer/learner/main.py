@@ -32,6 +32,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="at the end, wait at most this long for in-flight submissions")
     parser.add_argument("--seed", type=int, default=0, help="seeds the jitter (the data order follows the run seed)")
     parser.add_argument("--token-env", default="DILOCO_TOKEN", help="environment variable holding the shared token")
+    parser.add_argument("--token-file", default=None, metavar="FILE",
+                        help="read the token from FILE instead (once, at start; e.g. a mounted Secret's key)")
     parser.add_argument("--data-cache", default=None,
                         help="where corpora are cached as token files (default $DILOCO_DATA_CACHE or "
                              "~/.cache/diloco/data)")
@@ -62,11 +64,10 @@ def options_from_args(args: argparse.Namespace):
     """LearnerOptions from parsed arguments; a bad value raises ValueError naming the flag."""
     from diloco_trainer.learner.loop import LearnerOptions
     from diloco_trainer.protocol.shardmap import split_syncer_urls
+    from diloco_trainer.protocol.tokens import read_bearer_token
     from diloco_trainer.protocol.wire import SubmissionMeta
 
-    token = os.environ.get(args.token_env, "")
-    if not token:
-        raise ValueError(f"set the shared token in the environment variable {args.token_env}")
+    token = read_bearer_token(args.token_file, args.token_env)
     units = args.units if args.units is not None else (1 if args.unit == 0 else None)
     if units is None:
         raise ValueError(f"--unit {args.unit} needs --units (how many units share the corpus, shards must not overlap)")

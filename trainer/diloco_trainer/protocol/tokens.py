@@ -8,6 +8,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import os
+from pathlib import Path
 
 _CONTEXT = b"diloco learner token v1:"
 _CONTEXT_EPOCH = b"diloco learner token v2:"  # with an epoch: `<id>.e<epoch>.<mac>`
@@ -50,3 +52,22 @@ def token_learner(job_token: str, presented: str) -> str | None:
     """The learner id a presented per-learner token was issued to, or None if it is not one of `job_token`'s."""
     identity = token_identity(job_token, presented)
     return identity[0] if identity else None
+
+
+def read_bearer_token(token_file: str | None, token_env: str) -> str:
+    """The token a learner or syncer presents or checks: from `token_file` (--token-file, read once, surrounding
+    whitespace stripped) when given, else from the environment variable `token_env` (--token-env). Missing or
+    empty raises ValueError naming the flag."""
+    if token_file:
+        try:
+            token = Path(token_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--token-file {token_file}: cannot read the token: {exc}") from None
+        if not token:
+            raise ValueError(f"--token-file {token_file}: the file is empty")
+        return token
+    token = os.environ.get(token_env, "")
+    if not token:
+        raise ValueError(f"set the shared token in the environment variable {token_env} (--token-env), or give "
+                         "--token-file")
+    return token

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from diloco_trainer.config import TrainConfig
 from diloco_trainer.fsutil import atomic_write_json
+from diloco_trainer.protocol.tokens import read_bearer_token
 
 from diloco_trainer.syncer.takeover import Incarnation, StateLock, fork_successor, record_incarnation, wait_out_hold
 
@@ -25,6 +26,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8470, help="0 picks a free port (see DIR/endpoint.json)")
     parser.add_argument("--state-dir", required=True, help="checkpoint/ and spool/ live here; resumed on start")
     parser.add_argument("--token-env", default="DILOCO_TOKEN", help="environment variable holding the token")
+    parser.add_argument("--token-file", default=None, metavar="FILE",
+                        help="read the token from FILE instead (once, at start; e.g. a mounted Secret's key)")
     parser.add_argument("--max-body-mb", type=float, default=256.0, help="larger request bodies get 413")
     parser.add_argument("--max-unit-processes", type=int, default=64,
                         help="the most processes (pods) a learner unit runs: an inner step covers at most "
@@ -61,9 +64,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    token = os.environ.get(args.token_env, "")
-    if not token:
-        print(f"diloco syncer: set the shared token in the environment variable {args.token_env}", flush=True)
+    try:
+        token = read_bearer_token(args.token_file, args.token_env)
+    except ValueError as exc:
+        print(f"diloco syncer: {exc}", flush=True)
         return 2
     for name in ("max_body_mb", "checkpoint_every_s", "heartbeat_s", "max_unit_processes", "max_concurrent_uploads"):
         if not getattr(args, name) > 0:

@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 from diloco_trainer.protocol.messages import LearnerStatus, SyncerStatus
-from diloco_trainer.protocol.wire import decode_tensors, encode_tensors
 from diloco_trainer.runtime.syncer_client import SyncerClient
 
 _SUMMED = ("tokens_merged", "steps_merged", "submissions_merged")
@@ -76,6 +75,8 @@ class ShardsClient:
 
     def state_bytes(self) -> bytes | None:
         """All of Θ from every shard as one safetensors document, or None unless every shard answers."""
+        from diloco_trainer.protocol.wire import decode_tensors, encode_tensors  # torch: only when Θ is fetched
+
         parts = [c.state_bytes() for c in self.clients]
         if any(p is None for p in parts):
             return None

@@ -697,21 +697,24 @@ class Controller:
     # --- LearnerUnit ---------------------------------------------------------------------------------------
     def _lost_pods(self, spec: api.LearnerUnitSpec, pods: list[unitplan.PodView],
                    now: datetime) -> tuple[dict[str, str], float | None]:
-        """The unit's pods on lost nodes (name -> why) and in how many seconds the next may be: from the watched
-        Nodes (none without them: --no-watch-nodes leaves lost nodes to the pods' tolerations)."""
-        if not self.cache.watches_nodes:
-            return {}, None
-        down = {}
-        for name in {p.node for p in pods if p.node}:
-            node = self.cache.node(name)
-            state = nodeloss.not_ready(node, self.node_down_since.get(name, now)) if node else None
-            if state is None:
-                self.node_down_since.pop(name, None)
-                continue
-            self.node_down_since.setdefault(name, state.since)
-            down[name] = state
-        lost, wait = nodeloss.lost_pods(pods, down, now, spec.failurePolicy.nodeLostSeconds)
-        return {p.pod: p.message for p in lost}, wait
+        """The unit's pods on lost nodes (name -> why) and in how many seconds the next may be: from the watched Nodes
+        (not with --no-watch-nodes), and from deletions their kubelet never confirmed (needs no right on Nodes)."""
+        after = spec.failurePolicy.nodeLostSeconds
+        found, wait = nodeloss.overdue_pods(pods, now, after)
+        if self.cache.watches_nodes:
+            down = {}
+            for name in {p.node for p in pods if p.node}:
+                node = self.cache.node(name)
+                state = nodeloss.not_ready(node, self.node_down_since.get(name, now)) if node else None
+                if state is None:
+                    self.node_down_since.pop(name, None)
+                    continue
+                self.node_down_since.setdefault(name, state.since)
+                down[name] = state
+            on_down, down_wait = nodeloss.lost_pods(pods, down, now, after)
+            found += on_down
+            wait = min(w for w in (wait, down_wait) if w is not None) if (wait, down_wait) != (None, None) else None
+        return {p.pod: p.message for p in found}, wait
 
     def _pools(self, pods: list[unitplan.PodView]) -> dict[str, str]:
         return {p.node: ((self.cache.node(p.node) or {}).get("metadata", {}).get("labels") or {}).get(POOL_LABEL, "")

@@ -23,16 +23,13 @@ class NotReady:
 
 @dataclass(frozen=True)
 class LostPod:
-    """A pod on a node that has not been Ready for at least nodeLostSeconds."""
+    """A pod whose node is lost: not Ready for nodeLostSeconds, or silent about the pod's deletion that long past its
+    grace period."""
 
     pod: str
     node: str
-    status: str
-    seconds: float  # how long the node has not been Ready
-
-    @property
-    def message(self) -> str:
-        return f"node {self.node} not Ready (Ready={self.status}) for {self.seconds:.0f}s"
+    seconds: float  # how long the node has not been Ready, or has not confirmed the deletion past the grace period
+    message: str
 
 
 def not_ready(node: dict, first_seen: datetime) -> NotReady | None:
@@ -57,7 +54,26 @@ def lost_pods(pods: Iterable[PodView], down: Mapping[str, NotReady], now: dateti
             continue
         seconds = (now - down[p.node].since).total_seconds()
         if seconds >= after_s:
-            lost.append(LostPod(p.name, p.node, down[p.node].status, seconds))
+            lost.append(LostPod(p.name, p.node, seconds,
+                                f"node {p.node} not Ready (Ready={down[p.node].status}) for {seconds:.0f}s"))
         else:
             wait = min(wait if wait is not None else after_s, after_s - seconds)
+    return lost, wait
+
+
+def overdue_pods(pods: Iterable[PodView], now: datetime, after_s: float) -> tuple[list[LostPod], float | None]:
+    """Pods still there `after_s` past the end of their deletion's grace period (deletionTimestamp), whose kubelet has
+    so never confirmed it: the sign of a lost node that needs no right on Nodes (e.g. the controller-manager's taint
+    eviction on a dead node). A live kubelet stops the containers at that deadline and removes the pod within
+    seconds. And in how many seconds the next pod being deleted will be overdue (None: none)."""
+    lost, wait = [], None
+    for p in pods:
+        if p.deletion_deadline is None or not p.node:
+            continue
+        seconds = (now - p.deletion_deadline).total_seconds()
+        if seconds >= after_s:
+            lost.append(LostPod(p.name, p.node, seconds, f"node {p.node} has not confirmed the deletion of pod "
+                                                           f"{p.name} {seconds:.0f}s past its grace period"))
+        else:
+            wait = min(wait if wait is not None else after_s - seconds, after_s - seconds)
     return lost, wait

@@ -29,6 +29,7 @@ class PodView:
     unschedulable: str | None = None  # the scheduler's message while it cannot place the pod
     failure: str | None = None  # why the container ended (reason, exit code)
     spec_hash: str | None = None
+    deletion_deadline: datetime | None = None  # being deleted: when its grace period ends (deletionTimestamp)
 
     @property
     def terminal(self) -> bool:
@@ -55,6 +56,7 @@ def pod_view(pod: dict) -> PodView:
         node=pod.get("spec", {}).get("nodeName"), unschedulable=unschedulable,
         failure=failure or (status.get("reason") if status.get("phase") == "Failed" else None),
         spec_hash=meta.get("annotations", {}).get(O.ANNOTATION_SPEC_HASH),
+        deletion_deadline=C.parse_time(meta.get("deletionTimestamp")),
     )
 
 
@@ -127,6 +129,12 @@ def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | Non
     launched = st.get("launchedIncarnation") == inc
     current = [p for p in pods if p.incarnation == inc]
     stale = [p for p in pods if p.incarnation != inc]
+    for p in stale:  # an old incarnation's pod left on a lost node (e.g. evicted gracefully there): told here
+        if p.name in lost:  # (a current one is the restart's cause, told by its Event below)
+            plan.events.append(("Warning", C.Reason.NODE_LOST, f"{lost[p.name]}: pod {p.name} force-deleted"))
+            conds = C.set_condition(conds, C.NODE_LOST, True, C.Reason.NODE_LOST, f"{lost[p.name]}: pod {p.name} "
+                                    "force-deleted", now, generation)
+    told = len(plan.events)  # Events before any of the restart's own
     plan.delete += [p.name for p in stale if not p.deleting and p.name not in lost]
 
     if old.get("phase") in TERMINAL_UNIT or job_finished:
@@ -194,7 +202,7 @@ def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | Non
         st.pop("restartAfter", None)
         # The first launch is told by the job's UnitCreated Event, a restart by its own Event: only pods created
         # in a later pass of a restart (after a backoff or old pods going) get an Event of their own.
-        if plan.create and inc > 0 and not plan.events:
+        if plan.create and inc > 0 and len(plan.events) == told:
             plan.events.append(("Normal", C.Reason.PODS_CREATED,
                                 f"created {len(plan.create)} pod(s) of incarnation {inc} on {spec.accelerator.type}"))
     ready = sum(1 for p in current if p.phase == "Running" and p.ready and not p.deleting)

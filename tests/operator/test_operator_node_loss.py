@@ -77,6 +77,27 @@ def test_only_pods_on_nodes_down_for_node_lost_seconds_are_lost_and_the_wait_for
     assert nodeloss.lost_pods([pod(0, "fine")], down, T0, 20) == ([], None)
 
 
+def test_a_pod_whose_deletion_its_node_never_confirms_is_lost_without_any_right_on_nodes():
+    # The namespaced install sees no Node: a pod still there nodeLostSeconds after its grace period ended is the
+    # sign (a live kubelet stops its containers at that deadline and removes it within seconds).
+    pods = [pod(0, "dead", deleting=True, deletion_deadline=T0 - timedelta(seconds=21)),
+            pod(1, "slow", deleting=True, deletion_deadline=T0 - timedelta(seconds=3)),
+            pod(2, "fine"), pod(3, None, deleting=True, deletion_deadline=T0 - timedelta(seconds=99))]
+    lost, wait = nodeloss.overdue_pods(pods, T0, after_s=20)
+    assert [(p.pod, p.node) for p in lost] == [("demo-cpu-0-0-0", "dead")]
+    assert lost[0].message == "node dead has not confirmed the deletion of pod demo-cpu-0-0-0 21s past its grace period"
+    assert wait == pytest.approx(17.0)
+    assert nodeloss.overdue_pods([pod(2, "fine")], T0, 20) == ([], None)
+
+
+def test_a_pod_view_reads_when_its_deletion_grace_period_ends():
+    manifest = {"metadata": {"name": "p", "labels": {}, "deletionTimestamp": "2026-01-01T00:00:30Z"},
+                "spec": {"nodeName": "n"}, "status": {"phase": "Running"}}
+    view = unitplan.pod_view(manifest)
+    assert view.deleting and view.deletion_deadline == T0 + timedelta(seconds=30)
+    assert unitplan.pod_view({**manifest, "metadata": {"name": "p"}}).deletion_deadline is None
+
+
 # --- how the unit restarts ----------------------------------------------------------------------------------------
 def test_a_unit_on_a_lost_node_is_force_deleted_and_relaunched_at_once_without_backoff():
     spec, raw = unit()
@@ -124,6 +145,10 @@ def test_a_gracefully_evicted_pod_on_a_lost_node_does_not_hold_the_restart_back(
     assert waiting.create == [] and "waiting for 1 old pod" in waiting.status["message"]
     plan = unitplan.plan_unit(spec, raw, restarting, [old], T0, lost={old.name: "node dead lost"})
     assert plan.force_delete == [old.name] and plan.create == [0]
+    assert [(r, m) for _, r, m in plan.events] == [
+        (C.Reason.NODE_LOST, f"node dead lost: pod {old.name} force-deleted"),
+        (C.Reason.PODS_CREATED, "created 1 pod(s) of incarnation 1 on cpu")]
+    assert C.is_true(plan.status["conditions"], C.NODE_LOST)
 
 
 def test_once_running_on_another_node_the_unit_says_where_and_keeps_what_happened():

@@ -713,7 +713,7 @@ class Controller:
                 down[name] = state
             on_down, down_wait = nodeloss.lost_pods(pods, down, now, after)
             found += on_down
-            wait = min(w for w in (wait, down_wait) if w is not None) if (wait, down_wait) != (None, None) else None
+            wait = min((w for w in (wait, down_wait) if w is not None), default=None)
         return {p.pod: p.message for p in found}, wait
 
     def _pools(self, pods: list[unitplan.PodView]) -> dict[str, str]:

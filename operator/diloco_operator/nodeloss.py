@@ -57,7 +57,7 @@ def lost_pods(pods: Iterable[PodView], down: Mapping[str, NotReady], now: dateti
             lost.append(LostPod(p.name, p.node, seconds,
                                 f"node {p.node} not Ready (Ready={down[p.node].status}) for {seconds:.0f}s"))
         else:
-            wait = min(wait if wait is not None else after_s, after_s - seconds)
+            wait = after_s - seconds if wait is None else min(wait, after_s - seconds)
     return lost, wait
 
 
@@ -75,5 +75,5 @@ def overdue_pods(pods: Iterable[PodView], now: datetime, after_s: float) -> tupl
             lost.append(LostPod(p.name, p.node, seconds, f"node {p.node} has not confirmed the deletion of pod "
                                                            f"{p.name} {seconds:.0f}s past its grace period"))
         else:
-            wait = min(wait if wait is not None else after_s - seconds, after_s - seconds)
+            wait = after_s - seconds if wait is None else min(wait, after_s - seconds)
     return lost, wait

@@ -101,6 +101,10 @@ else
   log "$PYTHON_IMAGE: built ($(since "$s"), $(size_of "$PYTHON_IMAGE"), $(docker run --rm "$PYTHON_IMAGE" python3 --version 2>&1))"
 fi
 
+# The local bases are not from a registry, so they have no registry digest: their content digest (the image ID, a
+# sha256 of the image's config, which names every layer's digest) is what pins them. Logged for the build record.
+log "base images by content digest: $DEBIAN_IMAGE $(docker image inspect --format '{{.Id}}' "$DEBIAN_IMAGE"), $PYTHON_IMAGE $(docker image inspect --format '{{.Id}}' "$PYTHON_IMAGE")"
+
 # ------------------------------------------------------------------------------------------- the tag
 content_hash() {
   {

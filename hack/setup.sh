@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One-time set-up. The pinned dependencies (requirements.lock, torch from PyPI) go into a virtualenv cached in
-# ~/.cache/diloco keyed by the lock file's hash, so every clone reuses it; this checkout gets its own light
-# .venv layered on top of it (the cached site-packages plus this checkout's packages on its path, and a
-# `diloco` command), so two checkouts never point one install at each other's code.
+# One-time set-up. The pinned dependencies (requirements.lock, each file checked against its sha256s there; torch
+# from PyPI) go into a virtualenv cached in ~/.cache/diloco keyed by the lock file's hash, so every clone reuses it;
+# this checkout gets its own light .venv layered on top of it (the cached site-packages plus this checkout's
+# packages on its path, and a `diloco` command), so two checkouts never point one install at each other's code.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -13,8 +13,10 @@ if [ ! -f "$DEPS/.complete" ]; then
   echo "[setup] installing the pinned dependencies into $DEPS (first time: downloads torch, a few minutes)" >&2
   rm -rf "$DEPS"
   "$PY" -m venv "$DEPS"
-  "$DEPS/bin/pip" install --quiet --upgrade pip >&2
-  "$DEPS/bin/pip" install --quiet -r requirements.lock >&2
+  # Every file is checked against the lock's sha256s; pip itself first (the lock's, over the venv's bundled one).
+  awk '/^[^ #]/ { keep = /^pip==/ } keep' requirements.lock > "$DEPS/pip.lock"
+  "$DEPS/bin/pip" install --quiet --require-hashes -r "$DEPS/pip.lock" >&2
+  "$DEPS/bin/pip" install --quiet --require-hashes -r requirements.lock >&2
   touch "$DEPS/.complete"
 fi
 [ -L .venv ] && rm .venv  # an older set-up linked the shared virtualenv itself

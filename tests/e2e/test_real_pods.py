@@ -1,21 +1,29 @@
-"""A DilocoJob trains in real containers on a real kubelet, in a namespace under Pod Security `restricted` and
-reconciled by the namespaced install (an operator pod holding only its Role there): every container runs as UID
-10001 with no capability, no new privileges, a seccomp filter and a read-only root; the syncer and learner pods run
-the trainer image and talk over TLS with the certificate the operator issued (spec.syncer.tls Auto, the default), a killed learner pod (deleted, or by spec.chaos) restarts its unit while the others train on, a SIGKILLed syncer
-is replaced by the other container of its pod (spec.syncer.standby), which resumes from the checkpoint, spool and
-merge journal on the PVC losing no acknowledged update, the job succeeds with a final checkpoint
-that beats the unigram baseline, and deleting the job removes everything it owned.
+"""A user's own model trains in real containers on a real kubelet: a Llama-style transformers model from an inline
+config, a BPE tokenizer trained on local text and token shards made by `diloco data prepare`, on a data volume (a PVC)
+that the operator mounts read-only into the learner and syncer pods. The job runs in a namespace under Pod Security
+`restricted` and is reconciled by the namespaced install (an operator pod holding only its Role there): every
+container runs as UID 10001 with no capability, no new privileges, a seccomp filter and a read-only root; the syncer
+and learner pods talk over TLS with the certificate the operator issued (spec.syncer.tls Auto, the default); a killed
+learner pod (deleted, or by spec.chaos) restarts its unit while the others train on; a SIGKILLed syncer is replaced
+by the other container of its pod (spec.syncer.standby), which resumes from the checkpoint, spool and merge journal
+on the PVC losing no acknowledged update; a spec only the syncer can refuse (more fragments than the model has
+tensors) is reported without a crash loop; the job succeeds with a final model that beats the unigram baseline of
+its tokens, which `diloco export` turns into a directory transformers loads and generates from; deleting the job
+removes everything it owned.
 
-The tests run in file order on one job (each step builds on the one before, as a user's job would)."""
+The tests run in file order on one job (each step builds on the one before, as a user's job would): one job serves
+every check, so the e2e tier pays for one set of containers starting and training."""
 
 from __future__ import annotations
 
 import base64
 import http.client
 import json
+import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.error
 import urllib.request
@@ -33,27 +41,76 @@ pytestmark = [pytest.mark.e2e]
 
 JOB = "e2e"
 UNITS = 3
-STEPS = 1000  # per incarnation: long enough to outlive the kills below, short enough to finish in minutes
+STEPS = 500  # per incarnation: long enough to outlive the kills below, no longer (the job's finish is the tier's end)
 RECOVERY_TIMES: list[float] = []  # pod kill -> replacement container training again, seconds
+VOCAB = 384
+MOUNT = "/data"
+DATA_CLAIM = "tokens"
+LLAMA = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+         "tie_word_embeddings": False}
 
 
-def job_manifest(image: str) -> dict:
+def diloco(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "diloco_trainer.cli", *args], check=True, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """What a user brings: a BPE tokenizer trained on local text and the token shards prepared with it."""
+    work = tmp_path_factory.mktemp("llama-data")
+    text = work / "text"
+    text.mkdir()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("argparse.py", "asyncio/base_events.py", "collections/__init__.py", "dataclasses.py", "enum.py",
+                 "functools.py", "inspect.py", "pathlib.py", "subprocess.py", "typing.py"):
+        src = stdlib / name
+        shutil.copy(src, text / f"{src.parent.name}_{src.stem}.txt")
+    out = work / "data"
+    out.mkdir()
+    diloco("data", "tokenizer", str(text), "--vocab", str(VOCAB), "--out", str(out / "tokenizer.json"))
+    diloco("data", "prepare", str(text), "--tokenizer", str(out / "tokenizer.json"), "--out", str(out / "shards"),
+           "--no-progress")
+    return out
+
+
+def job_manifest(image: str, name: str = JOB, fragments: int = 4, units: int = UNITS) -> dict:
     return {
-        "apiVersion": "diloco.dev/v1alpha1", "kind": "DilocoJob", "metadata": {"name": JOB},
+        "apiVersion": "diloco.dev/v1alpha1", "kind": "DilocoJob", "metadata": {"name": name},
         "spec": {
             "image": image, "imagePullPolicy": "IfNotPresent",
-            "config": {"model": {"seq_len": 64, "d_model": 64, "n_layers": 2, "n_heads": 2},
-                       "data": {"max_bytes": 400000}, "inner": {"batch_size": 8, "lr": 0.003, "warmup_steps": 5},
-                       "outer": {"fragments": 4, "sync_every": 8, "overlap": 2, "compression": "int4", "quorum": 1,
-                                 "grace": 0.5, "lr": 1.0, "momentum": 0.0}},
+            "data": {"mountPath": MOUNT, "persistentVolumeClaim": {"claimName": DATA_CLAIM}},
+            "config": {"model": {"hf": LLAMA, "seq_len": 64},
+                       "data": {"source": "shards", "path": f"{MOUNT}/shards", "tokenizer": f"{MOUNT}/tokenizer.json"},
+                       "inner": {"batch_size": 8, "lr": 0.003, "warmup_steps": 10},
+                       "outer": {"fragments": fragments, "sync_every": 8, "overlap": 2, "compression": "int4",
+                                 "quorum": 1, "grace": 0.5, "lr": 1.0, "momentum": 0.0}},
             # No nodeSelector: CPU units must land on the real CPU node, never on the fake GPU/TPU pools.
-            "units": [{"name": "cpu", "count": UNITS, "accelerator": {"type": "cpu"}, "steps": STEPS,
-                       "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "2Gi"}},
+            "units": [{"name": "cpu", "count": units, "accelerator": {"type": "cpu"}, "steps": STEPS,
+                       "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "3Gi"}},
                        "stateVolume": {"size": "1Gi"}}],
             "syncer": {"resources": {"requests": {"cpu": "100m", "memory": "256Mi"}}, "checkpoint": {"size": "1Gi"}},
             "restartPolicy": {"maxRestarts": 20, "backoffSeconds": 0, "maxBackoffSeconds": 5},
         },
     }
+
+
+def data_claim(kubectl, data: Path) -> dict:
+    """A claim bound up front to a free local volume of the real node, filled with the user's data (what copying a
+    data set onto a PersistentVolume does)."""
+    free = [pv for pv in kubectl.get("persistentvolumes")
+            if pv["spec"].get("storageClassName") == realnode.STORAGE_CLASS and pv.get("status", {}).get("phase")
+            == "Available" and not pv["spec"].get("claimRef")]
+    assert free, "no free local PersistentVolume on the real node"
+    pv = free[-1]
+    target = Path(pv["spec"]["local"]["path"])
+    shutil.copytree(data, target, dirs_exist_ok=True)
+    for path in [target, *target.rglob("*")]:  # readable by the image's user (10001), writable by nobody but root
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": DATA_CLAIM},
+            "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": realnode.STORAGE_CLASS,
+                     "volumeName": pv["metadata"]["name"], "resources": {"requests": {"storage": "1Gi"}}}}
 
 
 class Job:
@@ -137,16 +194,23 @@ def kill_and_time_recovery(job: Job, unit: str, kill) -> float:
 
 
 @pytest.fixture(scope="module")
-def job(kubectl, operator_pod, images) -> Job:
-    with job_namespace(kubectl, "e2e", job_manifest(images.trainer)) as ns:
+def job(kubectl, operator_pod, images, data) -> Job:
+    with job_namespace(kubectl, "e2e", data_claim(kubectl, data), job_manifest(images.trainer)) as ns:
         yield Job(kubectl, ns)
 
 
 def test_the_syncer_and_every_learner_run_as_real_containers_and_outer_steps_advance(job, kubectl):
-    wait_for(lambda: len(job.running("syncer")) == 1 and len(job.running("learner")) == UNITS, 240, f"the syncer and {UNITS} learner containers running", 1.0)
+    wait_for(lambda: len(job.running("syncer")) == 1 and len(job.running("learner")) == UNITS, 300,
+             f"the syncer and {UNITS} learner containers running", 1.0)
     for pod in job.running("learner") + job.running("syncer"):
         assert pod["spec"]["nodeName"] == realnode.NODE_NAME, f"{pod['metadata']['name']} not on the real node"
         assert pod["status"]["containerStatuses"][0]["containerID"].startswith("containerd://")
+        # The user's data volume, read-only in every container that reads the model, tokenizer or tokens.
+        volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "data")
+        assert volume["persistentVolumeClaim"] == {"claimName": DATA_CLAIM, "readOnly": True}
+        for container in pod["spec"]["containers"]:
+            mount = next(m for m in container["volumeMounts"] if m["name"] == "data")
+            assert mount["mountPath"] == MOUNT and mount["readOnly"] is True
     # Every learner reached the syncer through its Service name (cluster DNS + kube-proxy) and trains.
     wait_for(lambda: all((learner_step(p) or 0) >= 1 for p in job.running("learner")), 240, "every learner training", 1.0)
     wait_outer_steps_advance(job, 8, 240, "merges from real learner pods")
@@ -292,23 +356,53 @@ def incarnations(metrics_jsonl: Path) -> list[list[dict]]:
     return runs
 
 
-@pytest.mark.timeout(1200)  # its own waits: up to 900 s for the job, 120 s for the syncer to go, then evaluation
-def test_the_job_succeeds_with_a_final_checkpoint_that_beats_the_unigram_baseline(job, kubectl):
+def test_a_spec_that_only_its_syncer_can_refuse_is_reported_without_a_crash_loop(job):
+    # Only building the model counts its tensors (2 layers: 21); the CRD admits the job, the syncer refuses it (exit
+    # 2, reason in the termination message the kubelet keeps), the operator reports it and stops the syncer.
+    manifest = job_manifest(job.kubectl.get("dj", JOB, ns=job.ns)["spec"]["image"], "too-split", fragments=64, units=1)
+    del manifest["spec"]["units"][0]["stateVolume"]
+    job.kubectl.apply(manifest, "-n", job.ns)
+    try:
+        def refused():
+            dj = job.kubectl.get("dj", "too-split", ns=job.ns) or {}
+            ready = next((c for c in (dj.get("status") or {}).get("conditions", []) if c["type"] == "Ready"), {})
+            return ready if ready.get("reason") == "InvalidSpec" else None
+        ready = wait_for(refused, 300, "the refused job Ready=False/InvalidSpec", 1.0)
+        assert ready["message"].startswith("spec.config.outer.fragments (64) must not exceed the model's"), ready
+        wait_for(lambda: job.kubectl.get("deployment", "too-split-syncer", ns=job.ns)["spec"]["replicas"] == 0
+                 and not job.kubectl.get("pod", ns=job.ns, selector="diloco.dev/job=too-split,diloco.dev/component=syncer"),
+                 120, "the refused syncer scaled to zero and gone", 1.0)
+    finally:
+        job.kubectl.run("delete", "dj", "too-split", "-n", job.ns, "--wait=false", check=False)
+
+
+@pytest.mark.timeout(1500)  # its own waits: up to 1200 s for the job, 120 s for the syncer to go, then evaluation
+def test_the_job_succeeds_and_its_final_model_beats_the_unigram_baseline_and_exports_to_transformers(
+        job, kubectl, data, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from diloco_trainer.config import TrainConfig
-    from diloco_trainer.data.corpus import load_corpus, unigram_loss
+    from diloco_trainer.data.corpus import unigram_loss
+    from diloco_trainer.data.source import open_tokens
     from diloco_trainer.runtime import report
     from diloco_trainer.syncer.store import read_checkpoint
 
-    wait_for(lambda: job.status().get("phase") in ("Succeeded", "Failed"), 900, "the job finishing", 2.0)
+    wait_for(lambda: job.status().get("phase") in ("Succeeded", "Failed"), 1200, "the job finishing", 2.0)
     assert job.status()["phase"] == "Succeeded", job.status()
     # A finished job's syncer is scaled to zero: it wrote its final checkpoint to the PVC on SIGTERM.
     wait_for(lambda: not job.pods("syncer"), 120, "the syncer pod gone after the job finished", 1.0)
-    ckpt = read_checkpoint(job.pv_dir(f"{JOB}-checkpoint"))  # its --state-dir: checkpoint/ and spool/
+    state_dir = job.pv_dir(f"{JOB}-checkpoint")  # its --state-dir: checkpoint/ and spool/
+    ckpt = read_checkpoint(state_dir)
     assert ckpt is not None, "no checkpoint in the syncer's PVC"
     cfg = TrainConfig.model_validate(ckpt.state["config"])
-    corpus = load_corpus(cfg.data)
-    val_loss = report.evaluate_theta(cfg, ckpt.theta, corpus.val, 8, cfg.inner.batch_size)
-    unigram = unigram_loss(corpus.train, corpus.val)
+    assert cfg.model.hf is not None and cfg.model.hf.model_type == "llama"
+    # The same tokens, read here from the user's copy instead of the pods' mount.
+    here = cfg.data.model_copy(update={"path": str(data / "shards"), "tokenizer": str(data / "tokenizer.json")})
+    tokens = open_tokens(here, VOCAB)
+    val = tokens.sample("val", 200_000)
+    val_loss = report.evaluate_theta(cfg, ckpt.theta, val, 8, cfg.inner.batch_size)
+    unigram = unigram_loss(tokens.sample("train", 2_000_000), val)
     print(f"[e2e] final validation loss {val_loss:.3f} vs unigram {unigram:.3f}; pod kill -> training again: "
           f"median {statistics.median(RECOVERY_TIMES):.1f}s of {[round(t, 1) for t in RECOVERY_TIMES]}",
           file=sys.stderr)
@@ -323,6 +417,18 @@ def test_the_job_succeeds_with_a_final_checkpoint_that_beats_the_unigram_baselin
         acked = sum(run[-1]["acked_tokens"] for run in runs)
         assert runs[-1][-1].get("final"), f"{unit}'s last incarnation did not finish cleanly"
         assert merged[unit]["tokens_merged"] >= acked > 0, (unit, merged[unit], acked)
+    # The final model leaves as a directory transformers loads, with the tokenizer, and generates from.
+    out = tmp_path / "llama-hf"
+    diloco("export", str(state_dir), str(out), "--format", "hf", "--tokenizer", str(data / "tokenizer.json"))
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer("def main(", return_tensors="pt")
+    with torch.no_grad():
+        generated = model.generate(**prompt, max_new_tokens=16, do_sample=False)
+    assert generated.shape[1] == prompt["input_ids"].shape[1] + 16
+    text = tokenizer.decode(generated[0])
+    print(f"[e2e] generated: {text!r}", file=sys.stderr)
+    assert text.startswith("def main(")
 
 
 def test_deleting_the_job_removes_every_owned_object_and_container(job, kubectl):

@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from diloco_trainer.config import TrainConfig
 from diloco_trainer.protocol.runfiles import EVENTS, RunEvent, append_event
 from diloco_trainer.runtime import elastic, launch, procs
 from diloco_trainer.runtime.procs import Child, StopFlag, Supervisor
@@ -63,11 +65,35 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """A worker process trains (worker.py); the parent plans, starts N workers, supervises them (restarting the
+    whole job from a checkpoint as --max-restarts allows), stops them and summarizes."""
     if args.rank is not None:
         from diloco_trainer.baselines.worker import work  # torch: only a worker process imports it
 
         return work(args)
     started = time.monotonic()  # --minutes counts from here, as in diloco local
+    job = BaselineRun(args, plan_run(args), started)
+    run_dir, stop = job.run_dir, StopFlag()
+    with Supervisor(run_dir / "processes.json", run_dir / EVENTS, run_dir / "holds") as sup, stop.installed():
+        job.start(sup)
+        reason = job.supervise(sup, stop)
+        train_end = job.stop(sup, reason)
+    summary = job.session.finish(sup, train_end - started, stop_reason=reason)
+    return 0 if summary.get("val_loss") is not None else 1
+
+
+@dataclass
+class Plan:
+    """What the arguments ask for, checked before anything is written or started."""
+
+    cfg: TrainConfig
+    checkpoint_every: int
+    slowdown: list[float]
+    prefixes: dict[str, list[str]]  # --exec-prefix by worker name
+
+
+def plan_run(args: argparse.Namespace) -> Plan:
+    """The validated run; a bad argument exits with a message naming it."""
     cfg = load_config(args.config, args.set)
     if args.learners < 1 or args.steps < 1 or args.minutes <= 0 or args.max_restarts < 0:
         raise SystemExit("diloco baseline: --learners and --steps must be >= 1, --minutes > 0, --max-restarts >= 0")
@@ -77,59 +103,77 @@ def run(args: argparse.Namespace) -> int:
         prefixes = launch.parse_exec_prefixes(args.exec_prefix, [f"learner-{r}" for r in range(args.learners)])
     except ValueError as exc:
         raise SystemExit(f"diloco baseline: {exc}") from None
-    try:
-        run_dir = make_run_dir(args.run_dir)
-    except ValueError as exc:
-        raise SystemExit(f"diloco baseline: {exc}") from None
-    config_path = write_config(run_dir, cfg)
-    session = RunSession(run_dir, cfg, mode=args.mode, learners=args.learners, plain=args.plain,
-                         eval_batches=args.eval_batches, snapshots=args.snapshots)
-    session.prepare_data()
-    deadline = time.time() + args.minutes * 60 - (time.monotonic() - started)  # the workers agree on it
+    return Plan(cfg, checkpoint_every, slowdown, prefixes)
 
-    def worker_argv(rank: int, port: int, resume: bool) -> list[str]:
-        return prefixes.get(f"learner-{rank}", []) + procs.diloco_argv(
-            "baseline", args.mode, "--config", str(config_path), "--learners", str(args.learners),
+
+class BaselineRun:
+    """One run: its directory, session and shared deadline, and the workers it starts under the caller's Supervisor."""
+
+    def __init__(self, args: argparse.Namespace, plan: Plan, started: float):
+        self.args, self.plan = args, plan
+        try:
+            self.run_dir = make_run_dir(args.run_dir)
+        except ValueError as exc:
+            raise SystemExit(f"diloco baseline: {exc}") from None
+        self.config_path = write_config(self.run_dir, plan.cfg)
+        self.session = RunSession(self.run_dir, plan.cfg, mode=args.mode, learners=args.learners, plain=args.plain,
+                                  eval_batches=args.eval_batches, snapshots=args.snapshots)
+        self.session.prepare_data()
+        self.deadline = time.time() + args.minutes * 60 - (time.monotonic() - started)  # the workers agree on it
+        self.started = started
+        self.env = procs.child_env()
+
+    def worker_argv(self, rank: int, port: int, resume: bool) -> list[str]:
+        args = self.args
+        return self.plan.prefixes.get(f"learner-{rank}", []) + procs.diloco_argv(
+            "baseline", args.mode, "--config", str(self.config_path), "--learners", str(args.learners),
             "--rank", str(rank), "--master-addr", args.master_addr, "--master-port", str(port),
-            "--run-dir", str(run_dir),
-            "--steps", str(args.steps), "--deadline", f"{deadline:.3f}", "--slowdown", f"{slowdown[rank]:g}",
+            "--run-dir", str(self.run_dir),
+            "--steps", str(args.steps), "--deadline", f"{self.deadline:.3f}",
+            "--slowdown", f"{self.plan.slowdown[rank]:g}",
             "--jitter", f"{args.jitter:g}", "--log-every", str(args.log_every), "--snapshots", str(args.snapshots),
             # No restarts, no use for checkpoints: the plain baseline pays nothing for them.
-            "--checkpoint-every", str(checkpoint_every if args.max_restarts else 0), *(["--resume"] if resume else []))
+            "--checkpoint-every", str(self.plan.checkpoint_every if args.max_restarts else 0),
+            *(["--resume"] if resume else []))
 
-    stop = StopFlag()
-    env = procs.child_env()
-    with Supervisor(run_dir / "processes.json", run_dir / EVENTS, run_dir / "holds") as sup, stop.installed():
+    def start(self, sup: Supervisor) -> None:
         port = _free_port()
-        for rank in range(args.learners):
+        for rank in range(self.args.learners):
             name = f"learner-{rank}"
-            state_dir = run_dir / "learners" / name
-            # The supervisor never restarts a worker alone: a synchronous job restarts as a whole (below).
-            sup.add(Child(name, "learner", worker_argv(rank, port, resume=False), env,
-                          run_dir / "logs" / f"{name}.log", restart=False,
+            state_dir = self.run_dir / "learners" / name
+            # The supervisor never restarts a worker alone: a synchronous job restarts as a whole (supervise).
+            sup.add(Child(name, "learner", self.worker_argv(rank, port, resume=False), self.env,
+                          self.run_dir / "logs" / f"{name}.log", restart=False,
                           meta={"state_dir": str(state_dir), "rank": rank}))
-            session.add_learner(name, state_dir, args.steps, slowdown[rank])
+            self.session.add_learner(name, state_dir, self.args.steps, self.plan.slowdown[rank])
             sup.start(name)
-        restarts = 0
+
+    def supervise(self, sup: Supervisor, stop: StopFlag) -> str:
+        """Until the run ends; after a worker failed, every worker again from the checkpoint, at most --max-restarts
+        times. Returns why it ended."""
+        args, restarts = self.args, 0
         while True:
-            reason = session.supervise(sup, stop, started, budget_s=args.minutes * 60, steps=args.steps,
-                                       fail_fast=True)
+            reason = self.session.supervise(sup, stop, self.started, budget_s=args.minutes * 60, steps=args.steps,
+                                            fail_fast=True)
             failed = elastic.failed_worker(sup.children.values())
-            if failed is None or stop or restarts >= args.max_restarts or time.time() >= deadline:
+            if failed is None or stop or restarts >= args.max_restarts or time.time() >= self.deadline:
                 break
             restarts += 1
             port = _free_port()  # the old rendezvous port may linger in TIME_WAIT
-            _restart_job(session, sup, run_dir, failed, restarts, args.max_restarts,
-                         [worker_argv(rank, port, resume=True) for rank in range(args.learners)])
+            _restart_job(self.session, sup, self.run_dir, failed, restarts, args.max_restarts,
+                         [self.worker_argv(rank, port, resume=True) for rank in range(args.learners)])
         if failed is not None and args.max_restarts and restarts >= args.max_restarts:
             reason += f" (--max-restarts {args.max_restarts}: {restarts} used)"
-        session.message(f"stopping: {reason}")
+        return reason
+
+    def stop(self, sup: Supervisor, reason: str) -> float:
+        """Stop every worker; returns when training ended."""
+        self.session.message(f"stopping: {reason}")
         train_end = time.monotonic()
         sup.stop([c.name for c in sup.children.values()], timeout=60.0)
         sup.poll()
-        session.close_display()
-    summary = session.finish(sup, train_end - started, stop_reason=reason)
-    return 0 if summary.get("val_loss") is not None else 1
+        self.session.close_display()
+        return train_end
 
 
 def checkpoint_period(mode: str, every: int | None, sync_every: int) -> int:

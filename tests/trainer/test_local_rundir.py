@@ -182,7 +182,22 @@ def test_progress_table_shows_each_learner_and_the_syncer():
     assert "120/300" in text and "v13..15" in text and "37" in text and "684k/1.20M" in text and "away" in text
     assert "learner-3 ×2" in text and "restarting ↻1" in text
     assert "outer steps 80" in text and "goodput 46.0%" in text and "exited with code -9" in text
+    # The syncer's count sums the 4 fragments' merges: shown per fragment, beside the tokens trained.
+    assert "tokens merged 28.3k per fragment of 61.4k trained" in text
     assert "syncer away" in progress.plain_line(progress.View("x", 1.0, None, []))
+
+
+def test_the_final_report_gives_merged_tokens_a_reader_can_hold_against_tokens_trained():
+    from diloco_trainer.runtime.report import summary_lines
+
+    base = {"run_dir": "r", "mode": "decoupled", "learners": 2, "params": 1000, "wall_time_s": 60.0,
+            "tokens_trained": 3_276_800, "steps_trained": 6400, "goodput": 0.9, "merged_fraction": 0.82}
+    decoupled = "\n".join(summary_lines(base | {"tokens_merged": 10_813_440, "fragments": 4,
+                                                 "tokens_merged_per_fragment": 2_703_360.0}))
+    assert ("tokens merged 2,703,360 per fragment of 3,276,800 trained; 10,813,440 summed over the 4 fragments"
+            in decoupled)
+    ddp = "\n".join(summary_lines(base | {"mode": "ddp", "tokens_merged": 2_686_976}))
+    assert "tokens merged 2,686,976 of 3,276,800 trained" in ddp
 
 
 def test_a_crashed_learner_restarts_for_the_missing_steps_only_and_not_at_all_when_it_was_done(tmp_path):

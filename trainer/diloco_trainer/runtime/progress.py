@@ -97,6 +97,13 @@ def render(view: View) -> Group:
     return Group(header, table, syncer_text(view), *[Text(msg, style="dim") for msg in view.messages[-4:]])
 
 
+def merged_per_fragment(tokens_merged: int, fragments: int) -> str:
+    """The syncer's merged-token count made readable against tokens trained: it sums every fragment's merges (each
+    covers the tokens trained since that learner last sent that fragment), so its mean over the fragments is what
+    compares with the tokens trained."""
+    return f"{human(tokens_merged / max(fragments, 1))} per fragment"
+
+
 def syncer_text(view: View) -> Text:
     if view.no_syncer:
         return Text(view.no_syncer)
@@ -110,8 +117,8 @@ def syncer_text(view: View) -> Text:
     style = "yellow" if view.shards_up is not None and not all(view.shards_up) else None
     return Text(
         f"syncer: {shards}outer steps {s.outer_steps}, merges {s.merges}, goodput {goodput} "
-        f"(tokens merged {human(s.tokens_merged)} over {s.fragments} fragments, "
-        f"trained {human(view.tokens_trained)}), live learners {live}, pending {s.pending_total}, "
+        f"(tokens merged {merged_per_fragment(s.tokens_merged, s.fragments)} of {human(view.tokens_trained)} "
+        f"trained), live learners {live}, pending {s.pending_total}, "
         f"grace {s.grace_s:.2f}s{restarts}", style=style or ""
     )
 

@@ -107,8 +107,12 @@ def summary_lines(s: dict) -> list[str]:
     if s.get("goodput") is not None:
         lines.append(f"goodput: {100 * s['goodput']:.1f}% of the learners' allocated time was useful training")
     if s.get("merged_fraction") is not None:
-        lines.append(f"merged: {100 * s['merged_fraction']:.1f}% of trained steps reached the global model "
-                     f"(tokens merged {s.get('tokens_merged', 0):,})")
+        if s.get("tokens_merged_per_fragment") is not None:  # Decoupled: every fragment merges on its own
+            tokens = (f"tokens merged {s['tokens_merged_per_fragment']:,.0f} per fragment of {s['tokens_trained']:,} "
+                      f"trained; {s['tokens_merged']:,} summed over the {s['fragments']} fragments")
+        else:
+            tokens = f"tokens merged {s.get('tokens_merged', 0):,} of {s['tokens_trained']:,} trained"
+        lines.append(f"merged: {100 * s['merged_fraction']:.1f}% of trained steps reached the global model ({tokens})")
     if s.get("restarts"):
         lost = (f" (lost {s['lost_steps']:,} learner steps, trained again from checkpoints)"
                 if "lost_steps" in s else "")

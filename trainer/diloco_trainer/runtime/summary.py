@@ -101,7 +101,9 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
                              if isinstance(state, SyncerFinalState) else {})
         summary["syncer"]["shards"] = cfg.syncer.shards
         summary["merged"] = merged
-        summary["tokens_merged"] = sum(m["tokens_merged"] for m in merged.values())
+        summary["tokens_merged"] = sum(m["tokens_merged"] for m in merged.values())  # summed over the fragments
+        summary["fragments"] = cfg.outer.fragments
+        summary["tokens_merged_per_fragment"] = summary["tokens_merged"] / cfg.outer.fragments  # vs tokens_trained
         slots = learner_slots(run_dir, {lid: m["steps_merged"] for lid, m in merged.items()}, cfg.outer.fragments)
     else:
         summary.update(sync_job_figures(events, final_lines, cfg.inner.batch_size * cfg.model.seq_len))

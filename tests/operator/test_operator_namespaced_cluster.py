@@ -36,6 +36,17 @@ def install_namespaced(kubectl: Kubectl, home: str, watched: str) -> str:
     return f"system:serviceaccount:{home}:diloco-operator"
 
 
+def namespaced_operator(kubectl: Kubectl, testbed, home: str, watched: str, tmp_path) -> OperatorProcess:
+    """An operator process (not started) of the namespaced install: `--namespace watched --no-watch-nodes`, talking
+    to the apiserver as the ServiceAccount install_namespaced made in `home` (a token of it, nothing else)."""
+    token = kubectl.run("create", "token", "diloco-operator", "-n", home, "--duration=1h").stdout.strip()
+    config = yaml.safe_load(open(testbed.kubeconfig).read())
+    config["users"] = [{"name": "operator", "user": {"token": token}}]
+    config["contexts"][0]["context"]["user"] = "operator"
+    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(config))
+    return OperatorProcess(str(tmp_path / "kubeconfig"), tmp_path, ("--namespace", watched, "--no-watch-nodes"))
+
+
 def can(kubectl: Kubectl, user: str, *args: str) -> bool:
     out = kubectl.run("auth", "can-i", *args, f"--as={user}", check=False)
     return out.stdout.strip() == "yes"
@@ -53,12 +64,7 @@ def test_a_namespaced_operator_reconciles_its_namespace_with_only_a_role_and_has
                  ["list", "customresourcedefinitions"], ["create", "clusterrolebindings"]):
         assert not can(kubectl, user, *args), f"the namespaced operator may {' '.join(args)}"
 
-    token = kubectl.run("create", "token", "diloco-operator", "-n", home, "--duration=1h").stdout.strip()
-    config = yaml.safe_load(open(testbed.kubeconfig).read())
-    config["users"] = [{"name": "operator", "user": {"token": token}}]
-    config["contexts"][0]["context"]["user"] = "operator"
-    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(config))
-    namespaced = OperatorProcess(str(tmp_path / "kubeconfig"), tmp_path, ("--namespace", ns, "--no-watch-nodes"))
+    namespaced = namespaced_operator(kubectl, testbed, home, ns, tmp_path)
     operator.stop()  # the session's cluster-wide operator would reconcile these jobs too
     try:
         kubectl.apply(job("elsewhere", cpu_units(1)), "-n", other)  # first: it is there the whole time

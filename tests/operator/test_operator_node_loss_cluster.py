@@ -11,7 +11,6 @@ import urllib.error
 import uuid
 
 import pytest
-import yaml
 
 from diloco_operator import api
 from diloco_operator import conditions as C
@@ -21,8 +20,7 @@ from diloco_kube.labels import KWOK_ANNOTATION
 from polling import wait_for
 from test_operator_autoscale_cluster import POOL, Nodes
 from test_operator_cluster import condition, events, job, running
-from test_operator_namespaced_cluster import install_namespaced
-from conftest import OperatorProcess
+from test_operator_namespaced_cluster import install_namespaced, namespaced_operator
 
 pytestmark = pytest.mark.cluster
 CPU_NODE = {"cpu": "4", "memory": "16Gi", "pods": "110"}
@@ -172,12 +170,7 @@ def test_without_any_right_on_nodes_a_unit_left_terminating_on_a_dead_node_runs_
     nodes.names.append(dead)
     home = f"op-{uuid.uuid4().hex[:6]}"
     install_namespaced(kubectl, home, ns)
-    token = kubectl.run("create", "token", "diloco-operator", "-n", home, "--duration=1h").stdout.strip()
-    config = yaml.safe_load(open(testbed.kubeconfig).read())
-    config["users"] = [{"name": "operator", "user": {"token": token}}]
-    config["contexts"][0]["context"]["user"] = "operator"
-    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(config))
-    namespaced = OperatorProcess(str(tmp_path / "kubeconfig"), tmp_path, ("--namespace", ns, "--no-watch-nodes"))
+    namespaced = namespaced_operator(kubectl, testbed, home, ns, tmp_path)
     operator.stop()  # the session's cluster-wide operator (which watches Nodes) would act first
     lost_s = 5
     try:

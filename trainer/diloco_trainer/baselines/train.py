@@ -20,7 +20,7 @@ from diloco_trainer.config import TrainConfig
 from diloco_trainer.protocol.runfiles import EVENTS, RunEvent, append_event
 from diloco_trainer.runtime import elastic, launch, procs
 from diloco_trainer.runtime.procs import Child, StopFlag, Supervisor
-from diloco_trainer.runtime.rundir import make_run_dir, read_jsonl, write_config
+from diloco_trainer.runtime.rundir import open_run, read_jsonl
 from diloco_trainer.runtime.session import (DEFAULT_CONFIG, DEFAULT_MINUTES, DEFAULT_STEPS, RunSession, load_config,
                               parse_slowdown)
 
@@ -111,11 +111,7 @@ class BaselineRun:
 
     def __init__(self, args: argparse.Namespace, plan: Plan, started: float):
         self.args, self.plan = args, plan
-        try:
-            self.run_dir = make_run_dir(args.run_dir)
-        except ValueError as exc:
-            raise SystemExit(f"diloco baseline: {exc}") from None
-        self.config_path = write_config(self.run_dir, plan.cfg)
+        self.run_dir, self.config_path = open_run(args.run_dir, plan.cfg, "diloco baseline")
         self.session = RunSession(self.run_dir, plan.cfg, mode=args.mode, learners=args.learners, plain=args.plain,
                                   eval_batches=args.eval_batches, snapshots=args.snapshots)
         self.session.prepare_data()

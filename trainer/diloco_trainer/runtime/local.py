@@ -18,7 +18,7 @@ from diloco_trainer.config import TrainConfig
 from diloco_trainer.protocol.runfiles import EVENTS
 from diloco_trainer.runtime import launch, procs
 from diloco_trainer.runtime.procs import Child, StopFlag, Supervisor
-from diloco_trainer.runtime.rundir import make_run_dir, write_config
+from diloco_trainer.runtime.rundir import open_run
 from diloco_trainer.runtime.session import (DEFAULT_CONFIG, DEFAULT_MINUTES, DEFAULT_STEPS, RunSession, load_config,
                               parse_slowdown)
 from diloco_trainer.runtime.shards import StandbyGroup, combine_final_checkpoints, syncer_names
@@ -135,11 +135,7 @@ class LocalRun:
 
     def __init__(self, args: argparse.Namespace, plan: Plan):
         self.args, self.plan = args, plan
-        try:
-            self.run_dir = make_run_dir(args.run_dir)
-        except ValueError as exc:
-            raise SystemExit(f"diloco local: {exc}") from None
-        self.config_path = write_config(self.run_dir, plan.cfg)
+        self.run_dir, self.config_path = open_run(args.run_dir, plan.cfg, "diloco local")
         self.token = secrets.token_urlsafe(24)
         self.env = procs.child_env({"DILOCO_TOKEN": self.token})
         self.session = RunSession(self.run_dir, plan.cfg, mode="decoupled", learners=args.learners, plain=args.plain,

@@ -45,6 +45,16 @@ def write_config(run: Path, cfg: TrainConfig) -> Path:
     return path
 
 
+def open_run(path: str | Path | None, cfg: TrainConfig, command: str) -> tuple[Path, Path]:
+    """A new run's directory and its config.yaml, for `command` (`diloco local`, `diloco baseline`): a --run-dir
+    that is not empty ends the command with its message (SystemExit), before anything starts."""
+    try:
+        run = make_run_dir(path)
+    except ValueError as exc:
+        raise SystemExit(f"{command}: {exc}") from None
+    return run, write_config(run, cfg)
+
+
 def write_json(path: Path, obj) -> None:
     """Write JSON atomically: readers never see half a file."""
     atomic_write_json(path, obj, indent=1)

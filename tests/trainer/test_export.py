@@ -91,3 +91,18 @@ def test_a_sharded_syncers_model_needs_every_shards_state_dir(tmp_path, capsys):
     assert _max_diff(tmp_path / "whole", cfg, theta, 256) <= 1e-5
     assert diloco(["export", str(tmp_path / "nothing-here"), str(tmp_path / "x")]) == 2
     assert "holds no checkpoint" in capsys.readouterr().out
+
+
+def test_a_state_dir_whose_latest_checkpoint_is_damaged_exports_the_previous_one(tmp_path, capsys):
+    from diloco_trainer.model.export import read_global_theta
+    from diloco_trainer.syncer.store import read_checkpoint
+
+    cfg = TrainConfig(model=MODEL_PRESETS["tiny"].model_copy(), seed=3)
+    _trained_checkpoint(tmp_path / "syncer", cfg)
+    first = read_checkpoint(tmp_path / "syncer").theta
+    _trained_checkpoint(tmp_path / "syncer", cfg)  # the second write keeps the first as checkpoint.old/
+    latest = tmp_path / "syncer" / "checkpoint" / "theta.safetensors"
+    latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])
+    theta, _ = read_global_theta([tmp_path / "syncer"])
+    assert all(torch.equal(theta[n], first[n]) for n in first)
+    assert "passed over a damaged checkpoint" in capsys.readouterr().out

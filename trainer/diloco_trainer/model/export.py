@@ -35,10 +35,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def checkpoint_dir(source: Path) -> Path:
-    """The directory holding theta.safetensors + state.json: SOURCE itself, or its checkpoint/ (checkpoint.old/)."""
-    for d in (source, source / "checkpoint", source / "checkpoint.old"):
-        if (d / "theta.safetensors").is_file() and (d / "state.json").is_file():
-            return d
+    """The directory holding the checkpoint to export: for a syncer's --state-dir, the newest whole one (a damaged
+    checkpoint/ is passed over for checkpoint.old/, as the syncer itself would: syncer/store.load_checkpoint);
+    else SOURCE itself (a checkpoint directory, or diloco local's final/)."""
+    from diloco_trainer.syncer.store import LATEST, PREVIOUS, load_checkpoint
+
+    if (source / LATEST).is_dir() or (source / PREVIOUS).is_dir():
+        loaded = load_checkpoint(source)  # ValueError naming each damaged directory if none is whole
+        if loaded is not None:
+            for why in loaded.damaged:
+                print(f"diloco export: passed over a damaged checkpoint ({why}); exporting {loaded.path}")
+            return loaded.path
+    if (source / "theta.safetensors").is_file() and (source / "state.json").is_file():
+        return source
     raise ValueError(f"{source} holds no checkpoint (theta.safetensors + state.json, itself or in checkpoint/)")
 
 

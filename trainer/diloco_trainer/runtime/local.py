@@ -245,9 +245,16 @@ class LocalRun:
 
 
 def _copy_final_checkpoint(syncer_dir: Path, final: Path) -> None:
-    src = syncer_dir / "checkpoint"
-    if not (src / "theta.safetensors").exists():
-        src = syncer_dir / "checkpoint.old"
+    """final/ gets the syncer's newest whole checkpoint (a damaged one passed over, as the syncer would); nothing if
+    it has none. Imported here: `diloco local` checks its arguments before it pays for torch."""
+    from diloco_trainer.syncer.store import load_checkpoint
+
+    try:
+        loaded = load_checkpoint(syncer_dir)
+    except ValueError as exc:
+        print(f"diloco local: no final model: {exc}", file=sys.stderr)
+        return
+    if loaded is None:
+        return
     for name in ("theta.safetensors", "state.json"):
-        if (src / name).exists():
-            shutil.copy2(src / name, final / name)
+        shutil.copy2(loaded.path / name, final / name)

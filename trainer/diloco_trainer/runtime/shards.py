@@ -136,13 +136,18 @@ def combine_final_checkpoints(shard_dirs: list[Path], final: Path) -> None:
     them; if a shard has none, final/ stays empty (the summary then has no final model to evaluate)."""
     from safetensors.torch import load_file, save_file
 
+    from diloco_trainer.syncer.store import load_checkpoint
+
     theta, states = {}, []
     for d in shard_dirs:
-        src = d / "checkpoint" if (d / "checkpoint" / "theta.safetensors").exists() else d / "checkpoint.old"
-        if not (src / "theta.safetensors").exists() or not (src / "state.json").exists():
+        try:  # the shard's newest whole checkpoint: a damaged one is passed over, as its syncer would
+            loaded = load_checkpoint(d)
+        except ValueError:
             return
-        theta |= load_file(str(src / "theta.safetensors"))
-        states.append(json.loads((src / "state.json").read_text()))
+        if loaded is None:
+            return
+        theta |= load_file(str(loaded.path / "theta.safetensors"))
+        states.append(json.loads((loaded.path / "state.json").read_text()))
     final.mkdir(parents=True, exist_ok=True)
     save_file(theta, str(final / "theta.safetensors"))
     (final / "state.json").write_text(json.dumps(merge_checkpoint_states(states)))

@@ -500,8 +500,25 @@ class SyncerRefusal(_Api):
     at: str
 
 
+class UnitFault(_Api):
+    """The unit's last whole-unit restart: why, when, and (recoveredAt) when all its pods were ready again."""
+
+    time: str
+    reason: str
+    message: str = ""
+    incarnation: int  # the incarnation the restart started
+    recoveredAt: str | None = None
+
+
+class JobFault(UnitFault):
+    """The job's latest unit fault: which unit, and its recovery time in seconds once it runs again."""
+
+    unit: str
+    recoverySeconds: float | None = None
+
+
 class DilocoJobStatus(_Api):
-    """What the operator observed for a job: written once per reconcile."""
+    """What the operator observed for a job: one typed model (jobstatus.observe), written once per reconcile."""
 
     phase: JobPhase | None = None
     conditions: list[Condition] = Field(default_factory=list)
@@ -512,15 +529,37 @@ class DilocoJobStatus(_Api):
     unitsDesired: int | None = None
     restarts: int | None = None  # whole-unit restarts, summed over units
     syncerReady: bool | None = None  # every shard's syncer pod is ready
-    syncerShards: list[SyncerShardStatus] = Field(default_factory=list)  # one per shard, in shard order
+    syncerShards: list[SyncerShardStatus] | None = None  # one per shard, in shard order (absent once finished)
     outerSteps: int | None = None  # merges done by the syncer (from its /v1/versions)
     version: int | None = None  # sum of fragment versions published by the syncer
     lastCheckpoint: str | None = None
+    # Progress, from the syncer's /v1/status (jobstatus.progress): absent until a syncer answered, then the last known.
+    goodput: Annotated[float, Field(ge=0, le=1)] | None = None  # useful / allocated learner time (goodput.py)
+    mergedFraction: Annotated[float, Field(ge=0, le=1)] | None = None  # share of trained steps merged into the model
+    tokensTrained: int | None = None  # by the job's learners, as each last told the syncer
+    tokensMergedPerFragment: int | None = None  # merged tokens / fragments: compares with tokensTrained
+    learnersAlive: int | None = None  # learners the syncer hears from
+    lastFault: JobFault | None = None  # the latest whole-unit restart and how long its unit took to run again
     startTime: str | None = None
     completionTime: str | None = None
     message: str | None = None
     autoscaling: AutoscalingStatus | None = None
     syncerRefusal: SyncerRefusal | None = None
+
+    @classmethod
+    def read(cls, status: DilocoJobStatus | dict | None) -> DilocoJobStatus:
+        """The typed status of a job as the API server returned it (its schema prunes fields it does not know)."""
+        if isinstance(status, DilocoJobStatus):
+            return status
+        return cls.model_validate({k: v for k, v in (status or {}).items() if k in cls.model_fields})
+
+    def wire(self) -> dict:
+        """The status as the API server stores it: camelCase, a field the operator does not know is absent."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+    def condition_dicts(self) -> list[dict]:
+        """The conditions as conditions.py edits them."""
+        return [c.model_dump(mode="json", exclude_none=True) for c in self.conditions]
 
 
 class LearnerUnitStatus(_Api):
@@ -539,4 +578,5 @@ class LearnerUnitStatus(_Api):
     nodePool: str | None = None
     nodes: list[str] = Field(default_factory=list)
     lastContribution: str | None = None
+    lastFault: UnitFault | None = None
     message: str | None = None

@@ -22,7 +22,7 @@ from diloco_operator import conditions as C
 from diloco_operator import jobplan
 from diloco_operator import objects as O
 from diloco_operator import refusal
-from diloco_operator import nodeloss, syncer_status, unitplan
+from diloco_operator import jobstatus, nodeloss, syncer_status, unitplan
 from diloco_operator.cache import Cache
 from diloco_kube.client import (CONFIGMAPS, DEPLOYMENTS, DILOCOJOBS, LEARNERUNITS, NETWORKPOLICIES, NODES, PODS,
                                   PVCS, SECRETS, SERVICES, ApiError, Kube, Resource, status_patch)
@@ -122,7 +122,7 @@ class Controller:
         self.dirty: set[Key] = set()
         self.known: set[Key] = set()
         self.failures: dict[Key, int] = {}
-        self.syncer_info: dict[tuple[str, str, int], dict] = {}  # (ns, job, shard) -> last summarized status
+        self.syncer_info: dict[tuple[str, str, int], syncer_status.SyncerReading] = {}  # (ns, job, shard) -> last read
         self.syncer_polled: dict[tuple[str, str, str], float] = {}
         self.syncer_poll_s = 10.0
         # (ns, unit) -> (uid, status decided but not written yet, write it by): a launch's Pending status waits up
@@ -328,11 +328,10 @@ class Controller:
         if refused is not None:  # the syncer stays at zero (no crash loop) and no unit is added until a retry
             # (the periodic resync looks again; past refusal.RETRY_AFTER_S the syncer is given the spec again)
             await self._job_blocked(job, old_status, C.Reason.INVALID_SPEC, refused["message"], now,
-                                    prefix="invalid spec: ", extra={"syncerRefusal": refused})
+                                    prefix="invalid spec: ", refusal=refused)
             return
         syncer_ready = all(ready)
-        infos = {i: self.syncer_info.get((ns, name, i)) for i in range(shards)}
-        info = syncer_status.combine([x for x in infos.values() if x is not None])
+        readings = {i: self.syncer_info.get((ns, name, i)) for i in range(shards)}
 
         uid = job["metadata"].get("uid")
         lus = self._own_units(ns, name, uid)
@@ -376,49 +375,37 @@ class Controller:
             if plan.delete or plan.create:
                 lus = self._own_units(ns, name, uid)
                 units = [jobplan.unit_view(lu) for lu in lus if lu["metadata"]["name"] not in plan.delete]
-        status, status_events = jobplan.job_status(
-            name, spec, job["metadata"].get("generation"), units, syncer_ready, old_status, now, info,
+        down: dict[str, str] = {}
+        if spec.clusters and not finished:
+            await self._sweep_remote_orphans(job, spec, {lu["metadata"]["name"] for lu in lus})
+        if spec.clusters:
+            down = {c: why for c, why in self.remotes.unreachable_clusters(ns, name).items()
+                    if any(rc.name == c for rc in spec.clusters)}
+        status, status_events = jobstatus.observe(jobstatus.JobObservation(
+            name=name, spec=spec, generation=job["metadata"].get("generation"), units=units,
+            old=api.DilocoJobStatus.read(old_status), now=now, shard_ready=list(ready), shard_readings=readings,
             desired=sum(decision.counts.values()) if decision else None,
-            shards_down=[O.syncer_name(name, i, shards) for i, ok in enumerate(ready) if not ok])
-        status.pop("syncerRefusal", None)  # the syncer was given this spec again (edited, or retried)
-        if status.get("phase") not in jobplan.TERMINAL_JOB:
-            status["syncerShards"] = jobplan.shard_statuses(name, spec, ready, infos)
-            if spec.clusters:
-                if not finished:
-                    await self._sweep_remote_orphans(job, spec, {lu["metadata"]["name"] for lu in lus})
-                down = {c: why for c, why in self.remotes.unreachable_clusters(ns, name).items()
-                        if any(rc.name == c for rc in spec.clusters)}
-                status["conditions"], cluster_events = jobplan.clusters_reachable(
-                    status["conditions"], [c.name for c in spec.clusters], down, now,
-                    job["metadata"].get("generation"))
-                events += cluster_events
-        if decision is not None and status.get("phase") not in jobplan.TERMINAL_JOB:
-            status["autoscaling"] = decision.status
-            limited, reason, message = decision.limited
-            status["conditions"] = C.set_condition(status["conditions"], C.SCALING_LIMITED, limited, reason, message,
-                                                   now, job["metadata"].get("generation"))
-            if decision.requeue_after is not None:
-                self.enqueue(("job", ns, name), decision.requeue_after)
-        if status.get("phase") not in jobplan.TERMINAL_JOB:
-            status["conditions"], tls_events = jobplan.link_encrypted(
-                status["conditions"], spec.syncer.tls, tls.secret, tls.problem, now, job["metadata"].get("generation"))
-            events += tls.events + tls_events
+            autoscaling=decision.status if decision else None, scaling_limited=decision.limited if decision else None,
+            clusters=[c.name for c in spec.clusters], clusters_down=down,
+            tls=jobstatus.TlsView(secret=tls.secret, problem=tls.problem),
+            url_followed=self.trust_syncer_url and len(syncer_status.annotated_urls(job)) == shards,
+            url_problem=syncer_status.annotation_problem(job, tls.secret is not None, self.trust_syncer_url)))
+        if status.phase not in jobplan.TERMINAL_JOB:
+            events += tls.events
             tls.events = []
-            problem = syncer_status.annotation_problem(job, tls.secret is not None, self.trust_syncer_url)
-            followed = self.trust_syncer_url and len(syncer_status.annotated_urls(job)) == shards
-            status["conditions"], url_events = jobplan.syncer_url_annotation(
-                status["conditions"], followed, problem, now, job["metadata"].get("generation"))
-            events += url_events
-        if (patch := status_patch(old_status, status)) is not None:
+            if decision is not None and decision.requeue_after is not None:
+                self.enqueue(("job", ns, name), decision.requeue_after)
+        if (patch := status_patch(old_status, status.wire())) is not None:
             self.cache.wrote(DILOCOJOBS.plural,
                              await self.kube.merge_patch(DILOCOJOBS, ns, name, {"status": patch}, "status"))
         await self._events(job, events + status_events)
-        if status.get("phase") in jobplan.TERMINAL_JOB and not finished:
+        if status.phase in jobplan.TERMINAL_JOB and not finished:
             for lu in lus:  # stop the units of a finished job
                 self.enqueue(("unit", ns, lu["metadata"]["name"]))
-        if info is not None:  # units show when the syncer last heard from them
+        if (reading := syncer_status.combine([r for r in readings.values() if r is not None])) is not None:
+            # units show when the syncer last heard from them
             seen = {lu["metadata"]["name"]: (lu.get("status") or {}).get("lastContribution") for lu in lus}
-            for unit, last in info["learners"].items():
+            for unit, last in reading.learners_seen.items():
                 if unit in seen and seen[unit] != last:
                     self.enqueue(("unit", ns, unit))
 
@@ -428,13 +415,12 @@ class Controller:
         return [lu for lu in self.cache.units_of_job(ns, job) if unitplan.job_controller_uid(lu) == uid]
 
     async def _job_blocked(self, job: dict, old_status: dict, reason: str, msg: str, now: datetime,
-                           prefix: str = "", extra: dict | None = None) -> None:
-        """A job that cannot go on until its user acts: Ready=False with `reason` and `msg` (and the status fields
-        in `extra`), a Warning Event when that status is new."""
+                           prefix: str = "", refusal: dict | None = None) -> None:
+        """A job that cannot go on until its user acts: Ready=False with `reason` and `msg` (and the syncer's
+        `refusal`), a Warning Event when that status is new."""
         ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
-        conds = C.set_condition(old_status.get("conditions", []), C.READY, False, reason, msg, now,
-                                job["metadata"].get("generation"))
-        new = {**old_status, "conditions": conds, "message": prefix + msg, **(extra or {})}
+        new = jobstatus.blocked(api.DilocoJobStatus.read(old_status), reason, msg, now,
+                                job["metadata"].get("generation"), prefix, refusal).wire()
         if (patch := status_patch(old_status, new)) is not None:
             self.cache.wrote(DILOCOJOBS.plural,
                              await self.kube.merge_patch(DILOCOJOBS, ns, name, {"status": patch}, "status"))
@@ -688,7 +674,8 @@ class Controller:
             return
         if info is None:
             return
-        changed = self.syncer_info.get((ns, name, shard)) != info
+        before = self.syncer_info.get((ns, name, shard))
+        changed = before is None or before.status != info.status  # not just read again
         self.syncer_info[(ns, name, shard)] = info
         if changed:
             self.enqueue(("job", ns, name))
@@ -824,7 +811,7 @@ class Controller:
         plan = unitplan.plan_unit(spec, unit["spec"], old_status, pods, now,
                                   generation=unit["metadata"].get("generation"), node_pools=self._pools(pods),
                                   job_finished=job_finished, lost=lost)
-        last_seen = max((info.get("learners", {}).get(name) or "" for key, info in self.syncer_info.items()
+        last_seen = max((info.learners_seen.get(name) or "" for key, info in self.syncer_info.items()
                          if key[:2] == (ns, spec.jobName)), default="") or None
         if last_seen:
             plan.status["lastContribution"] = last_seen

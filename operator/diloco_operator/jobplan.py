@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Container
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 
 from diloco_operator import api
 from diloco_operator import conditions as C
 from diloco_operator import objects as O
+from diloco_trainer.protocol.messages import SyncerStatus
 from diloco_trainer.protocol.shardmap import owned_fragments
 
 Event = tuple[str, str, str]
@@ -32,6 +33,8 @@ class UnitView:
     deleting: bool
     spec: dict
     token_epoch: int = 0
+    created: str | None = None  # metadata.creationTimestamp: the unit's learner time is allocated since
+    last_fault: api.UnitFault | None = None
 
 
 def unit_view(lu: dict) -> UnitView:
@@ -43,6 +46,8 @@ def unit_view(lu: dict) -> UnitView:
         unschedulable=not C.is_true(status.get("conditions"), C.PODS_SCHEDULED)
         and C.get_condition(status.get("conditions"), C.PODS_SCHEDULED) is not None,
         deleting=bool(lu["metadata"].get("deletionTimestamp")), spec=spec, token_epoch=O.token_epoch(lu),
+        created=lu["metadata"].get("creationTimestamp"),
+        last_fault=api.UnitFault.model_validate(status["lastFault"]) if status.get("lastFault") else None,
     )
 
 
@@ -140,31 +145,33 @@ def token_epochs(known: dict[str, dict], units: list[UnitView], plan: UnitsPlan)
 
 
 def shard_statuses(name: str, spec: api.DilocoJobSpec, ready: list[bool],
-                   infos: dict[int, dict | None]) -> list[dict]:
+                   statuses: dict[int, SyncerStatus | None]) -> list[api.SyncerShardStatus]:
     """status.syncerShards: each shard's Deployment, readiness, merges and fragments (its own /v1/status when it
     answered, else the fragments the map gives it)."""
     shards, fragments = spec.config.syncer.shards, spec.config.outer.fragments
     out = []
     for shard, is_ready in enumerate(ready):
-        info = infos.get(shard) or {}
+        status = statuses.get(shard)
+        owned = (list(status.owned) or sorted(int(p) for p in status.versions)) if status else []
         out.append(api.SyncerShardStatus(
-            shard=shard, name=O.syncer_name(name, shard, shards), ready=is_ready, outerSteps=info.get("outerSteps"),
-            fragments=info.get("fragments") or owned_fragments(shard, fragments, shards),
-        ).model_dump(mode="json", exclude_none=True))
+            shard=shard, name=O.syncer_name(name, shard, shards), ready=is_ready,
+            outerSteps=status.outer_steps if status else None,
+            fragments=owned or owned_fragments(shard, fragments, shards)))
     return out
 
 
 def job_status(name: str, spec: api.DilocoJobSpec, generation: int | None, units: list[UnitView],
-               syncer_ready: bool, old: dict | None, now: datetime, syncer_info: dict | None = None,
-               desired: int | None = None, shards_down: list[str] = ()) -> tuple[dict, list[Event]]:
-    """The job's full status (written once per reconcile) and the Events its changes deserve.
-    `units` are the units that exist after this reconcile's changes; `desired` the units wanted (default: the
-    templates' distribution; the autoscaler's when it decides); `shards_down` the syncer shards not ready (by name).
-    Succeeded and Failed stick."""
-    old = dict(old or {})
-    if old.get("phase") in TERMINAL_JOB:
+               syncer_ready: bool, old: api.DilocoJobStatus | dict | None, now: datetime,
+               syncer: SyncerStatus | None = None, desired: int | None = None,
+               shards_down: list[str] = ()) -> tuple[api.DilocoJobStatus, list[Event]]:
+    """The job's phase, unit counts and conditions from its units and syncer, and the Events its changes deserve
+    (jobstatus.observe adds the rest); `syncer`: what the syncer shards reported, combined (its merges, versions
+    and last checkpoint are shown; kept from `old` while it does not answer). `units` are the units that exist after this reconcile's changes; `desired`
+    the units wanted (default: the templates' distribution; the autoscaler's when it decides); `shards_down` the
+    syncer shards not ready (by name). Succeeded and Failed stick."""
+    old = api.DilocoJobStatus.read(old)
+    if old.phase in TERMINAL_JOB:
         return old, []
-    st: dict = {**old}
     if desired is None:
         desired = sum(distribute(spec.units, spec.total_units()).values())
     quorum = spec.config.outer.quorum
@@ -174,37 +181,36 @@ def job_status(name: str, spec: api.DilocoJobSpec, generation: int | None, units
     succeeded = [u for u in live if u.phase == "Succeeded"]
     restarting = [u for u in live if u.phase == "Restarting"]
     unschedulable = [u for u in live if u.unschedulable]
-    st.update(observedGeneration=generation, replicas=len(live), unitsReady=len(ready), unitsDesired=desired,
-              selector=f"{O.LABEL_JOB}={name},{O.LABEL_COMPONENT}=learner", syncerReady=syncer_ready,
-              restarts=sum(u.restarts for u in live))
-    for key in ("outerSteps", "version", "lastCheckpoint"):
-        if syncer_info and syncer_info.get(key) is not None:
-            st[key] = syncer_info[key]
-    conds = list(old.get("conditions", []))
+    st = old.model_copy(update=dict(
+        observedGeneration=generation, replicas=len(live), unitsReady=len(ready), unitsDesired=desired,
+        selector=f"{O.LABEL_JOB}={name},{O.LABEL_COMPONENT}=learner", syncerReady=syncer_ready,
+        restarts=sum(u.restarts for u in live)))
+    if syncer is not None:
+        st.outerSteps, st.version = syncer.outer_steps, sum(syncer.versions.values())
+        if syncer.last_checkpoint:
+            st.lastCheckpoint = C.now_iso(datetime.fromtimestamp(syncer.last_checkpoint, timezone.utc))
+    conds = old.condition_dicts()
     events: list[Event] = []
     g = generation
 
     if desired and desired - len(failed) < quorum:
-        st["phase"] = "Failed"
+        st.phase = "Failed"
         msg = f"only {desired - len(failed)} of {desired} units can still run, fewer than the quorum K={quorum}"
         conds = C.set_condition(conds, C.FAILED, True, C.Reason.TOO_FEW_UNITS, msg, now, g)
     elif desired and len(succeeded) == desired:
-        st["phase"] = "Succeeded"
+        st.phase = "Succeeded"
         conds = C.set_condition(conds, C.SUCCEEDED, True, C.Reason.ALL_UNITS_SUCCEEDED, "all units completed", now, g)
     else:
         conds = C.set_condition(conds, C.SUCCEEDED, False, C.Reason.NOT_FINISHED, "", now, g)
         conds = C.set_condition(conds, C.FAILED, False, C.Reason.NOT_FINISHED, "", now, g)
-        if ready or old.get("phase") == "Running":
-            st["phase"] = "Running"
-        else:
-            st["phase"] = "Pending"
-    if st["phase"] in TERMINAL_JOB:
-        st["completionTime"] = C.now_iso(now)
-        events.append(("Normal" if st["phase"] == "Succeeded" else "Warning",
-                       C.Reason.JOB_SUCCEEDED if st["phase"] == "Succeeded" else C.Reason.JOB_FAILED,
-                       C.get_condition(conds, st["phase"])["message"]))
-    if st["phase"] == "Running" and not st.get("startTime"):
-        st["startTime"] = C.now_iso(now)
+        st.phase = "Running" if ready or old.phase == "Running" else "Pending"
+    if st.phase in TERMINAL_JOB:
+        st.completionTime = C.now_iso(now)
+        events.append(("Normal" if st.phase == "Succeeded" else "Warning",
+                       C.Reason.JOB_SUCCEEDED if st.phase == "Succeeded" else C.Reason.JOB_FAILED,
+                       C.get_condition(conds, st.phase)["message"]))
+    if st.phase == "Running" and not st.startTime:
+        st.startTime = C.now_iso(now)
 
     all_ready = syncer_ready and len(ready) == desired and len(live) == desired
     if all_ready:
@@ -221,7 +227,7 @@ def job_status(name: str, spec: api.DilocoJobSpec, generation: int | None, units
     elif restarting:
         conds = C.set_condition(conds, C.PROGRESSING, True, C.Reason.RESTARTING_UNITS,
                                 "restarting: " + ", ".join(u.name for u in restarting), now, g)
-    elif not all_ready and st["phase"] not in TERMINAL_JOB:
+    elif not all_ready and st.phase not in TERMINAL_JOB:
         conds = C.set_condition(conds, C.PROGRESSING, True, C.Reason.CREATING, "waiting for units and syncer", now, g)
     else:
         conds = C.set_condition(conds, C.PROGRESSING, False, C.Reason.STABLE, "", now, g)
@@ -243,23 +249,25 @@ def job_status(name: str, spec: api.DilocoJobSpec, generation: int | None, units
         conds = C.set_condition(conds, C.QUORUM_AVAILABLE, False, C.Reason.QUORUM_LOST,
                                 f"{len(ready)} ready units, K={quorum}" + ("" if syncer_ready else ", syncer down"),
                                 now, g)
+    before_conds = old.condition_dicts()
     for ctype in (C.DEGRADED, C.QUORUM_AVAILABLE, C.READY):
-        before, after = C.get_condition(old.get("conditions"), ctype), C.get_condition(conds, ctype)
+        before, after = C.get_condition(before_conds, ctype), C.get_condition(conds, ctype)
         bad = (ctype == C.DEGRADED) == (after["status"] == "True")
         # On the first reconcile only a Degraded job is news; afterwards every flip is.
         if (before is None and ctype == C.DEGRADED and bad) or (before and before["status"] != after["status"]):
             events.append(("Warning" if bad else "Normal", after["reason"], after["message"] or ctype))
     order = [C.READY, C.PROGRESSING, C.DEGRADED, C.QUORUM_AVAILABLE, C.SUCCEEDED, C.FAILED]
-    st["conditions"] = sorted(conds, key=lambda c: order.index(c["type"]) if c["type"] in order else len(order))
-    st["message"] = _summary(st, conds)
+    conds = sorted(conds, key=lambda c: order.index(c["type"]) if c["type"] in order else len(order))
+    st.conditions = [api.Condition.model_validate(c) for c in conds]
+    st.message = _summary(st, conds)
     return st, events
 
 
-def _summary(st: dict, conds: list[dict]) -> str:
+def _summary(st: api.DilocoJobStatus, conds: list[dict]) -> str:
     for ctype in (C.FAILED, C.DEGRADED):
         if C.is_true(conds, ctype):
             return C.get_condition(conds, ctype)["message"]
-    return f"{st.get('unitsReady', 0)}/{st.get('unitsDesired', 0)} units ready"
+    return f"{st.unitsReady or 0}/{st.unitsDesired or 0} units ready"
 
 
 def link_encrypted(conds: list[dict], tls: api.SyncerTls, secret: str | None, problem: str | None, now: datetime,

@@ -241,10 +241,12 @@ def _crd(kind: str, plural: str, short: str, spec: dict, status: dict, columns: 
     }
 
 
-def _col(name: str, path: str, typ: str = "string", priority: int = 0) -> dict:
+def _col(name: str, path: str, typ: str = "string", priority: int = 0, description: str = "") -> dict:
     col = {"name": name, "type": typ, "jsonPath": path}
     if priority:
         col["priority"] = priority
+    if description:
+        col["description"] = description
     return col
 
 
@@ -268,7 +270,11 @@ def dilocojob_crd() -> dict:
     columns = [
         _col("Phase", ".status.phase"), _col("Ready", ".status.unitsReady", "integer"),
         _col("Desired", ".status.unitsDesired", "integer"), _col("Restarts", ".status.restarts", "integer"),
-        _col("Outer-Steps", ".status.outerSteps", "integer"), _col("Age", ".metadata.creationTimestamp", "date"),
+        _col("Outer-Steps", ".status.outerSteps", "integer"),
+        _col("Goodput", ".status.goodput", "number", 0, "useful / allocated learner time (0-1), from the syncer"),
+        _col("Tokens-Merged", ".status.tokensMergedPerFragment", "integer", 0,
+             "tokens merged into the global model, per fragment: compares with status.tokensTrained"),
+        _col("Age", ".metadata.creationTimestamp", "date"),
         _col("Syncer", ".status.syncerReady", "boolean", 1), _col("Version", ".status.version", "integer", 1),
         _col("Message", ".status.message", "string", 1),
     ]

@@ -1,13 +1,17 @@
-"""Reads a syncer's /v1/status (docs/protocol.md) for the job's status: outer steps, version, learners seen."""
+"""Reads a syncer's /v1/status (docs/protocol.md) for the job's status: typed as the syncer sent it, with the time
+it was read; jobstatus derives the job's progress from it."""
 
 from __future__ import annotations
 
 import asyncio
 import ssl
+import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import aiohttp
 from diloco_trainer.protocol.messages import SyncerStatus
+from diloco_trainer.runtime.shards import merge_statuses
 
 from diloco_operator import conditions as C
 
@@ -46,40 +50,42 @@ def syncer_address(job: dict, port: int, tls: bool = False, shard: int = 0, shar
     return f"{'https' if tls else 'http'}://{service}.{meta['namespace']}.svc:{port}"
 
 
-def summarize(doc: dict | SyncerStatus) -> dict:
-    """Job-status fields from a /v1/status document; learners maps learner id -> last seen (RFC 3339).
-    ValueError if the document is not a /v1/status."""
-    status = doc if isinstance(doc, SyncerStatus) else SyncerStatus.model_validate(doc)
-    learners = {lid: C.now_iso(datetime.fromtimestamp(info.last_seen, timezone.utc))
-                for lid, info in status.learners.items() if info.last_seen}
-    out = {"outerSteps": status.outer_steps, "version": sum(status.versions.values()), "learners": learners,
-           "fragments": list(status.owned) or sorted(int(p) for p in status.versions)}
-    if status.last_checkpoint:  # unix seconds of the syncer's last checkpoint, when it reports one
-        out["lastCheckpoint"] = C.now_iso(datetime.fromtimestamp(status.last_checkpoint, timezone.utc))
-    return out
+@dataclass(frozen=True)
+class SyncerReading:
+    """One syncer shard's /v1/status (typed, as the syncer sent it) and when the operator read it (unix seconds)."""
+
+    status: SyncerStatus
+    at: float
+
+    @property
+    def learners_seen(self) -> dict[str, str]:
+        """Learner id -> when the syncer last heard from it (RFC 3339), for those it heard from."""
+        return {lid: C.now_iso(datetime.fromtimestamp(info.last_seen, timezone.utc))
+                for lid, info in self.status.learners.items() if info.last_seen}
+
+    @property
+    def last_checkpoint(self) -> str | None:
+        """When the syncer last wrote a checkpoint (RFC 3339), when it reports one."""
+        at = self.status.last_checkpoint
+        return C.now_iso(datetime.fromtimestamp(at, timezone.utc)) if at else None
 
 
-def combine(infos: list[dict]) -> dict | None:
-    """The job's view over its shards' summaries: merges and versions add up (each shard merges only its own
-    fragments), a learner was last seen when any shard last heard from it, and the last checkpoint is the oldest
-    shard's (what a restart of every shard would resume from at least). None if no shard answered yet."""
-    if not infos:
+def combine(readings: list[SyncerReading]) -> SyncerReading | None:
+    """The job's view over its shards' readings (runtime.shards.merge_statuses: merges and merged work add up,
+    each shard merging only its own fragments; a learner live if any shard sees it), read when the oldest was;
+    its last checkpoint is the oldest shard's, and none until every shard has one (what a restart of every
+    shard would resume from at least). None if no shard answered yet."""
+    if not readings:
         return None
-    learners: dict[str, str] = {}
-    for info in infos:
-        for lid, seen in info["learners"].items():
-            learners[lid] = max(seen, learners.get(lid, seen))  # RFC 3339 in UTC: text order is time order
-    out = {"outerSteps": sum(i["outerSteps"] for i in infos), "version": sum(i["version"] for i in infos),
-           "learners": learners}
-    checkpoints = [i.get("lastCheckpoint") for i in infos]
-    if all(checkpoints):
-        out["lastCheckpoint"] = min(checkpoints)
-    return out
+    merged = merge_statuses([r.status for r in readings])
+    checkpoints = [r.status.last_checkpoint for r in readings]
+    merged = merged.model_copy(update={"last_checkpoint": min(checkpoints) if all(checkpoints) else None})
+    return SyncerReading(status=merged, at=min(r.at for r in readings))
 
 
 async def fetch(url: str, token: str, timeout_s: float = 3.0, ca_pem: str | None = None,
-                server_hostname: str | None = None) -> dict | None:
-    """The summarized status, or None if the syncer cannot be reached or answers badly (it may be restarting).
+                server_hostname: str | None = None) -> SyncerReading | None:
+    """The syncer's status as read now, or None if the syncer cannot be reached or answers badly (it may be restarting).
     An https syncer is verified against `ca_pem` under the name `server_hostname` (the Service's, whatever
     address `url` dials)."""
     tls: dict = {}
@@ -92,6 +98,6 @@ async def fetch(url: str, token: str, timeout_s: float = 3.0, ca_pem: str | None
             async with session.get(f"{url}/v1/status", headers={"Authorization": f"Bearer {token}"}, **tls) as resp:
                 if resp.status != 200:
                     return None
-                return summarize(await resp.json())
+                return SyncerReading(SyncerStatus.model_validate(await resp.json()), time.time())
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError, ssl.SSLError):
         return None

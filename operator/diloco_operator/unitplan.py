@@ -153,7 +153,12 @@ def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | Non
         return _finish(plan, st, conds, current, now, node_pools)
     if cause:
         plan.delete += [p.name for p in current if not p.deleting and p.name not in lost]
+        if cause.counted:  # status.lastFault: what the job's status reports, with the time to recover
+            st["lastFault"] = {"time": C.now_iso(now), "reason": cause.reason, "message": cause.message[:1000],
+                               "incarnation": inc + 1}
         if cause.failure and st["restarts"] >= spec.restartPolicy.maxRestarts:
+            if cause.counted:  # no new incarnation: the unit stops here
+                st["lastFault"]["incarnation"] = inc
             st["phase"] = "Failed"
             st["message"] = f"{cause.message}; restart limit {spec.restartPolicy.maxRestarts} reached"
             plan.events.append(("Warning", C.Reason.BACKOFF_LIMIT_EXCEEDED, st["message"]))
@@ -208,6 +213,9 @@ def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | Non
     ready = sum(1 for p in current if p.phase == "Running" and p.ready and not p.deleting)
     if ready == spec.podsPerUnit:
         st["phase"], st["message"], st["consecutiveFailures"] = "Running", "all pods ready", 0
+        fault = st.get("lastFault")
+        if fault and fault.get("incarnation") == inc and not fault.get("recoveredAt"):
+            st["lastFault"] = {**fault, "recoveredAt": C.now_iso(now)}
         if C.is_true(conds, C.NODE_LOST):  # moved off the lost node: say where it runs now, keep what happened
             was = C.get_condition(conds, C.NODE_LOST)["message"]
             nodes = ", ".join(sorted({p.node for p in current if p.node}))

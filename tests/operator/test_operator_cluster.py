@@ -389,17 +389,38 @@ def test_job_status_reports_a_real_syncers_progress_and_units_last_contribution(
     try:
         url = wait_for(lambda: (state / "endpoint.json").exists() and
                        json.loads((state / "endpoint.json").read_text())["url"], 60, "the syncer to listen", 0.2)
-        req = urllib.request.Request(f"{url}/v1/register", method="POST", headers={
-            "Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-            data=json.dumps({"learner_id": "live-cpu-0", "unit": 0, "world_size": 1, "device": "cpu"}).encode())
-        assert urllib.request.urlopen(req, timeout=10, context=ssl._create_unverified_context()).status == 200
+        def post(path: str, body: dict) -> int:
+            req = urllib.request.Request(f"{url}{path}", method="POST", data=json.dumps(body).encode(), headers={
+                "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+            return urllib.request.urlopen(req, timeout=10, context=ssl._create_unverified_context()).status
+        assert post("/v1/register", {"learner_id": "live-cpu-0", "unit": 0, "world_size": 1, "device": "cpu"}) == 200
+        # The learner's progress as it reports it: 10 steps of 0.5 s, 2,560 tokens; nothing merged yet.
+        assert post("/v1/heartbeat", {"learner_id": "live-cpu-0", "step": 10, "tokens": 2560,
+                                      "step_time_s": 0.5}) == 200
+        assert "goodput" not in kubectl.get("dj", "live", ns=ns)["status"]  # no syncer read yet: absent, not zero
         kubectl.run("annotate", "dj", "live", "-n", ns, f"diloco.dev/syncer-url={url}")
         dj = wait_for(lambda: (d := kubectl.get("dj", "live", ns=ns))["status"].get("outerSteps") is not None and d,
                       30, "outerSteps from the syncer", 0.2)
-        assert dj["status"]["outerSteps"] == 0 and dj["status"]["version"] == 0  # nothing merged: every fragment at 0
+        st = dj["status"]
+        assert st["outerSteps"] == 0 and st["version"] == 0  # nothing merged: every fragment at 0
+        # What a person reads: the learner's tokens, none merged, one learner alive, and no useful time yet (its
+        # 10 steps reached no model: merged fraction 0, so goodput 0 over the unit's allocated time).
+        assert (st["tokensTrained"], st["tokensMergedPerFragment"], st["learnersAlive"]) == (2560, 0, 1)
+        assert st["mergedFraction"] == 0 and st["goodput"] == 0
+        row = kubectl.run("get", "dj", "live", "-n", ns).stdout.splitlines()
+        assert dict(zip(row[0].split(), row[1].split()))["TOKENS-MERGED"] == "0"
         lu = wait_for(lambda: (u := kubectl.get("lu", "live-cpu-0", ns=ns))["status"].get("lastContribution") and u,
                       30, "the unit's last contribution", 0.2)
         assert lu["status"]["lastContribution"].endswith("Z")
+        # A fault: the unit's pod is deleted; the job names the unit, when and why, and how long it took to run again.
+        (victim,) = unit_pods(kubectl, ns, "live-cpu-0")
+        kubectl.run("delete", "pod", victim["metadata"]["name"], "-n", ns, "--wait=false")
+        dj = wait_for(lambda: (d := kubectl.get("dj", "live", ns=ns))["status"].get("lastFault", {}).get(
+            "recoverySeconds") is not None and d, 60, "the job's last fault, recovered", 0.2)
+        fault = dj["status"]["lastFault"]
+        assert fault["unit"] == "live-cpu-0" and fault["reason"] == "PodDeleted" and fault["incarnation"] == 1
+        assert "deleted" in fault["message"] and fault["time"] <= fault["recoveredAt"]
+        assert 0 <= fault["recoverySeconds"] < 60
     finally:
         syncer.terminate()
         syncer.wait(timeout=30)

@@ -208,8 +208,25 @@ def test_the_apiserver_accepts_the_good_manifest_and_kubectl_shows_columns(kubec
     kubectl.apply(GOOD, "-n", ns)
     out = kubectl.run("get", "dj", "-n", ns).stdout
     header = out.splitlines()[0].split()
-    assert header[:6] == ["NAME", "PHASE", "READY", "DESIRED", "RESTARTS", "OUTER-STEPS"]
+    assert header[:8] == ["NAME", "PHASE", "READY", "DESIRED", "RESTARTS", "OUTER-STEPS", "GOODPUT", "TOKENS-MERGED"]
     assert kubectl.run("get", "lu", "-n", ns).returncode == 0
+    kubectl.run("patch", "dj", "good", "-n", ns, "--subresource=status", "--type=merge", "-p",
+                json.dumps({"status": {"goodput": 0.4213, "tokensMergedPerFragment": 1234567}}))
+    row = dict(zip(header, kubectl.run("get", "dj", "good", "-n", ns).stdout.splitlines()[1].split()))
+    assert (row["GOODPUT"], row["TOKENS-MERGED"]) == ("0.4213", "1234567")
+    out = kubectl.run("patch", "dj", "good", "-n", ns, "--subresource=status", "--type=merge", "-p",
+                      json.dumps({"status": {"goodput": 1.5}}), check=False)
+    assert out.returncode != 0 and "status.goodput" in out.stderr  # a fraction: at most 1
+
+
+def test_kubectl_get_dj_columns_read_goodput_and_tokens_merged_per_fragment_from_the_status():
+    version = schema.dilocojob_crd()["spec"]["versions"][0]
+    columns = {c["name"]: c for c in version["additionalPrinterColumns"] if not c.get("priority")}
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    for name, field, typ in (("Goodput", "goodput", "number"), ("Tokens-Merged", "tokensMergedPerFragment", "integer")):
+        assert columns[name]["jsonPath"] == f".status.{field}" and columns[name]["type"] == typ
+        assert status[field]["type"] == typ
+    assert "per fragment" in columns["Tokens-Merged"]["description"]
 
 
 @pytest.mark.cluster

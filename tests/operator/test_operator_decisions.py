@@ -156,8 +156,9 @@ def _unit(name: str, phase: str, unschedulable: bool = False, restarts: int = 0)
 
 
 def test_job_status_is_running_and_ready_with_all_units_and_the_syncer_up():
-    st, events = jobplan.job_status("demo", job_spec(), 1, [_unit("u0", "Running"), _unit("u1", "Running"),
-                                                            _unit("u2", "Running")], True, None, T0)
+    typed, events = jobplan.job_status("demo", job_spec(), 1, [_unit("u0", "Running"), _unit("u1", "Running"),
+                                                               _unit("u2", "Running")], True, None, T0)
+    st = typed.wire()
     assert st["phase"] == "Running" and st["unitsReady"] == 3 and st["unitsDesired"] == 3
     assert C.is_true(st["conditions"], C.READY) and C.is_true(st["conditions"], C.QUORUM_AVAILABLE)
     assert not C.is_true(st["conditions"], C.DEGRADED) and not C.is_true(st["conditions"], C.PROGRESSING)
@@ -167,21 +168,22 @@ def test_job_status_is_running_and_ready_with_all_units_and_the_syncer_up():
 def test_an_unschedulable_unit_degrades_the_job_and_posts_one_event():
     units = [_unit("u0", "Running"), _unit("u1", "Pending", unschedulable=True), _unit("u2", "Running")]
     st, events = jobplan.job_status("demo", job_spec(), 1, units, True, None, T0)
+    st = st.wire()
     deg = C.get_condition(st["conditions"], C.DEGRADED)
     assert deg["status"] == "True" and deg["reason"] == C.Reason.UNITS_UNSCHEDULABLE and "u1" in deg["message"]
     assert [e[1] for e in events] == [C.Reason.UNITS_UNSCHEDULABLE]
     st2, events2 = jobplan.job_status("demo", job_spec(), 1, units, True, st, T0 + timedelta(seconds=5))
-    assert events2 == [] and st2["conditions"] == st["conditions"]
+    assert events2 == [] and st2.wire()["conditions"] == st["conditions"]
 
 
 def test_too_few_runnable_units_for_the_quorum_fail_the_job_for_good():
     spec = job_spec(config={"outer": {"quorum": 2}})
     units = [_unit("u0", "Failed"), _unit("u1", "Failed"), _unit("u2", "Running")]
     st, events = jobplan.job_status("demo", spec, 1, units, True, None, T0)
-    assert st["phase"] == "Failed" and C.is_true(st["conditions"], C.FAILED)
+    assert st.phase == "Failed" and C.is_true(st.condition_dicts(), C.FAILED)
     assert any(e[1] == "JobFailed" for e in events)
     healed = [_unit("u0", "Running"), _unit("u1", "Running"), _unit("u2", "Running")]
-    assert jobplan.job_status("demo", spec, 1, healed, True, st, T0)[0]["phase"] == "Failed"
+    assert jobplan.job_status("demo", spec, 1, healed, True, st, T0)[0].phase == "Failed"
 
 
 def test_status_patch_writes_only_changes_and_nulls_removed_keys():
@@ -209,12 +211,13 @@ def test_pods_are_placed_on_their_accelerator_pool_with_rendezvous_env():
 
 def test_syncer_status_summary_and_address():
     from diloco_operator import syncer_status
+    from diloco_trainer.protocol.messages import SyncerStatus
     doc = {"outer_steps": 7, "versions": {"0": 3, "1": 4}, "learners": {"demo-gpu-0": {"last_seen": 1767225600.5}}}
-    assert syncer_status.summarize(doc) == {"outerSteps": 7, "version": 7, "fragments": [0, 1],
-                                            "learners": {"demo-gpu-0": "2026-01-01T00:00:00Z"}}
+    reading = syncer_status.SyncerReading(SyncerStatus.model_validate(doc), 1767225601.0)
+    assert reading.learners_seen == {"demo-gpu-0": "2026-01-01T00:00:00Z"} and reading.last_checkpoint is None
     assert syncer_status.syncer_address(JOB, 8470) == "http://demo-syncer.ns.svc:8470"
-    with_ckpt = syncer_status.summarize({**doc, "last_checkpoint": 1767225660})
-    assert with_ckpt["lastCheckpoint"] == "2026-01-01T00:01:00Z"
+    with_ckpt = syncer_status.SyncerReading(SyncerStatus.model_validate({**doc, "last_checkpoint": 1767225660}), 0)
+    assert with_ckpt.last_checkpoint == "2026-01-01T00:01:00Z"
     annotated = {**JOB, "metadata": {**JOB["metadata"], "annotations": {syncer_status.URL_ANNOTATION: "http://x:1/"}}}
     assert syncer_status.syncer_address(annotated, 8470, trust_annotation=True) == "http://x:1"
 
@@ -390,27 +393,36 @@ def test_learners_dial_every_shard_in_shard_order():
 def test_shard_statuses_name_each_shard_with_its_fragments_and_merges():
     from diloco_operator import jobplan
     spec = sharded_spec(3)
-    shards = jobplan.shard_statuses("demo", spec, [True, False, True], {0: {"outerSteps": 5, "fragments": [0, 3]}})
-    assert shards == [
+    from diloco_trainer.protocol.messages import SyncerStatus
+    shards = jobplan.shard_statuses("demo", spec, [True, False, True],
+                                    {0: SyncerStatus(outer_steps=5, owned=[0, 3], shards=3), 1: None})
+    assert [s.model_dump(exclude_none=True) for s in shards] == [
         {"shard": 0, "name": "demo-syncer-0", "ready": True, "outerSteps": 5, "fragments": [0, 3]},
         {"shard": 1, "name": "demo-syncer-1", "ready": False, "fragments": [1]},
         {"shard": 2, "name": "demo-syncer-2", "ready": True, "fragments": [2]},
     ]
     status, _ = jobplan.job_status("demo", spec, 1, [], False, {}, datetime(2026, 1, 1, tzinfo=timezone.utc),
                                    shards_down=["demo-syncer-1"])
-    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
-    assert ready["reason"] == "SyncerNotReady" and "demo-syncer-1" in ready["message"]
+    ready = next(c for c in status.conditions if c.type == "Ready")
+    assert ready.reason == "SyncerNotReady" and "demo-syncer-1" in ready.message
 
 
 def test_the_jobs_syncer_numbers_add_up_over_its_shards():
     from diloco_operator import syncer_status
+    from diloco_trainer.protocol.messages import LearnerStatus, SyncerStatus
+    t = T0.timestamp()
     combined = syncer_status.combine([
-        {"outerSteps": 4, "version": 6, "learners": {"a": "2026-01-01T00:00:05Z"}, "fragments": [0],
-         "lastCheckpoint": "2026-01-01T00:00:09Z"},
-        {"outerSteps": 3, "version": 2, "learners": {"a": "2026-01-01T00:00:07Z", "b": "2026-01-01T00:00:01Z"},
-         "fragments": [1], "lastCheckpoint": "2026-01-01T00:00:03Z"}])
-    assert combined == {"outerSteps": 7, "version": 8, "lastCheckpoint": "2026-01-01T00:00:03Z",
-                        "learners": {"a": "2026-01-01T00:00:07Z", "b": "2026-01-01T00:00:01Z"}}
+        syncer_status.SyncerReading(SyncerStatus(outer_steps=4, versions={"0": 6}, owned=[0], last_checkpoint=t + 9,
+                                                 learners={"a": LearnerStatus(last_seen=t + 5)}), t + 20),
+        syncer_status.SyncerReading(SyncerStatus(outer_steps=3, versions={"1": 2}, owned=[1], last_checkpoint=t + 3,
+                                                 learners={"a": LearnerStatus(last_seen=t + 7),
+                                                           "b": LearnerStatus(last_seen=t + 1)}), t + 10)])
+    assert combined.status.outer_steps == 7 and sum(combined.status.versions.values()) == 8
+    assert combined.last_checkpoint == "2026-01-01T00:00:03Z" and combined.at == t + 10
+    assert combined.learners_seen == {"a": "2026-01-01T00:00:07Z", "b": "2026-01-01T00:00:01Z"}
+    one_without = syncer_status.combine([syncer_status.SyncerReading(SyncerStatus(last_checkpoint=t), t),
+                                         syncer_status.SyncerReading(SyncerStatus(), t)])
+    assert one_without.last_checkpoint is None  # not every shard could resume from a checkpoint yet
     assert syncer_status.combine([]) is None
     annotated = {**JOB, "metadata": {**JOB["metadata"], "annotations": {
         syncer_status.URL_ANNOTATION: "http://x:1/, http://y:2"}}}

@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -386,26 +387,34 @@ def test_job_status_reports_a_real_syncers_progress_and_units_last_contribution(
                                "--host", "127.0.0.1", "--port", "0", "--state-dir", str(state),
                                *serving_pair(kubectl, ns, "live", tmp_path)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stop, beating = threading.Event(), None
     try:
         url = wait_for(lambda: (state / "endpoint.json").exists() and
                        json.loads((state / "endpoint.json").read_text())["url"], 60, "the syncer to listen", 0.2)
+
         def post(path: str, body: dict) -> int:
             req = urllib.request.Request(f"{url}{path}", method="POST", data=json.dumps(body).encode(), headers={
                 "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
             return urllib.request.urlopen(req, timeout=10, context=ssl._create_unverified_context()).status
         assert post("/v1/register", {"learner_id": "live-cpu-0", "unit": 0, "world_size": 1, "device": "cpu"}) == 200
-        # The learner's progress as it reports it: 10 steps of 0.5 s, 2,560 tokens; nothing merged yet.
-        assert post("/v1/heartbeat", {"learner_id": "live-cpu-0", "step": 10, "tokens": 2560,
-                                      "step_time_s": 0.5}) == 200
+        # The learner's progress as it reports it, every second (live: heard within 3 heartbeats): 10 steps of
+        # 0.5 s, 2,560 tokens; nothing merged yet.
+
+        def heartbeats():
+            while not stop.is_set():
+                post("/v1/heartbeat", {"learner_id": "live-cpu-0", "step": 10, "tokens": 2560, "step_time_s": 0.5})
+                stop.wait(1.0)
+        beating = threading.Thread(target=heartbeats, daemon=True)
+        beating.start()
         assert "goodput" not in kubectl.get("dj", "live", ns=ns)["status"]  # no syncer read yet: absent, not zero
         kubectl.run("annotate", "dj", "live", "-n", ns, f"diloco.dev/syncer-url={url}")
-        dj = wait_for(lambda: (d := kubectl.get("dj", "live", ns=ns))["status"].get("outerSteps") is not None and d,
-                      30, "outerSteps from the syncer", 0.2)
+        dj = wait_for(lambda: (d := kubectl.get("dj", "live", ns=ns))["status"].get("learnersAlive") == 1 and d,
+                      30, "the syncer's progress in the job's status", 0.2)
         st = dj["status"]
         assert st["outerSteps"] == 0 and st["version"] == 0  # nothing merged: every fragment at 0
-        # What a person reads: the learner's tokens, none merged, one learner alive, and no useful time yet (its
-        # 10 steps reached no model: merged fraction 0, so goodput 0 over the unit's allocated time).
-        assert (st["tokensTrained"], st["tokensMergedPerFragment"], st["learnersAlive"]) == (2560, 0, 1)
+        # What a person reads: the learner's tokens, none merged, and no useful time yet (its 10 steps reached no
+        # model: merged fraction 0, so goodput 0 over the unit's allocated time).
+        assert (st["tokensTrained"], st["tokensMergedPerFragment"]) == (2560, 0)
         assert st["mergedFraction"] == 0 and st["goodput"] == 0
         row = kubectl.run("get", "dj", "live", "-n", ns).stdout.splitlines()
         assert dict(zip(row[0].split(), row[1].split()))["TOKENS-MERGED"] == "0"
@@ -422,6 +431,9 @@ def test_job_status_reports_a_real_syncers_progress_and_units_last_contribution(
         assert "deleted" in fault["message"] and fault["time"] <= fault["recoveredAt"]
         assert 0 <= fault["recoverySeconds"] < 60
     finally:
+        stop.set()
+        if beating is not None:
+            beating.join(timeout=15)
         syncer.terminate()
         syncer.wait(timeout=30)
 

@@ -122,7 +122,7 @@ class Controller:
         self.dirty: set[Key] = set()
         self.known: set[Key] = set()
         self.failures: dict[Key, int] = {}
-        self.syncer_info: dict[tuple[str, str, int], syncer_status.SyncerReading] = {}  # (ns, job, shard) -> last read
+        self.syncer_info: dict[tuple[str, str, int], jobstatus.SyncerReading] = {}  # (ns, job, shard) -> last read
         self.syncer_polled: dict[tuple[str, str, str], float] = {}
         self.syncer_poll_s = 10.0
         # (ns, unit) -> (uid, status decided but not written yet, write it by): a launch's Pending status waits up
@@ -402,7 +402,7 @@ class Controller:
         if status.phase in jobplan.TERMINAL_JOB and not finished:
             for lu in lus:  # stop the units of a finished job
                 self.enqueue(("unit", ns, lu["metadata"]["name"]))
-        if (reading := syncer_status.combine([r for r in readings.values() if r is not None])) is not None:
+        if (reading := jobstatus.combine([r for r in readings.values() if r is not None])) is not None:
             # units show when the syncer last heard from them
             seen = {lu["metadata"]["name"]: (lu.get("status") or {}).get("lastContribution") for lu in lus}
             for unit, last in reading.learners_seen.items():

@@ -4,16 +4,49 @@ autoscaler, TLS, remote clusters); the controller only writes its wire() form. P
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 
 from diloco_operator import api
 from diloco_operator import conditions as C
 from diloco_operator import jobplan
 from diloco_operator import objects as O
-from diloco_operator import syncer_status
-from diloco_operator.syncer_status import SyncerReading
-from diloco_trainer.goodput import Slot, goodput
 from diloco_operator.jobplan import Event, UnitView
+from diloco_trainer.goodput import Slot, goodput
+from diloco_trainer.protocol.messages import SyncerStatus
+from diloco_trainer.runtime.shards import merge_statuses
+
+
+@dataclass(frozen=True)
+class SyncerReading:
+    """One syncer shard's /v1/status (typed, as the syncer sent it) and when the operator read it (unix seconds)."""
+
+    status: SyncerStatus
+    at: float
+
+    @property
+    def learners_seen(self) -> dict[str, str]:
+        """Learner id -> when the syncer last heard from it (RFC 3339), for those it heard from."""
+        return {lid: C.now_iso(datetime.fromtimestamp(info.last_seen, timezone.utc))
+                for lid, info in self.status.learners.items() if info.last_seen}
+
+    @property
+    def last_checkpoint(self) -> str | None:
+        """When the syncer last wrote a checkpoint (RFC 3339), when it reports one."""
+        at = self.status.last_checkpoint
+        return C.now_iso(datetime.fromtimestamp(at, timezone.utc)) if at else None
+
+
+def combine(readings: list[SyncerReading]) -> SyncerReading | None:
+    """The job's view over its shards' readings (runtime.shards.merge_statuses: merges and merged work add up,
+    each shard merging only its own fragments; a learner live if any shard sees it), read when the oldest was;
+    its last checkpoint is the oldest shard's, and none until every shard has one (what a restart of every
+    shard would resume from at least). None if no shard answered yet."""
+    if not readings:
+        return None
+    merged = merge_statuses([r.status for r in readings])
+    checkpoints = [r.status.last_checkpoint for r in readings]
+    merged = merged.model_copy(update={"last_checkpoint": min(checkpoints) if all(checkpoints) else None})
+    return SyncerReading(status=merged, at=min(r.at for r in readings))
 
 
 @dataclass(frozen=True)
@@ -37,8 +70,8 @@ class JobObservation:
     shard_ready: list[bool]
     shard_readings: dict[int, SyncerReading | None]  # shard -> its last /v1/status (None: not answered yet)
     desired: int | None = None  # the autoscaler's units, when it decides
-    autoscaling: dict | None = None  # the autoscaler's status and its ScalingLimited (status, reason, message)
-    scaling_limited: tuple[bool, str, str] | None = None
+    autoscaling: dict | None = None  # the autoscaler's status (spec.autoscaling)
+    scaling_limited: tuple[bool, str, str] | None = None  # its ScalingLimited condition: status, reason, message
     clusters: list[str] = field(default_factory=list)  # spec.clusters' names
     clusters_down: dict[str, str] = field(default_factory=dict)  # cluster -> why its last use failed
     tls: TlsView = TlsView()
@@ -51,7 +84,7 @@ def observe(obs: JobObservation) -> tuple[api.DilocoJobStatus, list[Event]]:
     this spec again); a finished job keeps what it last showed."""
     spec, now, g = obs.spec, obs.now, obs.generation
     shards = spec.config.syncer.shards
-    reading = syncer_status.combine([r for r in obs.shard_readings.values() if r is not None])
+    reading = combine([r for r in obs.shard_readings.values() if r is not None])
     status, events = jobplan.job_status(
         obs.name, spec, g, obs.units, all(obs.shard_ready), obs.old, now, reading.status if reading else None,
         desired=obs.desired,

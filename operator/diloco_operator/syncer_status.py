@@ -1,19 +1,16 @@
 """Reads a syncer's /v1/status (docs/protocol.md) for the job's status: typed as the syncer sent it, with the time
-it was read; jobstatus derives the job's progress from it."""
+it was read (jobstatus.SyncerReading, from which jobstatus derives the job's progress); where the syncer is."""
 
 from __future__ import annotations
 
 import asyncio
 import ssl
 import time
-from dataclasses import dataclass
-from datetime import datetime, timezone
 
 import aiohttp
 from diloco_trainer.protocol.messages import SyncerStatus
-from diloco_trainer.runtime.shards import merge_statuses
 
-from diloco_operator import conditions as C
+from diloco_operator.jobstatus import SyncerReading
 
 URL_ANNOTATION = "diloco.dev/syncer-url"  # overrides the in-cluster address (an operator outside the cluster)
 
@@ -48,39 +45,6 @@ def syncer_address(job: dict, port: int, tls: bool = False, shard: int = 0, shar
         return override[shard]
     service = f"{meta['name']}-syncer" if shards == 1 else f"{meta['name']}-syncer-{shard}"
     return f"{'https' if tls else 'http'}://{service}.{meta['namespace']}.svc:{port}"
-
-
-@dataclass(frozen=True)
-class SyncerReading:
-    """One syncer shard's /v1/status (typed, as the syncer sent it) and when the operator read it (unix seconds)."""
-
-    status: SyncerStatus
-    at: float
-
-    @property
-    def learners_seen(self) -> dict[str, str]:
-        """Learner id -> when the syncer last heard from it (RFC 3339), for those it heard from."""
-        return {lid: C.now_iso(datetime.fromtimestamp(info.last_seen, timezone.utc))
-                for lid, info in self.status.learners.items() if info.last_seen}
-
-    @property
-    def last_checkpoint(self) -> str | None:
-        """When the syncer last wrote a checkpoint (RFC 3339), when it reports one."""
-        at = self.status.last_checkpoint
-        return C.now_iso(datetime.fromtimestamp(at, timezone.utc)) if at else None
-
-
-def combine(readings: list[SyncerReading]) -> SyncerReading | None:
-    """The job's view over its shards' readings (runtime.shards.merge_statuses: merges and merged work add up,
-    each shard merging only its own fragments; a learner live if any shard sees it), read when the oldest was;
-    its last checkpoint is the oldest shard's, and none until every shard has one (what a restart of every
-    shard would resume from at least). None if no shard answered yet."""
-    if not readings:
-        return None
-    merged = merge_statuses([r.status for r in readings])
-    checkpoints = [r.status.last_checkpoint for r in readings]
-    merged = merged.model_copy(update={"last_checkpoint": min(checkpoints) if all(checkpoints) else None})
-    return SyncerReading(status=merged, at=min(r.at for r in readings))
 
 
 async def fetch(url: str, token: str, timeout_s: float = 3.0, ca_pem: str | None = None,

@@ -210,13 +210,13 @@ def test_pods_are_placed_on_their_accelerator_pool_with_rendezvous_env():
 
 
 def test_syncer_status_summary_and_address():
-    from diloco_operator import syncer_status
+    from diloco_operator import jobstatus, syncer_status
     from diloco_trainer.protocol.messages import SyncerStatus
     doc = {"outer_steps": 7, "versions": {"0": 3, "1": 4}, "learners": {"demo-gpu-0": {"last_seen": 1767225600.5}}}
-    reading = syncer_status.SyncerReading(SyncerStatus.model_validate(doc), 1767225601.0)
+    reading = jobstatus.SyncerReading(SyncerStatus.model_validate(doc), 1767225601.0)
     assert reading.learners_seen == {"demo-gpu-0": "2026-01-01T00:00:00Z"} and reading.last_checkpoint is None
     assert syncer_status.syncer_address(JOB, 8470) == "http://demo-syncer.ns.svc:8470"
-    with_ckpt = syncer_status.SyncerReading(SyncerStatus.model_validate({**doc, "last_checkpoint": 1767225660}), 0)
+    with_ckpt = jobstatus.SyncerReading(SyncerStatus.model_validate({**doc, "last_checkpoint": 1767225660}), 0)
     assert with_ckpt.last_checkpoint == "2026-01-01T00:01:00Z"
     annotated = {**JOB, "metadata": {**JOB["metadata"], "annotations": {syncer_status.URL_ANNOTATION: "http://x:1/"}}}
     assert syncer_status.syncer_address(annotated, 8470, trust_annotation=True) == "http://x:1"
@@ -408,22 +408,22 @@ def test_shard_statuses_name_each_shard_with_its_fragments_and_merges():
 
 
 def test_the_jobs_syncer_numbers_add_up_over_its_shards():
-    from diloco_operator import syncer_status
+    from diloco_operator import jobstatus, syncer_status
     from diloco_trainer.protocol.messages import LearnerStatus, SyncerStatus
     t = T0.timestamp()
-    combined = syncer_status.combine([
-        syncer_status.SyncerReading(SyncerStatus(outer_steps=4, versions={"0": 6}, owned=[0], last_checkpoint=t + 9,
+    combined = jobstatus.combine([
+        jobstatus.SyncerReading(SyncerStatus(outer_steps=4, versions={"0": 6}, owned=[0], last_checkpoint=t + 9,
                                                  learners={"a": LearnerStatus(last_seen=t + 5)}), t + 20),
-        syncer_status.SyncerReading(SyncerStatus(outer_steps=3, versions={"1": 2}, owned=[1], last_checkpoint=t + 3,
+        jobstatus.SyncerReading(SyncerStatus(outer_steps=3, versions={"1": 2}, owned=[1], last_checkpoint=t + 3,
                                                  learners={"a": LearnerStatus(last_seen=t + 7),
                                                            "b": LearnerStatus(last_seen=t + 1)}), t + 10)])
     assert combined.status.outer_steps == 7 and sum(combined.status.versions.values()) == 8
     assert combined.last_checkpoint == "2026-01-01T00:00:03Z" and combined.at == t + 10
     assert combined.learners_seen == {"a": "2026-01-01T00:00:07Z", "b": "2026-01-01T00:00:01Z"}
-    one_without = syncer_status.combine([syncer_status.SyncerReading(SyncerStatus(last_checkpoint=t), t),
-                                         syncer_status.SyncerReading(SyncerStatus(), t)])
+    one_without = jobstatus.combine([jobstatus.SyncerReading(SyncerStatus(last_checkpoint=t), t),
+                                         jobstatus.SyncerReading(SyncerStatus(), t)])
     assert one_without.last_checkpoint is None  # not every shard could resume from a checkpoint yet
-    assert syncer_status.combine([]) is None
+    assert jobstatus.combine([]) is None
     annotated = {**JOB, "metadata": {**JOB["metadata"], "annotations": {
         syncer_status.URL_ANNOTATION: "http://x:1/, http://y:2"}}}
     assert syncer_status.syncer_address(annotated, 8470, shard=1, shards=2, trust_annotation=True) == "http://y:2"

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from diloco_operator import api, jobplan, jobstatus, objects, unitplan
-from diloco_operator.syncer_status import SyncerReading
+from diloco_operator.jobstatus import SyncerReading
 from diloco_trainer.protocol.messages import LearnerStatus, SyncerStatus
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)

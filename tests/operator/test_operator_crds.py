@@ -211,7 +211,8 @@ def test_the_apiserver_accepts_the_good_manifest_and_kubectl_shows_columns(kubec
     assert header[:8] == ["NAME", "PHASE", "READY", "DESIRED", "RESTARTS", "OUTER-STEPS", "GOODPUT", "TOKENS-MERGED"]
     assert kubectl.run("get", "lu", "-n", ns).returncode == 0
     kubectl.run("patch", "dj", "good", "-n", ns, "--subresource=status", "--type=merge", "-p",
-                json.dumps({"status": {"goodput": 0.4213, "tokensMergedPerFragment": 1234567}}))
+                json.dumps({"status": {"phase": "Running", "unitsReady": 3, "unitsDesired": 3, "restarts": 0,
+                                       "outerSteps": 8, "goodput": 0.4213, "tokensMergedPerFragment": 1234567}}))
     row = dict(zip(header, kubectl.run("get", "dj", "good", "-n", ns).stdout.splitlines()[1].split()))
     assert (row["GOODPUT"], row["TOKENS-MERGED"]) == ("0.4213", "1234567")
     out = kubectl.run("patch", "dj", "good", "-n", ns, "--subresource=status", "--type=merge", "-p",

@@ -424,7 +424,8 @@ def test_the_job_succeeds_and_its_final_model_beats_the_unigram_baseline_and_exp
     tokenizer = AutoTokenizer.from_pretrained(out)
     prompt = tokenizer("def main(", return_tensors="pt")
     with torch.no_grad():
-        generated = model.generate(**prompt, max_new_tokens=16, do_sample=False)
+        # At least 16 tokens: a trained model may emit its end-of-text token early, which would end greedy decoding.
+        generated = model.generate(**prompt, min_new_tokens=16, max_new_tokens=16, do_sample=False)
     assert generated.shape[1] == prompt["input_ids"].shape[1] + 16
     text = tokenizer.decode(generated[0])
     print(f"[e2e] generated: {text!r}", file=sys.stderr)

@@ -391,7 +391,6 @@ class SyncerState:
 
     def _load(self) -> None:
         loaded = load_checkpoint(self.dir)  # ValueError if every checkpoint there is damaged
-        ckpt = loaded.checkpoint if loaded else None
         if loaded is not None:
             self._load_checkpoint(loaded.checkpoint)
             if loaded.damaged:
@@ -425,7 +424,7 @@ class SyncerState:
             if not self.is_known(c.submission_id):
                 self.add_pending(c)
                 replayed += 1
-        if ckpt is not None or replayed or journaled:
+        if loaded is not None or replayed or journaled:
             log.info("syncer state: versions %s, %d contributions replayed from the spool", self.versions, replayed)
 
     def _spooled(self, e: SpoolEntry) -> Contribution:

@@ -287,6 +287,7 @@ class Controller:
             return
         if job is None or job["metadata"].get("deletionTimestamp"):
             self.remotes.forget(ns, name)
+            metrics.forget_job(ns, name)
             for cache in (self.swept, self.remote_room):
                 for key in [k for k in cache if k[:2] == (ns, name)]:
                     del cache[key]
@@ -390,6 +391,7 @@ class Controller:
             tls=jobstatus.TlsView(secret=tls.secret, problem=tls.problem),
             url_followed=self.trust_syncer_url and len(syncer_status.annotated_urls(job)) == shards,
             url_problem=syncer_status.annotation_problem(job, tls.secret is not None, self.trust_syncer_url)))
+        metrics.export_job_status(ns, name, status)
         if status.phase not in jobplan.TERMINAL_JOB:
             events += tls.events
             tls.events = []

@@ -135,6 +135,12 @@ def owner_ref(owner: dict) -> dict:
             "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
 
 
+def scrape_annotations(port: int) -> dict[str, str]:
+    """The prometheus.io/* annotations a Prometheus without prometheus-operator discovers pods by (the chart's
+    PodMonitors select the same pods by label)."""
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+
+
 def _meta(name: str, owner: dict, labels: dict, annotations: dict | None = None) -> dict:
     meta = {"name": name, "namespace": owner["metadata"]["namespace"], "labels": {**MANAGED_BY, **labels},
             "ownerReferences": [owner_ref(owner)]}
@@ -322,8 +328,7 @@ def syncer_deployment(job: dict, spec: api.DilocoJobSpec, replicas: int = 1, tls
         pod_spec["affinity"] = off_accelerators()
     pod_spec["tolerations"] = _tolerations(spec.syncer.tolerations) + node_loss_tolerations(
         spec.syncer.tolerations, spec.failurePolicy.nodeLostSeconds)
-    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(api.SYNCER_PORT),
-                   ANNOTATION_CONFIG_HASH: config_hash(spec)}
+    annotations = {**scrape_annotations(api.SYNCER_PORT), ANNOTATION_CONFIG_HASH: config_hash(spec)}
     if tls_secret:
         annotations["prometheus.io/scheme"] = "https"
         if tls_hash:
@@ -490,8 +495,7 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
     if resource is None:  # a CPU unit never uses an accelerator: never let it take an accelerator node's room
         pod_spec["affinity"] = off_accelerators()
     pod_spec["tolerations"] = tolerations
-    annotations = {ANNOTATION_SPEC_HASH: pod_spec_hash(unit["spec"]), "prometheus.io/scrape": "true",
-                   "prometheus.io/port": str(api.METRICS_PORT)}
+    annotations = {ANNOTATION_SPEC_HASH: pod_spec_hash(unit["spec"]), **scrape_annotations(api.METRICS_PORT)}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": _meta(pod_name(name, incarnation, rank), unit, labels,
                                                                   annotations), "spec": pod_spec}
 

@@ -132,3 +132,63 @@ def test_the_chart_installs_the_generated_crds_with_include_crds(helm):
     crds = {d["metadata"]["name"] for d in _by_kind(rendered, "CustomResourceDefinition")}
     assert crds == {d["metadata"]["name"] for p in sorted((ROOT / "crds").glob("*.yaml"))
                     for d in yaml.safe_load_all(p.read_text())}
+
+
+def _selects(monitor: dict, pod_meta: dict, pod_spec: dict) -> bool:
+    """Whether a PodMonitor's selector and one of its endpoints' port names pick this pod (as prometheus-operator
+    matches them: every matchLabels pair on the pod, and a container port of the endpoint's name)."""
+    labels = pod_meta.get("labels") or {}
+    wanted = monitor["spec"]["selector"]["matchLabels"]
+    ports = {p.get("name") for c in pod_spec["containers"] for p in c.get("ports", [])}
+    return all(labels.get(k) == v for k, v in wanted.items()) and any(
+        e["port"] in ports for e in monitor["spec"]["podMetricsEndpoints"])
+
+
+def test_pod_monitors_and_the_dashboard_render_only_when_enabled_and_select_the_pods_that_serve_metrics(helm):
+    from diloco_operator import objects
+    from test_operator_decisions import JOB, job_spec
+
+    default = helm.render()
+    assert not _by_kind(default, "PodMonitor") and not _by_kind(default, "ConfigMap")
+    rendered = helm.render("--set", "metrics.podMonitor.enabled=true", "--set", "metrics.podMonitor.interval=30s",
+                           "--set", "metrics.podMonitor.labels.release=kube-prometheus-stack")
+    monitors = {m["metadata"]["name"]: m for m in _by_kind(rendered, "PodMonitor")}
+    assert sorted(monitors) == ["diloco-learners", "diloco-operator", "diloco-syncers"]
+    assert not _by_kind(rendered, "ConfigMap")  # the dashboard is a value of its own
+    for m in monitors.values():
+        assert m["apiVersion"] == "monitoring.coreos.com/v1"
+        assert m["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        assert {e["interval"] for e in m["spec"]["podMetricsEndpoints"]} == {"30s"}
+    # Each monitor picks the pods it names and no other: the operator's own, a job's syncer, a job's learner.
+    spec = job_spec()
+    syncer = objects.syncer_deployment(JOB, spec)["spec"]["template"]
+    unit = objects.learner_unit(JOB, objects.unit_spec("demo", spec, spec.units[0], 0, 0))
+    unit["metadata"]["uid"] = "lu-1"
+    learner = objects.unit_pod(unit, incarnation=0, rank=0)
+    (deployment,) = _by_kind(rendered, "Deployment")
+    operator_pod = deployment["spec"]["template"]
+    pods = {"diloco-operator": operator_pod, "diloco-syncers": syncer, "diloco-learners": learner}
+    for name, monitor in monitors.items():
+        for pod_name, pod in pods.items():
+            assert _selects(monitor, pod["metadata"], pod["spec"]) == (pod_name == name), (name, pod_name)
+    # The syncer serves https with the job's TLS (its pod says so): the monitor takes the scheme from the pod.
+    assert syncer["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
+    (endpoint,) = monitors["diloco-syncers"]["spec"]["podMetricsEndpoints"]
+    assert endpoint["relabelings"][0]["sourceLabels"] == ["__meta_kubernetes_pod_annotation_prometheus_io_scheme"]
+    assert endpoint["relabelings"][0]["targetLabel"] == "__scheme__"
+    for name in ("diloco-syncers", "diloco-learners"):
+        assert monitors[name]["spec"]["namespaceSelector"] == {"any": True}
+    namespaced = helm.render("--set", "metrics.podMonitor.enabled=true", "--set", "watchNamespaces={team-a,team-b}")
+    for m in _by_kind(namespaced, "PodMonitor"):
+        if m["metadata"]["name"] != "diloco-operator":
+            assert m["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
+
+
+def test_the_dashboard_configmap_carries_the_dashboard_json_with_the_sidecar_label(helm):
+    import json
+
+    rendered = helm.render("--set", "metrics.dashboard.enabled=true", "--set", "metrics.dashboard.namespace=grafana")
+    (cm,) = _by_kind(rendered, "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1" and cm["metadata"]["namespace"] == "grafana"
+    assert json.loads(cm["data"]["diloco.json"]) == json.loads((CHART / "dashboards" / "diloco.json").read_text())
+    assert not _by_kind(rendered, "PodMonitor")

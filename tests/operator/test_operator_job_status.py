@@ -10,8 +10,9 @@ from pathlib import Path
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from prometheus_client import REGISTRY
 
-from diloco_operator import api, jobplan, jobstatus, objects, unitplan
+from diloco_operator import api, jobplan, jobstatus, metrics, objects, unitplan
 from diloco_operator.jobstatus import SyncerReading
 from diloco_trainer.protocol.messages import LearnerStatus, SyncerStatus
 
@@ -149,6 +150,28 @@ def test_the_jobs_last_fault_is_its_units_latest_restart_with_the_time_it_took_t
     recovered = jobstatus.last_fault([_created("u0", 0, old)])
     assert recovered.unit == "u0" and recovered.recoverySeconds == 4.0
     assert jobstatus.last_fault([_created("u0", 0)]) is None
+
+
+def test_the_operator_exports_a_jobs_goodput_and_last_recovery_and_drops_them_with_the_job():
+    def sample(name):
+        return REGISTRY.get_sample_value(name, {"namespace": "metrics-ns", "job": "demo"})
+    units = [_created("u0", 0, api.UnitFault(time="2026-01-01T00:00:10Z", reason="PodDeleted", message="pod gone",
+                                             incarnation=1, recoveredAt="2026-01-01T00:00:14Z")), _created("u1", 0)]
+    reading = _reading(100, u0=LearnerStatus(step=50, step_time_s=1.0, steps_merged=80, tokens=4000, live=True))
+    status = _observe(None, {0: reading}, units)
+    metrics.export_job_status("metrics-ns", "demo", status)
+    assert sample("diloco_operator_job_goodput") == status.goodput == 0.2
+    assert sample("diloco_operator_job_merged_fraction") == status.mergedFraction == 0.8
+    assert sample("diloco_operator_job_last_recovery_seconds") == 4.0
+    # A status without those figures (the syncer never answered, no fault) exports none: no false zero.
+    metrics.export_job_status("metrics-ns", "demo", _observe(None, {0: None}, [_created("u0", 0)]))
+    assert sample("diloco_operator_job_goodput") is None and sample("diloco_operator_job_last_recovery_seconds") is None
+    metrics.export_job_status("metrics-ns", "demo", status)
+    metrics.UNIT_RESTARTS.labels("metrics-ns", "demo").inc()
+    metrics.forget_job("metrics-ns", "demo")
+    for name in ("diloco_operator_job_goodput", "diloco_operator_job_merged_fraction",
+                 "diloco_operator_job_last_recovery_seconds", "diloco_operator_unit_restarts_total"):
+        assert sample(name) is None, name
 
 
 def test_a_restarted_unit_records_its_fault_and_when_its_pods_were_ready_again():

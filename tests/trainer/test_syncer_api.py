@@ -205,6 +205,7 @@ async def test_quorum_one_merges_at_once_and_publishes_a_new_version(aiohttp_cli
     metrics = (await (await client.get("/metrics")).read()).decode()
     for line in ('diloco_syncer_outer_steps_total{fragment="0"} 1.0', "diloco_syncer_tokens_merged_total 1024.0",
                  "diloco_syncer_contributions_per_merge_count 1.0", "diloco_syncer_live_learners 1.0",
+                 "diloco_syncer_quorum 1.0",
                  'diloco_syncer_staleness_versions_bucket{le="0.0"} 1.0', 'diloco_syncer_fragment_version{fragment="0"} 1.0'):
         assert line in metrics, line
 
@@ -239,6 +240,8 @@ async def test_quorum_two_waits_for_a_second_live_learner(aiohttp_client, tmp_pa
         want = first_outer_step(theta0[n], merged, cfg.outer.lr, cfg.outer.momentum)
         torch.testing.assert_close(st.theta[n], want, rtol=1e-5, atol=1e-6)
     assert st.learners["learner-a"].tokens_merged == 1024 and st.learners["learner-b"].tokens_merged == 512
+    metrics = (await (await client.get("/metrics")).read()).decode()
+    assert "diloco_syncer_quorum 2.0" in metrics and "diloco_syncer_contributions_per_merge_sum 2.0" in metrics
 
 
 async def test_a_retried_submission_is_acknowledged_again_but_merged_once(aiohttp_client, tmp_path):

@@ -75,3 +75,18 @@ app.kubernetes.io/name: diloco-operator
   resources: [nodes]
   verbs: [get, list, watch]
 {{- end -}}
+
+{{/* A PodMonitor's choice of one component's job pods (dict "root" . "component" NAME): in the watched namespaces
+(all by default), managed by the operator, with their diloco.dev/* labels as target labels. */}}
+{{- define "diloco.podMonitorJobPods" -}}
+namespaceSelector:
+{{- if .root.Values.watchNamespaces }}
+  matchNames:
+  {{- toYaml .root.Values.watchNamespaces | nindent 2 }}
+{{- else }}
+  any: true
+{{- end }}
+podTargetLabels: [diloco.dev/job, diloco.dev/unit, diloco.dev/shard]
+selector:
+  matchLabels: {app.kubernetes.io/managed-by: diloco-operator, diloco.dev/component: {{ .component }}}
+{{- end -}}

@@ -73,6 +73,7 @@ class Syncer:
         self._claims: set[tuple[str, int]] = set()  # (learner, fragment) with a submission being spooled
         self.metrics.shard.labels(str(state.shard), str(state.shards)).set(1)
         self.metrics.owned_fragments.set(len(state.owned))
+        self.metrics.quorum.set(state.config.outer.quorum)
         self.metrics.checkpoint_fallbacks.inc(1 if state.checkpoint_fallback else 0)
         for p in state.owned:
             self.metrics.fragment_version.labels(str(p)).set(state.versions[p])

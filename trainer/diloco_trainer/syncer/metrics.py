@@ -32,6 +32,8 @@ class SyncerMetrics:
                                         ["kind"], registry=r)
         self.live_learners = Gauge("diloco_syncer_live_learners", "Learners seen within the liveness timeout",
                                    registry=r)
+        self.quorum = Gauge("diloco_syncer_quorum", "Minimum quorum K (outer.quorum): contributions a merge waits "
+                            "for, min(K, live learners) when fewer are alive", registry=r)
         self.grace_window = Gauge("diloco_syncer_grace_window_seconds", "Current adaptive grace window",
                                   registry=r)
         self.merge_seconds = Histogram("diloco_syncer_merge_seconds", "Merge + outer step + publish time",

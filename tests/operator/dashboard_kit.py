@@ -1,0 +1,37 @@
+"""The Grafana dashboard (charts/decoupled-diloco/dashboards/diloco.json) for the monitoring tests: its panels'
+PromQL, made evaluable outside Grafana, and the metric names a query refers to."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from cluster_kit import ROOT
+
+DASHBOARD = ROOT / "charts" / "decoupled-diloco" / "dashboards" / "diloco.json"
+# Grafana fills these in; an evaluation outside it puts a window of its own in their place.
+GRAFANA_VARIABLES = ("$__rate_interval", "$__interval", "$__range")
+_METRIC = re.compile(r"\bdiloco_(?:syncer|learner|operator)_[a-z0-9_]+\b")
+
+
+def panels() -> list[dict]:
+    return json.loads(DASHBOARD.read_text())["panels"]
+
+
+def queries(window: str = "1m") -> list[tuple[str, str, str]]:
+    """(panel title, refId, PromQL with Grafana's interval variables set to `window`) for every target of every
+    panel, in order."""
+    out = []
+    for panel in panels():
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for variable in GRAFANA_VARIABLES:
+                expr = expr.replace(variable, window)
+            out.append((panel["title"], target["refId"], expr))
+    return out
+
+
+def metric_names(expr: str) -> set[str]:
+    """The series a query reads: diloco_syncer_*, diloco_learner_*, diloco_operator_* (not the diloco_dev_* target
+    labels that pod labels become)."""
+    return set(_METRIC.findall(expr))

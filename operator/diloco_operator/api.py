@@ -276,10 +276,15 @@ class RestartPolicy(_Api):
 
 
 NODE_LOST_SECONDS = 20  # default of failurePolicy.nodeLostSeconds
+DRAIN_SECONDS = 10  # default of failurePolicy.drainSeconds (the learner's own --drain-s default)
+# A learner pod's terminationGracePeriodSeconds beyond drainSeconds: the inner step in progress when the signal came
+# and the snapshot of the inner state it writes before handing over (a tiny model's take milliseconds).
+STOP_MARGIN_SECONDS = 10
 
 
 class FailurePolicy(_Api):
-    """What counts as a failure the operator acts on by itself: a node that stopped being Ready."""
+    """What counts as a failure the operator acts on by itself (a node that stopped being Ready), and how long a
+    stopping learner may take to hand over its work."""
 
     nodeLostSeconds: int = Field(
         NODE_LOST_SECONDS, ge=5, le=86400,
@@ -287,6 +292,17 @@ class FailurePolicy(_Api):
                     "learner pods are force-deleted and their units restart on other nodes (with Nodes watched), and "
                     "every pod of the job tolerates the not-ready/unreachable taints this long (Kubernetes' "
                     "default: 300 s).")
+    drainSeconds: int = Field(
+        DRAIN_SECONDS, ge=0, le=3600,
+        description="A learner whose pod is deleted with a grace period (preemption, a node drain, a scale-down) "
+                    "finishes its step, sends the outer gradients of the steps it trained that no acknowledged one "
+                    "covers, and waits at most this long (0 to 3600 s) for the syncer's acknowledgements, then "
+                    "exits 0. Its pods' terminationGracePeriodSeconds is this plus 10 s for the step in progress.")
+
+    @property
+    def termination_grace_seconds(self) -> int:
+        """The learner pods' terminationGracePeriodSeconds: the drain, the step in progress and the snapshot."""
+        return self.drainSeconds + STOP_MARGIN_SECONDS
 
 
 class Autoscaling(_Api):

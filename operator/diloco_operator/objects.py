@@ -446,7 +446,8 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
     url = spec.syncerUrl or syncer_urls(spec.jobName, spec.syncerTls, spec.syncerShards or 1)
     command = ["diloco", "learner", "--syncer", url, "--learner-id", name,
                "--unit", str(spec.unitIndex), "--units", str(spec.shards or spec.unitIndex + 1), "--device", device, "--state-dir", LEARNER_STATE_DIR,
-               "--metrics-port", str(api.METRICS_PORT), "--token-file", TOKEN_FILE]
+               "--metrics-port", str(api.METRICS_PORT), "--token-file", TOKEN_FILE,
+               "--drain-s", str(spec.failurePolicy.drainSeconds)]
     if spec.steps:
         command += ["--steps", str(spec.steps)]
     token_mount, token_vol = token_volume(unit_token_secret_name(name))  # the unit's own token, never the job's
@@ -479,6 +480,8 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
               LABEL_INCARNATION: str(incarnation), LABEL_RANK: str(rank)}
     pod_spec: dict = {
         "restartPolicy": "Never",  # the operator restarts whole units, counting and backing off
+        # SIGTERM (preemption, a drain): the learner hands over its unsent work within drainSeconds, then exits 0
+        "terminationGracePeriodSeconds": spec.failurePolicy.termination_grace_seconds,
         "automountServiceAccountToken": False,
         "hostname": f"rank-{rank}", "subdomain": name,
         "containers": [{

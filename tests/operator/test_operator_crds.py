@@ -45,7 +45,7 @@ ABSURD = [f"spec.config.{f}" for f in (
     "inner.batch_size", "inner.warmup_steps", "outer.sync_every", "outer.overlap", "outer.fragments",
     "outer.block_size", "outer.versions_kept", "data.max_bytes", "seed")] + [
     "spec.units.0.steps", "spec.units.0.count", "spec.units.0.podsPerUnit", "spec.restartPolicy.maxRestarts",
-    "spec.syncer.maxBodyMb", "spec.failurePolicy.nodeLostSeconds"]
+    "spec.syncer.maxBodyMb", "spec.failurePolicy.nodeLostSeconds", "spec.failurePolicy.drainSeconds"]
 
 # (what is wrong, manifest, text the apiserver's error must contain)
 BAD = [

@@ -138,6 +138,37 @@ def test_flush_sends_unsent_work_but_leaves_unanswered_and_acknowledged_fragment
     assert sync.flush("l0", "n0") == [], "both fragments' Δs from these bases were acknowledged"
 
 
+@pytest.mark.parametrize("adopt", ["keep", "overwrite"])
+def test_a_leaving_learner_is_settled_once_every_step_is_acknowledged_or_would_be_discarded_anyway(adopt):
+    sync, params = make(adopt, sync_every=4)
+    train(sync, params, 2)
+    sub = sent_of(sync, 2, 1)
+    train(sync, params, 1)  # fragment 1: a step after its in-flight Δ; fragment 0: 3 steps unsent
+    assert sync.unsettled() == [0, 1] and sync.flushable() == [0]
+    flushed = sync.flush("l0", "n0")
+    sync.book([answer(sub), answer(flushed[0])])
+    # Fragment 0's Δ covers all of its steps. Fragment 1's third step follows its acknowledged Δ: keep carries it
+    # over the version that merges that Δ and sends it from there; overwrite would discard it at that adoption.
+    assert sync.unsettled() == ([1] if adopt == "keep" else [])
+    sync.adopt(1, 2, {"b": torch.zeros(2, 2)}, step=3)
+    assert sync.flushable() == ([1] if adopt == "keep" else [])
+    (tail,) = sync.flush("l0", "n0") if adopt == "keep" else [None]
+    if adopt == "keep":
+        assert (tail.base_version, tail.c_steps, tail.c_tokens) == (2, 1, TOKENS)
+        sync.book([answer(tail)])
+    assert sync.unsettled() == [] and sync.flushable() == []
+
+
+def test_a_refused_fragment_is_not_flushed_again_from_the_same_base():
+    sync, params = make("keep", sync_every=4)
+    train(sync, params, 2)
+    (flushed,) = [s for s in sync.flush("l0", "n0") if s.fragment == 1]
+    sync.book([answer(flushed, status=409)])
+    assert 1 not in sync.flushable() and 1 not in sync.unsettled(), "its base is gone: a newer version first"
+    sync.adopt(1, 2, {"b": torch.zeros(2, 2)}, step=2)
+    assert 1 in sync.flushable() and 1 in sync.unsettled(), "the work rides on the new version and goes out"
+
+
 def test_the_sending_rank_alone_keeps_bases_and_builds_submissions():
     params = {"a": torch.zeros(4), "b": torch.zeros(2, 2)}
     follower = OuterSync(PLAN, {0: 1, 1: 1}, params, sync_every=2, adopt="keep", compression="none", block_size=8,

@@ -362,25 +362,51 @@ class Learner:
 
     def _finish(self, window: Window, server) -> int:
         self._save_position()
-        with self.inner.full(self.names):
-            # Leaving: what no acknowledged Δ covers goes out now, so a finished run's last steps are merged too.
-            subs = self.outer.flush(self.opts.learner_id, self.nonce)
-            if self.opts.save_params is not None:
+        started = time.monotonic()
+        drained = self._hand_over(started + self.opts.drain_s)
+        if self.opts.save_params is not None:
+            with self.inner.full(self.names):
                 self._dump_params(self.opts.save_params / f"params-rank{self.group.rank}.safetensors")
         if self.client is not None:
-            for sub in subs:
-                self.client.submit(sub)
-            drained = self.client.close(self.opts.drain_s)
-            if not drained:
-                log.warning("stopping with %d submission(s) unanswered after %.0f s of drain",
-                            self.client.pending(), self.opts.drain_s)
-            self._book_answers()
+            if drained:
+                log.info("handed over in %.2f s: every trained step is covered by an acknowledged outer gradient",
+                         time.monotonic() - started)
+            else:
+                log.warning("stopping with %d submission(s) unanswered after %.0f s of drain; fragments %s hold work "
+                            "no acknowledged outer gradient covers", self.client.pending(), self.opts.drain_s,
+                            self.outer.unsettled())
+            self.client.close(0.0)
         self._log(window, final=True)
         if server is not None:
             server.shutdown()
         self.group.close()
         log.info("learner %s stopped after %d steps (%d tokens)", self.opts.learner_id, self.step, self.tokens)
         return 0
+
+    def _hand_over(self, deadline: float) -> bool:
+        """Leaving (a stop signal such as a pod's SIGTERM, or --steps done): until every trained step is covered
+        by an acknowledged Δ, or until `deadline`, send what no Δ covers and take the syncer's answers and new
+        versions, as the loop does between steps. Returns True when nothing was left unsettled or unanswered.
+
+        Decision: the Δ of a partial window goes out (c_steps < H). The protocol carries each Δ's own counters and
+        the merge weighs it by its real tokens (w = c_tokens²/c_steps, algorithm.md), so a 3-step Δ weighs 3/16 of a
+        full one and loses nothing. The steps a learner trained after its acknowledged Δ of a fragment cannot go
+        out from that base (one Δ per base version); with adopt=keep they ride on the version that merges it and go
+        out from there, so the learner waits for that version (a merge, within the quorum and grace window); with
+        adopt=overwrite that adoption would discard them anyway."""
+        while True:
+            self._book_answers()
+            self._adopt_updates()
+            flush = self.group.broadcast_json(self.outer.flushable() if self.group.is_main else None)
+            with self.inner.full([n for p in flush for n in self.plan[p]]):
+                subs = self.outer.flush(self.opts.learner_id, self.nonce)
+            for sub in subs:
+                self.client.submit(sub)
+            left = self.client is not None and bool(self.outer.unsettled() or self.client.pending())
+            done = self.group.broadcast_json(not left or time.monotonic() >= deadline)
+            if done:
+                return not left
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def _dump_params(self, path: Path) -> None:
         from diloco_trainer.protocol.wire import encode_tensors

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -175,13 +176,25 @@ def run(args: argparse.Namespace) -> int:
     from diloco_trainer.learner.loop import Learner
 
     try:
-        return Learner(opts).run()
+        code = Learner(opts).run()
     except SyncerRefused as exc:
         print(f"diloco learner: {exc}", flush=True)
-        return 3
+        code = 3
     except ValueError as exc:  # the syncer's config, plan or state does not fit this learner
         print(f"diloco learner: {exc}", flush=True)
-        return 2
+        code = 2
     except FloatingPointError as exc:  # diverged: exit non-zero so a supervisor restarts it from the syncer's Θ
         print(f"diloco learner: {exc}", flush=True)
-        return 1
+        code = 1
+    _exit_at_once(code)
+
+
+def _exit_at_once(code: int) -> None:
+    """Exit without the interpreter's teardown: everything the learner keeps is written and closed by now.
+
+    Measured: a process that imported torch spent 3.6-6 s in its final garbage collection on a busy 2-core machine
+    (load 8-15; 0.24 s with os._exit), time a preempted pod's grace period and the unit's restart wait for."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -45,6 +45,7 @@ class FragmentState:
     c_tokens: int = 0
     acked: bool = False  # a Δ from this base was acknowledged: send nothing until a newer version is adopted
     in_flight: bool = False  # a Δ from this base is queued and unanswered (a fresh one supersedes it)
+    refused: bool = False  # a Δ from this base was refused: a leaving learner waits for a newer version instead
     ef_before: dict[str, Tensor | None] | None = None  # residuals before the unacknowledged compression
     sent: dict[str, Tensor] | None = None  # θ_p when the outstanding (or acknowledged) Δ was built
     sent_steps: int = 0  # what that Δ covered
@@ -114,11 +115,28 @@ class OuterSync:
                 fs.next_due = step + self.sync_every
         return out
 
+    def flushable(self) -> list[int]:
+        """The fragments `flush` would send now: work no sent Δ covers, and no Δ from that base unanswered or
+        refused (empty where this process does not send)."""
+        return [p for p, fs in enumerate(self.frags)
+                if self.sends and fs.c_steps > 0 and not (fs.acked or fs.in_flight or fs.refused)]
+
     def flush(self, learner_id: str, nonce: str) -> list[Submission]:
         """Δs of the fragments with work no sent Δ covers (the learner is leaving). A fragment whose Δ is still
         unanswered keeps it (its answer comes during the drain; superseding it there could race its delivery)."""
-        return [s for p, fs in enumerate(self.frags)
-                if not fs.in_flight and (s := self.outer_gradient(p, learner_id, nonce)) is not None]
+        return [s for p in self.flushable() if (s := self.outer_gradient(p, learner_id, nonce)) is not None]
+
+    def unsettled(self) -> list[int]:
+        """The fragments a leaving learner still has trained work on that no acknowledged Δ covers: unsent, or
+        unanswered, or (adopt=keep) trained after an acknowledged Δ, which rides on the version that merges that Δ
+        and goes out from there. With adopt=overwrite the steps after an acknowledged Δ are settled: its adoption
+        discards them, as it would during training. A refused Δ waits for a newer version (its base is gone)."""
+        if not self.sends:
+            return []
+        keep = self.adopt_mode == "keep"
+        return [p for p, fs in enumerate(self.frags)
+                if fs.c_steps > 0 and not fs.refused
+                and (not fs.acked or (keep and fs.c_steps > fs.sent_steps))]
 
     def outer_gradient(self, p: int, learner_id: str, nonce: str) -> Submission | None:
         """Δ_p = Θ_p(base) − θ_p, compressed with error feedback; None when there is nothing to send."""
@@ -160,9 +178,10 @@ class OuterSync:
                 continue
             fs.in_flight = False
             if ans.accepted:
-                fs.acked, fs.ef_before = True, None
+                fs.acked, fs.refused, fs.ef_before = True, False, None
             else:  # refused: its work was never merged, so the next Δ (or an adoption) must carry it
                 fs.sent, fs.sent_steps, fs.sent_tokens = None, 0, 0
+                fs.refused = True
 
     # ------------------------------------------------------------------ adoption
 
@@ -199,7 +218,7 @@ class OuterSync:
         # about one poll of the others, so their next sends of p line up and land in the same merge (quorum +
         # grace window) instead of one learner's merge erasing the others' unsent progress.
         fs.next_due = step + self.sync_every
-        fs.acked = fs.in_flight = False
+        fs.acked = fs.in_flight = fs.refused = False
         fs.ef_before = None
         fs.sent, fs.sent_steps, fs.sent_tokens = None, 0, 0
         self.adoptions += 1

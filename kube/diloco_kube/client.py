@@ -53,6 +53,9 @@ DEPLOYMENTS = Resource("apps/v1", "deployments")
 DILOCOJOBS = Resource("diloco.dev/v1alpha1", "dilocojobs")
 LEARNERUNITS = Resource("diloco.dev/v1alpha1", "learnerunits")
 NETWORKPOLICIES = Resource("networking.k8s.io/v1", "networkpolicies")
+WORKLOADS = Resource("kueue.x-k8s.io/v1beta2", "workloads")  # Kueue (operator --kueue)
+RESOURCEFLAVORS = Resource("kueue.x-k8s.io/v1beta2", "resourceflavors", namespaced=False)
+WORKLOADPRIORITYCLASSES = Resource("kueue.x-k8s.io/v1beta2", "workloadpriorityclasses", namespaced=False)
 KINDS = {"Pod": PODS, "Service": SERVICES, "Secret": SECRETS, "ConfigMap": CONFIGMAPS,
          "PersistentVolumeClaim": PVCS, "Deployment": DEPLOYMENTS, "DilocoJob": DILOCOJOBS, "LearnerUnit": LEARNERUNITS,
          "NetworkPolicy": NETWORKPOLICIES}

@@ -36,8 +36,9 @@ class Cache:
     write of the last OVERLAY_TTL_S: with 1,000 units that would be thousands per reconcile)."""
 
     def __init__(self, indexes: Mapping[str, Mapping[Any, Iterable[dict]]]):
-        self.indexes = indexes  # "jobs" | "units" | "pods" | "deployments" | "nodes" -> kopf.Index
+        self.indexes = indexes  # "jobs" | "units" | "pods" | "deployments" | "nodes" | "workloads" -> kopf.Index
         self.watches_nodes = "nodes" in indexes  # not with --no-watch-nodes (a namespaced install)
+        self.watches_workloads = "workloads" in indexes  # Kueue's Workloads: only with --kueue
         # (plural, namespace, name) -> (object or GONE, resourceVersion the write produced/saw, when)
         self.overlay: dict[Key, tuple[dict | str, int, float]] = {}
         self.deleting: set[Key] = set()  # overlay entries that are the answer to a delete
@@ -152,6 +153,12 @@ class Cache:
         return self._merge("pods", namespace, self._lookup("pods", (namespace, unit)),
                            lambda o: (o["metadata"].get("labels") or {}).get(label) == unit,
                            self._labelled("pods", namespace, label, unit))
+
+    def workload(self, namespace: str, name: str) -> dict | None:
+        """A unit's Kueue Workload (watched only with --kueue)."""
+        found = self._merge("workloads", namespace, self._lookup("workloads", (namespace, name)),
+                            lambda o: _name(o) == name, self._named("workloads", namespace, name))
+        return next((o for o in found if _name(o) == name), None)
 
     def syncer_deployment(self, namespace: str, job: str, name: str) -> dict | None:
         found = self._merge("deployments", namespace, self._lookup("deployments", (namespace, job)),

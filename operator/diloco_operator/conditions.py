@@ -17,6 +17,7 @@ SCALING_LIMITED = "ScalingLimited"  # DilocoJob with spec.autoscaling
 LINK_ENCRYPTED = "LinkEncrypted"  # DilocoJob: TLS between learners and the syncer (spec.syncer.tls)
 NODE_LOST = "NodeLost"  # LearnerUnit: True while it moves off a lost node (spec.failurePolicy.nodeLostSeconds)
 CLUSTER_REACHABLE = "ClusterReachable"  # LearnerUnit in a remote cluster (spec.clusters)
+ADMITTED = "Admitted"  # LearnerUnit of a job queued in Kueue: its Workload is admitted (kueue.py)
 CLUSTERS_REACHABLE = "ClustersReachable"  # DilocoJob with spec.clusters: every remote cluster answers
 # DilocoJob with a trusted diloco.dev/syncer-url annotation: whether the operator follows it
 SYNCER_URL_ANNOTATION = "SyncerUrlAnnotation"
@@ -93,6 +94,11 @@ class Reason:
     NOT_CONTROLLED_BY_JOB = "NotControlledByJob"  # names a job that does not control it: refused, never run
     NODE_LOST = "NodeLost"  # a node not Ready for nodeLostSeconds: its pods force-deleted, the unit restarted
     RUNNING_ELSEWHERE = "RunningElsewhere"  # condition NodeLost=False: the unit runs again, on other nodes
+    # Admitted (a job queued in Kueue, kueue.py); EvictedByKueue is also the Warning Event of an eviction
+    ADMITTED_BY_KUEUE = "AdmittedByKueue"
+    QUEUED_IN_KUEUE = "QueuedInKueue"
+    EVICTED_BY_KUEUE = "EvictedByKueue"
+    KUEUE_DISABLED = "KueueDisabled"  # queued in Kueue, and the operator runs without --kueue: held
 
 
 def now_iso(now: datetime | None = None) -> str:

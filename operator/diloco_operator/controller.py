@@ -22,7 +22,8 @@ from diloco_operator import conditions as C
 from diloco_operator import jobplan
 from diloco_operator import objects as O
 from diloco_operator import refusal
-from diloco_operator import jobstatus, nodeloss, syncer_status, unitplan
+from diloco_operator import jobstatus, kueue, nodeloss, syncer_status, unitplan
+from diloco_operator.kueue_gate import KueueGate
 from diloco_operator.cache import Cache
 from diloco_kube.client import (CONFIGMAPS, DEPLOYMENTS, DILOCOJOBS, LEARNERUNITS, NETWORKPOLICIES, NODES, PODS,
                                   PVCS, SECRETS, SERVICES, ApiError, Kube, Resource, status_patch)
@@ -136,6 +137,7 @@ class Controller:
         self.remote_room: dict[tuple[str, str, str], tuple[dict[str, int | None], float]] = {}
         # node -> when this operator first saw it not Ready (nodeloss.not_ready); dropped once it is Ready
         self.node_down_since: dict[str, datetime] = {}
+        self.kueue = KueueGate(kube, cache, self._ensure)  # units of jobs queued in Kueue (kueue.py)
 
     # --- queue -------------------------------------------------------------------------------------------
     def enqueue(self, key: Key, delay: float = 0.0) -> None:
@@ -810,9 +812,20 @@ class Controller:
         old_status = held[1] if held else written  # what this operator decided last, written or not
         now = datetime.now(timezone.utc)
         lost, lost_wait = self._lost_pods(spec, pods, now) if remote is None else ({}, None)
-        plan = unitplan.plan_unit(spec, unit["spec"], old_status, pods, now,
-                                  generation=unit["metadata"].get("generation"), node_pools=self._pools(pods),
-                                  job_finished=job_finished, lost=lost)
+        # A job queued in Kueue: the unit runs only while its Workload is admitted (units in remote clusters and
+        # units that ended are not gated; an ended unit's Workload is marked Finished below).
+        queue = kueue.queue_name(job) if remote is None else None
+        ended = job_finished or old_status.get("phase") in unitplan.TERMINAL_UNIT
+        admission = await self.kueue.admission(unit, job, queue) if queue and not ended else None
+        if admission is not None and admission.state != "admitted":
+            plan = kueue.plan_held(spec, old_status, pods, admission, now, unit["metadata"].get("generation"))
+        else:
+            plan = unitplan.plan_unit(spec, unit["spec"], old_status, pods, now,
+                                      generation=unit["metadata"].get("generation"), node_pools=self._pools(pods),
+                                      job_finished=job_finished, lost=lost)
+            if admission is not None:
+                plan.status = kueue.admitted_condition(plan.status, admission, now, unit["metadata"].get("generation"))
+        flavors = await self.kueue.flavors(admission) if admission is not None and plan.create else []
         last_seen = max((info.learners_seen.get(name) or "" for key, info in self.syncer_info.items()
                          if key[:2] == (ns, spec.jobName)), default="") or None
         if last_seen:
@@ -833,6 +846,8 @@ class Controller:
             if (pvc := O.unit_state_pvc(unit, rank)) is not None:
                 await self._ensure(PVCS, pvc, update=False, remote=remote)
             pod = O.unit_pod(unit, plan.status["incarnation"], rank)
+            if admission is not None:  # on the flavor Kueue chose
+                pod = kueue.place(pod, admission, flavors)
             if remote is not None:
                 await kube.create(PODS, O.in_remote_cluster(pod, remote.namespace))
             else:
@@ -856,6 +871,10 @@ class Controller:
             self.remotes.failed(ns, spec.jobName, spec.cluster, f"cluster {spec.cluster}: {exc!r}")
             await self._unit_unreachable(unit, spec, f"cluster {spec.cluster} did not answer: {exc!r}")
             return
+        if admission is not None and admission.state == "evicted" and not pods:  # its pods are gone: quota back
+            await self.kueue.release(ns, name)
+        if queue and plan.status.get("phase") in unitplan.TERMINAL_UNIT:
+            await self.kueue.finish(ns, name, plan.status["phase"], plan.status.get("message") or "")
         patch = None
         now_s = time.monotonic()
         if (plan.create or held) and unitplan.status_may_wait(plan.status, written) and (not held or now_s < held[2]):

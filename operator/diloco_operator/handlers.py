@@ -39,6 +39,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     # Learner pods (healing) and syncer pods (a syncer that refuses its run says why in its termination message).
     settings.watching.label_selectors["", "v1", "pods"] = f"{O.LABEL_COMPONENT} in (learner,syncer)"
     settings.watching.label_selectors["apps", "v1", "deployments"] = f"{O.LABEL_COMPONENT}=syncer"
+    settings.watching.label_selectors["kueue.x-k8s.io", "v1beta2", "workloads"] = O.LABEL_UNIT  # only units' (--kueue)
     settings.posting.level = logging.WARNING  # our own Events carry the decisions; kopf posts only its errors
     settings.peering.standalone = True  # one replica (Deployment with Recreate); no peering objects needed
     # The CRDs are installed before the operator starts and the namespaces are given by name (or all): no
@@ -51,7 +52,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     kube = await Kube.connect()
     cache = Cache({"jobs": diloco_jobs, "units": diloco_units, "pods": diloco_pods,
                    "deployments": diloco_deployments,
-                   **({"nodes": indexes["diloco_nodes"]} if "diloco_nodes" in indexes else {})})
+                   **({"nodes": indexes["diloco_nodes"]} if "diloco_nodes" in indexes else {}),
+                   **({"workloads": indexes["diloco_workloads"]} if "diloco_workloads" in indexes else {})})
     controller = Controller(kube, cache, workers=int(_env_float("DILOCO_OPERATOR_WORKERS", 16)),
                             resync_s=_env_float("DILOCO_OPERATOR_RESYNC_SECONDS", 30),
                             trust_syncer_url=os.environ.get("DILOCO_OPERATOR_TRUST_SYNCER_URL") == "1",
@@ -161,6 +163,24 @@ WATCH_NODES = os.environ.get("DILOCO_OPERATOR_WATCH_NODES", "1") != "0"
 if WATCH_NODES:
     kopf.index("", "v1", "nodes")(diloco_nodes)
     kopf.on.event("", "v1", "nodes")(node_event)
+
+
+def diloco_workloads(body: kopf.Body, namespace: str, name: str, **_) -> dict:
+    return {(namespace, name): _snapshot(body)}
+
+
+async def workload_event(body: kopf.Body, memo: kopf.Memo, **_) -> None:
+    """Kueue admitted, evicted or requeued a unit's Workload: the unit follows at once."""
+    unit = body["metadata"].get("labels", {}).get(O.LABEL_UNIT)
+    if unit:
+        memo["controller"].enqueue(("unit", body["metadata"]["namespace"], unit))
+
+
+# Kueue's Workloads of the operator's units: watched with `diloco operator --kueue` (Kueue's CRDs installed).
+WATCH_WORKLOADS = os.environ.get("DILOCO_OPERATOR_KUEUE", "0") == "1"
+if WATCH_WORKLOADS:
+    kopf.index("kueue.x-k8s.io", "v1beta2", "workloads", labels={O.LABEL_UNIT: kopf.PRESENT})(diloco_workloads)
+    kopf.on.event("kueue.x-k8s.io", "v1beta2", "workloads", labels={O.LABEL_UNIT: kopf.PRESENT})(workload_event)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={O.LABEL_COMPONENT: "syncer"})

@@ -16,6 +16,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-syncer-url-annotation", action="store_true",
                         help="follow a job's diloco.dev/syncer-url annotation (an operator outside the cluster, "
                              "e.g. against `diloco devcluster`); off: a job's author could send its token anywhere")
+    parser.add_argument("--kueue", action="store_true",
+                        help="admit the units of jobs labelled kueue.x-k8s.io/queue-name through Kueue, one Workload "
+                             "per unit (needs Kueue's CRDs; docs/operator.md \"Kueue\")")
     parser.add_argument("--workers", type=int, default=16, help="reconciles running at once")
     parser.add_argument("--resync-seconds", type=float, default=30.0,
                         help="look at every known object at least this often, events or not")
@@ -47,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
            "DILOCO_OPERATOR_RESYNC_SECONDS": str(args.resync_seconds),
            "DILOCO_OPERATOR_METRICS_PORT": str(args.metrics_port),
            "DILOCO_OPERATOR_WATCH_NODES": "1" if args.watch_nodes else "0",
+           "DILOCO_OPERATOR_KUEUE": "1" if args.kueue else "0",
            "DILOCO_OPERATOR_TRUST_SYNCER_URL": "1" if args.trust_syncer_url_annotation else "0"}
     os.execve(sys.executable, cmd, env)  # replaces this process: signals reach kopf directly
     return 0  # not reached

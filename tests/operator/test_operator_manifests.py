@@ -61,7 +61,8 @@ def test_the_namespaced_install_has_no_cluster_wide_right_and_the_same_namespace
     command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
     assert f"--namespace={watched}" in command and "--no-watch-nodes" in command
     (cluster_role,) = [d for d in _docs("operator.yaml") if d["kind"] == "ClusterRole"]
-    assert _grants(role) == {k: v for k, v in _grants(cluster_role).items() if k != ("", "nodes")}
+    cluster_scoped = {("", "nodes"), ("kueue.x-k8s.io", "resourceflavors"), ("kueue.x-k8s.io", "workloadpriorityclasses")}
+    assert _grants(role) == {k: v for k, v in _grants(cluster_role).items() if k not in cluster_scoped}
 
 
 def test_the_operator_command_watches_only_the_namespaces_given_and_nodes_only_when_asked():

@@ -65,6 +65,14 @@ app.kubernetes.io/name: diloco-operator
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, create, patch]
+# Kueue (diloco operator --kueue): one Workload per unit of a queued job, created and watched (label-filtered); its
+# status patched to hand an evicted unit's quota back and to mark an ended unit's Workload Finished.
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [list, watch, create]
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads/status]
+  verbs: [patch]
 {{- end -}}
 
 {{/* The one cluster-scoped rule: read-only Nodes (unit pools, the autoscaler's accelerator room, chaos's kwok check). */}}
@@ -89,4 +97,13 @@ namespaceSelector:
 podTargetLabels: [diloco.dev/job, diloco.dev/unit, diloco.dev/shard]
 selector:
   matchLabels: {app.kubernetes.io/managed-by: diloco-operator, diloco.dev/component: {{ .component }}}
+{{- end -}}
+
+{{/* Kueue's cluster-scoped objects the operator reads (--kueue): ResourceFlavors and WorkloadPriorityClasses. */}}
+{{- define "diloco.kueueRule" -}}
+# Kueue (--kueue), cluster-scoped, read-only: the ResourceFlavor Kueue admitted a unit on (its node labels and
+# tolerations go into the unit's pods) and the WorkloadPriorityClass a job names.
+- apiGroups: [kueue.x-k8s.io]
+  resources: [resourceflavors, workloadpriorityclasses]
+  verbs: [get]
 {{- end -}}

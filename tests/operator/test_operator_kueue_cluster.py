@@ -1,0 +1,159 @@
+"""Kueue admission per learner unit against a real Kueue (hack/build-kueue.sh) on the local control plane: a job grows
+into the quota its ClusterQueue gives, grows further when the quota is raised, and loses one unit, not the job, when a
+higher-priority Workload preempts it."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from diloco_operator import conditions as C
+from diloco_operator import kueue
+
+from kueue_kit import KUEUE_API, Kueue, cluster_queue, local_queue, priority_class, resource_flavor
+from polling import wait_for
+from test_operator_autoscale_cluster import GPU_TAINT, H100, POOL, Nodes
+from test_operator_cluster import condition, events, job, running, unit_pods
+
+pytestmark = pytest.mark.cluster
+GPUS = "nvidia.com/gpu"
+
+
+@pytest.fixture(scope="module")
+def kueue_manager(kubectl, crds, tmp_path_factory):
+    manager = Kueue(kubectl, tmp_path_factory.mktemp("kueue"))
+    manager.start()
+    yield manager
+    manager.stop()
+
+
+@pytest.fixture(scope="module")
+def kueue_operator(operator, kueue_manager):
+    """The session's operator, restarted with --kueue (Kueue's CRDs are installed now) for this module."""
+    before = operator.args
+    operator.stop()
+    operator.args = (*(before or ("--trust-syncer-url-annotation",)), "--kueue")
+    operator.start()
+    yield operator
+    operator.stop()
+    operator.args = before
+    operator.start()
+
+
+@pytest.fixture
+def queue(kubectl, ns, kueue_manager):
+    """4 fake H100 nodes of this test's own pool, a flavor of them, a ClusterQueue for `ns` with room for 2 units
+    of 8 GPUs, and the LocalQueue `team` in `ns`. Returns the ClusterQueue's name."""
+    nodes = Nodes(kubectl, ns)
+    nodes.add("gpu", 4, {GPUS: "8", "cpu": "64", "memory": "512Gi", "pods": "110"}, H100, GPU_TAINT)
+    names = [f"{ns}-h100", f"{ns}-cq"]
+    kubectl.apply(resource_flavor(names[0], {POOL: f"{ns}-gpu"}))
+    kubectl.apply(cluster_queue(names[1], names[0], {GPUS: 16}, ns))
+    kubectl.apply(local_queue("team", ns, names[1]))
+    yield names[1]
+    kubectl.run("delete", "clusterqueue", names[1], "--wait=false", check=False)
+    kubectl.run("delete", "resourceflavor", names[0], "--wait=false", check=False)
+    nodes.delete_all()
+
+
+def queued_job(name: str, count: int) -> dict:
+    body = job(name, [{"name": "gpu", "count": count, "accelerator": {"type": "nvidia-h100-80gb", "count": 8}}])
+    body["metadata"]["labels"] = {kueue.QUEUE_LABEL: "team"}
+    return body
+
+
+def workload(kubectl, ns: str, name: str) -> dict | None:
+    try:
+        return kubectl.testbed.request("GET", f"{KUEUE_API}/namespaces/{ns}/workloads/{name}")
+    except Exception:  # noqa: BLE001 - not there yet
+        return None
+
+
+def admitted(wl: dict | None) -> bool:
+    return bool(wl) and any(c["type"] == "Admitted" and c["status"] == "True"
+                            for c in (wl.get("status") or {}).get("conditions", []))
+
+
+def running_units(kubectl, ns: str, units: list[str]) -> list[str]:
+    """The units whose pod runs (kwok makes an admitted, created pod Running)."""
+    return [u for u in units if (pods := unit_pods(kubectl, ns, u)) and all(running(p) for p in pods)]
+
+
+def test_a_queued_job_runs_the_units_its_quota_admits_and_grows_when_the_quota_is_raised(
+        kubectl, kueue_operator, ns, queue):
+    kubectl.apply(queued_job("elastic", 4), "-n", ns)
+    units = [f"elastic-gpu-{i}" for i in range(4)]
+    # Kueue admits two Workloads (16 GPUs), their units' pods run on the flavor's nodes; the other two wait.
+    wait_for(lambda: len(running_units(kubectl, ns, units)) == 2, 60, "2 of 4 units running", 0.5)
+    admitted_units = [u for u in units if admitted(workload(kubectl, ns, u))]
+    assert sorted(admitted_units) == sorted(running_units(kubectl, ns, units))
+    for unit in admitted_units:
+        (pod,) = unit_pods(kubectl, ns, unit)
+        assert pod["spec"]["nodeSelector"][POOL] == f"{ns}-gpu", "placed by the flavor's node labels"
+        assert pod["spec"]["nodeName"].startswith(f"{ns}-gpu")
+        wl = workload(kubectl, ns, unit)
+        assert wl["metadata"]["ownerReferences"][0]["name"] == unit and wl["spec"]["queueName"] == "team"
+    for unit in set(units) - set(admitted_units):
+        assert unit_pods(kubectl, ns, unit) == [], f"{unit} has pods without admission"
+        lu = kubectl.get("lu", unit, ns=ns)
+        cond = condition(lu, C.ADMITTED)
+        assert cond.get("status") == "False" and cond.get("reason") == C.Reason.QUEUED_IN_KUEUE, lu["status"]
+        assert "insufficient quota" in cond["message"] or "couldn't assign flavors" in cond["message"], cond
+
+    # More quota: the waiting units are admitted and run.
+    patched = time.monotonic()
+    kubectl.apply(cluster_queue(queue, f"{ns}-h100", {GPUS: 32}, ns))
+    wait_for(lambda: len(running_units(kubectl, ns, units)) == 4, 60, "all 4 units running", 0.2)
+    print(f"[kueue] quota raised -> 2 more units' pods Running in {time.monotonic() - patched:.1f} s",
+          file=sys.stderr)
+    for unit in units:
+        assert condition(kubectl.get("lu", unit, ns=ns), C.ADMITTED).get("reason") == C.Reason.ADMITTED_BY_KUEUE
+
+    # Deleting the job removes its Workloads with its units (owner references): the quota is free again.
+    kubectl.run("delete", "dj", "elastic", "-n", ns, "--wait=false")
+    wait_for(lambda: all(workload(kubectl, ns, u) is None for u in units), 60, "the Workloads gone", 0.5)
+
+
+def test_a_higher_priority_workload_preempts_one_unit_and_the_others_keep_running(kubectl, kueue_operator, ns, queue):
+    kubectl.apply(queued_job("shrink", 2), "-n", ns)
+    units = ["shrink-gpu-0", "shrink-gpu-1"]
+    wait_for(lambda: len(running_units(kubectl, ns, units)) == 2, 60, "both units running", 0.5)
+    before = {u: unit_pods(kubectl, ns, u)[0]["metadata"]["uid"] for u in units}
+
+    high = f"{ns}-high"
+    kubectl.apply(priority_class(high, 1000))
+    try:
+        intruder = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload",
+                    "metadata": {"name": "urgent", "namespace": ns},
+                    "spec": {"queueName": "team", "priority": 1000,
+                             "priorityClassRef": {"group": "kueue.x-k8s.io", "kind": "WorkloadPriorityClass",
+                                                  "name": high},
+                             "podSets": [{"name": "main", "count": 1, "template": {"spec": {
+                                 "restartPolicy": "Never", "containers": [{"name": "c", "image": "x", "resources": {
+                                     "requests": {GPUS: "8"}, "limits": {GPUS: "8"}}}]}}}]}}
+        kubectl.apply(intruder)
+        # One unit is evicted: its pods go, its status and an Event say why, and Kueue then admits the intruder
+        # (the operator handed the unit's quota back).
+        wait_for(lambda: admitted(workload(kubectl, ns, "urgent")), 60, "the high-priority Workload admitted", 0.5)
+        (victim,) = [u for u in units if not admitted(workload(kubectl, ns, u))]
+        (survivor,) = set(units) - {victim}
+        wait_for(lambda: unit_pods(kubectl, ns, victim) == [], 30, f"{victim}'s pods gone", 0.2)
+        cond = condition(kubectl.get("lu", victim, ns=ns), C.ADMITTED)
+        assert cond["status"] == "False" and cond["reason"] in (C.Reason.EVICTED_BY_KUEUE, C.Reason.QUEUED_IN_KUEUE)
+        assert [e for e in events(kubectl, ns, C.Reason.EVICTED_BY_KUEUE) if e["involvedObject"]["name"] == victim]
+        wl = workload(kubectl, ns, victim)
+        assert condition(wl, "Requeued").get("status") == "True" and not wl["status"].get("admission"), wl["status"]
+        # The other unit was never touched: the same pod, still running.
+        (pod,) = unit_pods(kubectl, ns, survivor)
+        assert pod["metadata"]["uid"] == before[survivor] and running(pod)
+        assert kubectl.get("lu", victim, ns=ns)["status"].get("restarts", 0) == 0, "preemption is not a failure"
+
+        # The intruder leaves: the preempted unit is admitted again and runs a new incarnation.
+        kubectl.run("delete", "workload", "urgent", "-n", ns)
+        wait_for(lambda: len(running_units(kubectl, ns, units)) == 2, 60, "the preempted unit running again", 0.5)
+        (pod,) = unit_pods(kubectl, ns, victim)
+        assert pod["metadata"]["uid"] != before[victim] and pod["metadata"]["labels"]["diloco.dev/incarnation"] == "1"
+    finally:
+        kubectl.run("delete", "workloadpriorityclass", high, "--wait=false", check=False)

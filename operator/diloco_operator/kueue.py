@@ -150,7 +150,10 @@ def plan_held(spec: api.LearnerUnitSpec, status: dict | None, pods: list[PodView
     st["phase"], st["message"] = "Pending", message
     st["podsReady"], st["nodes"] = 0, []
     st.pop("nodePool", None)
-    conds = C.set_condition(old.get("conditions", []), C.ADMITTED, False, reason, message, now, generation)
+    # No pod to place: a PodsScheduled=False from before would read as a unit stuck for want of room (and the
+    # autoscaler would park it); Kueue, not the nodes, decides when it runs.
+    conds = [c for c in old.get("conditions", []) if c.get("type") != C.PODS_SCHEDULED]
+    conds = C.set_condition(conds, C.ADMITTED, False, reason, message, now, generation)
     st["conditions"] = C.set_condition(conds, C.READY, False, reason, message, now, generation)
     return plan
 

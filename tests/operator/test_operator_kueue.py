@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from diloco_operator import api, kueue, objects, unitplan
+from diloco_operator import api, autoscale, kueue, objects, unitplan
 from diloco_operator import conditions as C
 
 pytestmark = pytest.mark.fast
@@ -114,6 +114,16 @@ def test_an_evicted_unit_loses_its_pods_and_says_so_once_without_counting_a_rest
     assert C.get_condition(plan.status["conditions"], C.ADMITTED)["reason"] == C.Reason.EVICTED_BY_KUEUE
     again = kueue.plan_held(spec_of(unit()), plan.status, views(deleting=True), evicted, T0, 1)
     assert again.events == [] and again.delete == [] and again.status["incarnation"] == 1
+
+
+def test_a_held_unit_never_reads_as_unschedulable_so_the_autoscaler_does_not_park_it():
+    stuck = {"incarnation": 0, "launchedIncarnation": 0, "phase": "Pending", "conditions": [
+        {"type": C.PODS_SCHEDULED, "status": "False", "reason": C.Reason.UNSCHEDULABLE, "message": "no room",
+         "lastTransitionTime": "2025-12-31T00:00:00Z"}]}
+    lu = unit()
+    assert autoscale.unit_state({**lu, "status": stuck}).unschedulable_since is not None
+    held = kueue.plan_held(spec_of(lu), stuck, [], kueue.Admission("evicted", "preempted", "Preempted"), T0, 1)
+    assert autoscale.unit_state({**lu, "status": held.status}).unschedulable_since is None
 
 
 def test_readmitted_unit_launches_its_next_incarnation_once_old_pods_are_gone():

@@ -1,6 +1,6 @@
 """Kueue admission per learner unit against a real Kueue (hack/build-kueue.sh) on the local control plane: a job grows
-into the quota its ClusterQueue gives, grows further when the quota is raised, and loses one unit, not the job, when a
-higher-priority Workload preempts it."""
+into the quota its ClusterQueue gives, grows further when the quota is raised or when its finished units free theirs,
+and loses one unit, not the job, when a higher-priority Workload preempts it."""
 
 from __future__ import annotations
 
@@ -157,3 +157,22 @@ def test_a_higher_priority_workload_preempts_one_unit_and_the_others_keep_runnin
         assert pod["metadata"]["uid"] != before[victim] and pod["metadata"]["labels"]["diloco.dev/incarnation"] == "1"
     finally:
         kubectl.run("delete", "workloadpriorityclass", high, "--wait=false", check=False)
+
+
+def test_units_that_complete_free_their_quota_for_the_waiting_ones(kubectl, kueue_operator, ns, queue):
+    body = queued_job("batch", 4)
+    body["spec"]["units"][0]["steps"] = 100
+    kubectl.apply(body, "-n", ns)
+    units = [f"batch-gpu-{i}" for i in range(4)]
+    wait_for(lambda: len(running_units(kubectl, ns, units)) == 2, 60, "2 of 4 units running", 0.5)
+    first = running_units(kubectl, ns, units)
+    for unit in first:  # what a kubelet reports when `diloco learner --steps N` exits 0 (kwok runs no process)
+        (pod,) = unit_pods(kubectl, ns, unit)
+        kubectl.run("patch", "pod", pod["metadata"]["name"], "-n", ns, "--subresource=status", "--type=merge",
+                    "-p", '{"status": {"phase": "Succeeded"}}')
+    # Their Workloads are marked Finished, Kueue frees the quota, and the two waiting units are admitted and run.
+    wait_for(lambda: all(condition(workload(kubectl, ns, u) or {}, "Finished").get("status") == "True"
+                         for u in first), 30, "the completed units' Workloads Finished", 0.2)
+    rest = sorted(set(units) - set(first))
+    wait_for(lambda: running_units(kubectl, ns, rest) == rest, 60, "the waiting units running", 0.5)
+    assert all(kubectl.get("lu", u, ns=ns)["status"]["phase"] == "Succeeded" for u in first)

@@ -90,6 +90,17 @@ def test_a_cluster_wide_install_without_nodes_drops_the_nodes_rule_and_says_so_t
     assert "--no-watch-nodes" in _command(rendered)
 
 
+def test_kueue_enabled_runs_the_operator_with_kueue_and_its_read_of_flavors_is_there_either_way(helm):
+    assert "--kueue" not in _command(helm.render())
+    rendered = helm.render("--set", "kueue.enabled=true")
+    assert "--kueue" in _command(rendered)
+    (cluster_role,) = _by_kind(rendered, "ClusterRole")
+    assert {"apiGroups": ["kueue.x-k8s.io"], "resources": ["resourceflavors", "workloadpriorityclasses"],
+            "verbs": ["get"]} in cluster_role["rules"]
+    assert {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads/status"], "verbs": ["patch"]} \
+        in cluster_role["rules"]
+
+
 def test_image_resources_metrics_and_extra_args_reach_the_deployment(helm):
     rendered = helm.render("--set", "image.repository=registry.example/diloco-operator", "--set", "image.tag=9.9.9",
                            "--set", "resources.limits.memory=1Gi", "--set", "metrics.port=9100",

@@ -517,20 +517,23 @@ class SyncerRefusal(_Api):
 
 
 class UnitFault(_Api):
-    """The unit's last whole-unit restart: why, when, and (recoveredAt) when all its pods were ready again."""
+    """The unit's last whole-unit restart: why, when, (recoveredAt) when all its pods were ready again, and the work
+    its learner's ended life trained that no merge covers (faultwork.py), once the syncer can tell."""
 
     time: str
     reason: str
     message: str = ""
     incarnation: int  # the incarnation the restart started
     recoveredAt: str | None = None
+    recoverySeconds: float | None = None  # from the fault to recoveredAt
+    lostSteps: int | None = None  # inner steps the ended learner process trained that no merge covers
+    lostTokens: int | None = None  # their tokens
 
 
 class JobFault(UnitFault):
     """The job's latest unit fault: which unit, and its recovery time in seconds once it runs again."""
 
     unit: str
-    recoverySeconds: float | None = None
 
 
 class DilocoJobStatus(_Api):

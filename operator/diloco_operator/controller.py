@@ -22,7 +22,7 @@ from diloco_operator import conditions as C
 from diloco_operator import jobplan
 from diloco_operator import objects as O
 from diloco_operator import refusal
-from diloco_operator import jobstatus, kueue, nodeloss, syncer_status, unitplan
+from diloco_operator import faultwork, jobstatus, kueue, nodeloss, syncer_status, unitplan
 from diloco_operator.kueue_gate import KueueGate
 from diloco_operator.cache import Cache
 from diloco_kube.client import (CONFIGMAPS, DEPLOYMENTS, DILOCOJOBS, LEARNERUNITS, NETWORKPOLICIES, NODES, PODS,
@@ -830,6 +830,12 @@ class Controller:
                          if key[:2] == (ns, spec.jobName)), default="") or None
         if last_seen:
             plan.status["lastContribution"] = last_seen
+        if plan.status.get("lastFault") and (reading := jobstatus.combine(
+                [r for key, r in self.syncer_info.items() if key[:2] == (ns, spec.jobName)])) is not None:
+            # the work the restart's ended learner life took with it, once the syncer can tell (faultwork.py)
+            plan.status["lastFault"] = faultwork.fault_work(
+                plan.status["lastFault"], reading.status.learners.get(name), reading.status.fragments,
+                unit_ended=plan.status.get("phase") in unitplan.TERMINAL_UNIT)
         if remote is not None:
             plan.status["conditions"] = C.set_condition(
                 plan.status.get("conditions", []), C.CLUSTER_REACHABLE, True, C.Reason.CLUSTER_REACHABLE,

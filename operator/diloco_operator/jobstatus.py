@@ -165,4 +165,4 @@ def last_fault(units: list[UnitView]) -> api.JobFault | None:
     recovery = None
     if fault.recoveredAt:
         recovery = round((C.parse_time(fault.recoveredAt) - C.parse_time(fault.time)).total_seconds(), 3)
-    return api.JobFault(unit=unit, recoverySeconds=recovery, **fault.model_dump())
+    return api.JobFault(unit=unit, **(fault.model_dump() | {"recoverySeconds": recovery}))

@@ -23,13 +23,20 @@ JOB_MERGED_FRACTION = Gauge("diloco_operator_job_merged_fraction", "Share of the
 JOB_LAST_RECOVERY_SECONDS = Gauge("diloco_operator_job_last_recovery_seconds", "Seconds from the job's latest unit "
                                   "fault to the unit running again (.status.lastFault.recoverySeconds)",
                                   ["namespace", "job"])
-_JOB_GAUGES = (JOB_GOODPUT, JOB_MERGED_FRACTION, JOB_LAST_RECOVERY_SECONDS)
+JOB_LAST_FAULT_LOST_STEPS = Gauge("diloco_operator_job_last_fault_lost_steps", "Inner steps the learner life ended by "
+                                  "the job's latest unit fault trained that no merge covers "
+                                  "(.status.lastFault.lostSteps)", ["namespace", "job"])
+JOB_LAST_FAULT_LOST_TOKENS = Gauge("diloco_operator_job_last_fault_lost_tokens", "Their tokens "
+                                   "(.status.lastFault.lostTokens)", ["namespace", "job"])
+_JOB_GAUGES = (JOB_GOODPUT, JOB_MERGED_FRACTION, JOB_LAST_RECOVERY_SECONDS, JOB_LAST_FAULT_LOST_STEPS,
+               JOB_LAST_FAULT_LOST_TOKENS)
 
 
 def export_job_status(namespace: str, job: str, status: api.DilocoJobStatus) -> None:
     """Set the job's gauges from the status just decided; a figure the status lacks is not exported (no false 0)."""
     fault = status.lastFault
-    figures = (status.goodput, status.mergedFraction, fault.recoverySeconds if fault is not None else None)
+    figures = (status.goodput, status.mergedFraction, *(
+        (fault.recoverySeconds, fault.lostSteps, fault.lostTokens) if fault is not None else (None, None, None)))
     for gauge, value in zip(_JOB_GAUGES, figures):
         if value is None:
             _remove(gauge, namespace, job)

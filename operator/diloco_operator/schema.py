@@ -294,7 +294,14 @@ def learnerunit_crd() -> dict:
         _col("Job", ".spec.jobName"), _col("Phase", ".status.phase"),
         _col("Pods-Ready", ".status.podsReady", "integer"), _col("Pods", ".status.podsDesired", "integer"),
         _col("Restarts", ".status.restarts", "integer"), _col("Pool", ".status.nodePool"),
-        _col("Cluster", ".spec.cluster"), _col("Age", ".metadata.creationTimestamp", "date"),
+        _col("Cluster", ".spec.cluster"),
+        _col("Last-Fault", ".status.lastFault.reason", "string", 0, "why the unit last restarted as a whole"),
+        _col("Recovery", ".status.lastFault.recoverySeconds", "number", 0,
+             "seconds from that fault to all its pods ready again"),
+        _col("Lost-Tokens", ".status.lastFault.lostTokens", "integer", 0,
+             "tokens the learner process that fault ended trained that no merge covers"),
+        _col("Lost-Steps", ".status.lastFault.lostSteps", "integer", 1, "their inner steps"),
+        _col("Age", ".metadata.creationTimestamp", "date"),
         _col("Unit", ".spec.unitIndex", "integer", 1), _col("Message", ".status.message", "string", 1),
     ]
     return _crd("LearnerUnit", "learnerunits", "lu", spec, _status_schema(api.LearnerUnitStatus), columns)

@@ -215,7 +215,9 @@ def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | Non
         st["phase"], st["message"], st["consecutiveFailures"] = "Running", "all pods ready", 0
         fault = st.get("lastFault")
         if fault and fault.get("incarnation") == inc and not fault.get("recoveredAt"):
-            st["lastFault"] = {**fault, "recoveredAt": C.now_iso(now)}
+            at = C.now_iso(now)  # whole seconds, as the job's lastFault computes it from the same two times
+            recovery = (C.parse_time(at) - C.parse_time(fault["time"])).total_seconds()
+            st["lastFault"] = {**fault, "recoveredAt": at, "recoverySeconds": recovery}
         if C.is_true(conds, C.NODE_LOST):  # moved off the lost node: say where it runs now, keep what happened
             was = C.get_condition(conds, C.NODE_LOST)["message"]
             nodes = ", ".join(sorted({p.node for p in current if p.node}))

@@ -156,13 +156,16 @@ def test_the_operator_exports_a_jobs_goodput_and_last_recovery_and_drops_them_wi
     def sample(name):
         return REGISTRY.get_sample_value(name, {"namespace": "metrics-ns", "job": "demo"})
     units = [_created("u0", 0, api.UnitFault(time="2026-01-01T00:00:10Z", reason="PodDeleted", message="pod gone",
-                                             incarnation=1, recoveredAt="2026-01-01T00:00:14Z")), _created("u1", 0)]
+                                             incarnation=1, recoveredAt="2026-01-01T00:00:14Z", lostSteps=3,
+                                             lostTokens=768)), _created("u1", 0)]
     reading = _reading(100, u0=LearnerStatus(step=50, step_time_s=1.0, steps_merged=80, tokens=4000, live=True))
     status = _observe(None, {0: reading}, units)
     metrics.export_job_status("metrics-ns", "demo", status)
     assert sample("diloco_operator_job_goodput") == status.goodput == 0.2
     assert sample("diloco_operator_job_merged_fraction") == status.mergedFraction == 0.8
     assert sample("diloco_operator_job_last_recovery_seconds") == 4.0
+    assert sample("diloco_operator_job_last_fault_lost_steps") == 3
+    assert sample("diloco_operator_job_last_fault_lost_tokens") == 768
     # A status without those figures (the syncer never answered, no fault) exports none: no false zero.
     metrics.export_job_status("metrics-ns", "demo", _observe(None, {0: None}, [_created("u0", 0)]))
     assert sample("diloco_operator_job_goodput") is None and sample("diloco_operator_job_last_recovery_seconds") is None
@@ -170,7 +173,8 @@ def test_the_operator_exports_a_jobs_goodput_and_last_recovery_and_drops_them_wi
     metrics.UNIT_RESTARTS.labels("metrics-ns", "demo").inc()
     metrics.forget_job("metrics-ns", "demo")
     for name in ("diloco_operator_job_goodput", "diloco_operator_job_merged_fraction",
-                 "diloco_operator_job_last_recovery_seconds", "diloco_operator_unit_restarts_total"):
+                 "diloco_operator_job_last_recovery_seconds", "diloco_operator_job_last_fault_lost_tokens",
+                 "diloco_operator_unit_restarts_total"):
         assert sample(name) is None, name
 
 
@@ -192,5 +196,6 @@ def test_a_restarted_unit_records_its_fault_and_when_its_pods_were_ready_again()
     assert relaunched.create == [0] and "recoveredAt" not in relaunched.status["lastFault"]
     back = unitplan.plan_unit(spec_, raw, relaunched.status, [pod(1)], T0 + timedelta(seconds=7))
     assert back.status["phase"] == "Running" and back.status["lastFault"]["recoveredAt"] == "2026-01-01T00:00:07Z"
+    assert back.status["lastFault"]["recoverySeconds"] == 7.0, "the unit's own status says it too (kubectl get lu)"
     view = jobplan.unit_view({"metadata": {"name": "demo-gpu-0"}, "spec": raw, "status": back.status})
     assert jobstatus.last_fault([view]).recoverySeconds == 7.0

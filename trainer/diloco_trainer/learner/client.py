@@ -118,11 +118,14 @@ class SyncerClient:
             answers, self._answers = self._answers, []
         return answers
 
-    def report(self, step: int, step_time_s: float, tokens: int) -> None:
-        """Progress the next heartbeat carries (the latest values win)."""
+    def report(self, step: int, step_time_s: float, tokens: int, incarnation: str | None = None,
+               steps_discarded: int = 0) -> None:
+        """Progress the next heartbeat carries (the latest values win): this life's steps, step time, tokens, id and
+        the fragment-steps its adoptions discarded."""
         with self._lock:
             self._report = self._report.model_copy(update={"step": step, "step_time_s": step_time_s,
-                                                           "tokens": tokens})
+                                                           "tokens": tokens, "incarnation": incarnation,
+                                                           "steps_discarded": steps_discarded})
 
     def pending(self) -> int:
         """Submissions not yet answered by the syncer."""

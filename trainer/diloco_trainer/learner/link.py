@@ -93,8 +93,10 @@ class SyncerLink(Protocol):
     def take_answers(self) -> list[Answer]:
         """The syncer's answers (acknowledgements and rejections) received since the last call."""
 
-    def report(self, step: int, step_time_s: float, tokens: int) -> None:
-        """Progress the next heartbeat carries (the latest values win)."""
+    def report(self, step: int, step_time_s: float, tokens: int, incarnation: str | None = None,
+               steps_discarded: int = 0) -> None:
+        """Progress the next heartbeat carries (the latest values win), with this life's id (the nonce of its
+        submission ids) and the fragment-steps its adoptions discarded."""
 
     def pending(self) -> int:
         """Submissions not yet answered by the syncer."""

@@ -276,7 +276,7 @@ class Learner:
             window.steps, window.loss = window.steps + 1, window.loss + loss
             window.tokens, window.busy_s = window.tokens + self.tokens_per_step, window.busy_s + step_s
             if self.client is not None:
-                self.client.report(self.step, self.step_time_ema, self.tokens)
+                self.client.report(self.step, self.step_time_ema, self.tokens, self.nonce, self.outer.steps_discarded)
             if self.step % POSITION_EVERY == 0:
                 self._save_position()
             if self.step % self.opts.log_every == 0:

@@ -161,9 +161,10 @@ class ShardedSyncerClient:
     def take_answers(self) -> list[Answer]:
         return [a for c in self.shards for a in c.take_answers()]
 
-    def report(self, step: int, step_time_s: float, tokens: int) -> None:
+    def report(self, step: int, step_time_s: float, tokens: int, incarnation: str | None = None,
+               steps_discarded: int = 0) -> None:
         for c in self.shards:
-            c.report(step, step_time_s, tokens)
+            c.report(step, step_time_s, tokens, incarnation, steps_discarded)
 
     def pending(self) -> int:
         return sum(c.pending() for c in self.shards)

@@ -12,6 +12,9 @@ LEARNER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"  # the alphabet of w
 LearnerId = Annotated[str, Field(pattern=LEARNER_ID_PATTERN)]
 Count = Annotated[int, Field(ge=0, le=2**62)]  # steps, tokens: bounded so a hostile value never overflows a counter
 Versions = dict[str, int]  # fragment index (as a JSON key) -> version id
+# One life (process) of a learner: the nonce its submission ids carry (`{learner}.{life}.p{p}.v{version}`).
+LifeId = Annotated[str, Field(pattern=r"^[0-9a-f]{1,32}$")]
+LIVES_KEPT = 4  # the syncer remembers a learner's last few lives (/v1/status learners[].incarnations)
 DOWNLINK_DTYPES = ("fp32", "bf16")
 
 
@@ -71,6 +74,10 @@ class HeartbeatRequest(_Request):
     step: Count
     tokens: Count
     step_time_s: Annotated[float, Field(ge=0, lt=1e6)] | None = None
+    # Which life of the learner this is (the nonce of its submission ids) and the fragment-steps its adoptions
+    # discarded since it started (outer.adopt=overwrite): the syncer's per-life ledger. Absent from older learners.
+    incarnation: LifeId | None = None
+    steps_discarded: Count = 0
 
 
 class FragmentQuery(_Request):
@@ -154,6 +161,21 @@ class VersionsAnswer(_Document):
     tokens_merged: int
 
 
+class IncarnationWork(_Document):
+    """One life (process) of a learner as the syncer saw it: what it trained (as its last heartbeat said) and what of
+    that was merged, counted like the learner's merged figures (summed over fragments: P per step). A resend of a
+    life's unsent work by the next life carries the first life's id, so it counts there."""
+
+    id: str
+    first_seen: float  # unix time of its first heartbeat
+    last_seen: float
+    steps: int = 0
+    tokens: int = 0
+    steps_discarded: int = 0  # fragment-steps its adoptions dropped by design (outer.adopt=overwrite)
+    steps_merged: int = 0
+    tokens_merged: int = 0
+
+
 class LearnerStatus(_Document):
     """One learner as the syncer sees it: liveness from its requests, merged work from merges."""
 
@@ -168,6 +190,7 @@ class LearnerStatus(_Document):
     unit: int | None = None
     world_size: int | None = None
     device: str | None = None
+    incarnations: list[IncarnationWork] = Field(default_factory=list)  # its last LIVES_KEPT lives, oldest first
 
 
 class SyncerStatus(_Document):

@@ -10,10 +10,26 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diloco_trainer.protocol.messages import LearnerStatus, SyncerStatus
+from diloco_trainer.protocol.messages import IncarnationWork, LearnerStatus, SyncerStatus
 from diloco_trainer.runtime.syncer_client import SyncerClient
 
 _SUMMED = ("tokens_merged", "steps_merged", "submissions_merged")
+
+
+def merge_lives(a: list[IncarnationWork], b: list[IncarnationWork]) -> list[IncarnationWork]:
+    """One learner's lives over two shards: each shard merged only its own fragments (summed); what a life trained
+    is what its latest heartbeat to either said."""
+    lives = {w.id: w.model_copy() for w in a}
+    for w in b:
+        have = lives.get(w.id)
+        if have is None:
+            lives[w.id] = w.model_copy()
+            continue
+        latest = w if w.last_seen > have.last_seen else have
+        lives[w.id] = latest.model_copy(update={
+            "first_seen": min(have.first_seen, w.first_seen), "steps_merged": have.steps_merged + w.steps_merged,
+            "tokens_merged": have.tokens_merged + w.tokens_merged})
+    return sorted(lives.values(), key=lambda w: w.first_seen)
 
 
 def syncer_names(shards: int) -> list[str]:
@@ -34,7 +50,8 @@ def merge_statuses(statuses: list[SyncerStatus]) -> SyncerStatus:
                 continue
             merged = {k: getattr(have, k) + getattr(ls, k) for k in _SUMMED}
             newer = ls if (ls.last_seen or 0) > (have.last_seen or 0) else have
-            learners[lid] = newer.model_copy(update={**merged, "live": have.live or ls.live})
+            learners[lid] = newer.model_copy(update={**merged, "live": have.live or ls.live,
+                                                     "incarnations": merge_lives(have.incarnations, ls.incarnations)})
     first = statuses[0]
     uptimes = [s.uptime_s for s in statuses if s.uptime_s is not None]
     checkpoints = [s.last_checkpoint for s in statuses if s.last_checkpoint is not None]

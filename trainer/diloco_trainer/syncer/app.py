@@ -243,7 +243,8 @@ class Syncer:
     async def heartbeat(self, request: web.Request) -> web.Response:
         req: HeartbeatRequest = await self._json_body(request, HeartbeatRequest)
         self._as_learner(request, req.learner_id)
-        self.state.heartbeat(req.learner_id, req.step, req.step_time_s, req.tokens)
+        self.state.heartbeat(req.learner_id, req.step, req.step_time_s, req.tokens, req.incarnation,
+                             req.steps_discarded)
         return json_answer(HeartbeatAnswer(versions=self._versions()))
 
     async def submit(self, request: web.Request) -> web.Response:
@@ -411,7 +412,8 @@ class Syncer:
         learners = {lid: LearnerStatus(last_seen=i.last_seen_unix, step=i.step, tokens=i.tokens,
                                        step_time_s=i.step_time_s, tokens_merged=i.tokens_merged,
                                        steps_merged=i.steps_merged, submissions_merged=i.submissions_merged,
-                                       live=lid in live, unit=i.unit, world_size=i.world_size, device=i.device)
+                                       live=lid in live, unit=i.unit, world_size=i.world_size, device=i.device,
+                                       incarnations=i.lives.listed())
                     for lid, i in sorted(st.learners.items())}
         return SyncerStatus(
             versions=self._versions(),

@@ -25,6 +25,7 @@ from diloco_trainer.protocol.shardmap import owned_fragments, shard_of
 from diloco_trainer.protocol.wire import SubmissionMeta
 
 from diloco_trainer.syncer.journal import JournalEntry, MergeJournal
+from diloco_trainer.syncer.lives import Lives
 from diloco_trainer.syncer.store import (Checkpoint, Spool, SpoolEntry, VersionReservation, load_checkpoint,
                                          previous_versions, set_aside_damaged, write_checkpoint)
 
@@ -94,6 +95,7 @@ class LearnerInfo:
     tokens_merged: int = 0
     steps_merged: int = 0
     submissions_merged: int = 0
+    lives: Lives = field(default_factory=Lives)  # what each of its last few processes trained and got merged
 
 
 @dataclass
@@ -213,9 +215,12 @@ class SyncerState:
         info.last_seen, info.last_seen_unix = self.clock(), time.time()
         return info
 
-    def heartbeat(self, learner_id: str, step: int, step_time_s: float | None, tokens: int) -> None:
+    def heartbeat(self, learner_id: str, step: int, step_time_s: float | None, tokens: int,
+                  life: str | None = None, steps_discarded: int = 0) -> None:
         info = self.seen(learner_id)
         info.step, info.tokens = step, tokens
+        if life is not None:
+            info.lives.heartbeat(life, step, tokens, steps_discarded, info.last_seen_unix)
         if step_time_s is not None and step_time_s > 0:
             info.step_time_s = step_time_s
             self.policy.observe_step_time(step_time_s)
@@ -312,6 +317,7 @@ class SyncerState:
             info.tokens_merged += c.c_tokens
             info.steps_merged += c.c_steps
             info.submissions_merged += 1
+            info.lives.merged(c.learner_id, c.submission_id, c.c_steps, c.c_tokens, time.time())
             self.tokens_merged += c.c_tokens
             self.contributions_merged += 1
         # Contributions that arrived during the merge start a new round: quorum is counted afresh.
@@ -352,7 +358,8 @@ class SyncerState:
             "tokens_merged": self.tokens_merged,
             "contributions_merged": self.contributions_merged,
             "learners": {lid: {"tokens_merged": i.tokens_merged, "steps_merged": i.steps_merged,
-                               "submissions_merged": i.submissions_merged} for lid, i in self.learners.items()},
+                               "submissions_merged": i.submissions_merged, "lives": i.lives.state_dict()}
+                         for lid, i in self.learners.items()},
             "merged_ids": {sid: list(pb) for sid, pb in sorted(self.merged_ids.items())},
             "policy": self.policy.state_dict(),
             "written_at": time.time(),
@@ -497,6 +504,7 @@ class SyncerState:
         for lid, d in s["learners"].items():
             self.learners[lid] = LearnerInfo(tokens_merged=d["tokens_merged"], steps_merged=d["steps_merged"],
                                              submissions_merged=d["submissions_merged"])
+            self.learners[lid].lives.load_state_dict(d.get("lives") or [])  # none in checkpoints from before
         ids = s["merged_ids"]  # a list of ids in checkpoints written before ids carried their base
         self.merged_ids = {sid: (int(v[0]), int(v[1])) for sid, v in ids.items()} if isinstance(ids, dict) else \
             {sid: (-1, 1 << 62) for sid in ids}  # fragment unknown: never forgotten

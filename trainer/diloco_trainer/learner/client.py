@@ -165,7 +165,21 @@ class SyncerClient:
         self._loop.run_forever()
         self._loop.close()
 
+    async def _last_heartbeat(self) -> None:
+        """The learner's final figures (best effort, 2 s at most): the syncer's ledger of this life is then exact
+        for a clean stop, adoptions of the hand-over included."""
+        with self._lock:
+            body = self._report.model_dump()
+        try:
+            async with self._get_session().post(f"{self.url}/v1/heartbeat", json=body,
+                                                timeout=aiohttp.ClientTimeout(total=2.0)):
+                pass
+        except Exception:  # noqa: BLE001 - the syncer away: it keeps the last heartbeat it had
+            pass
+
     async def _shutdown(self) -> None:
+        if self._booted:
+            await self._last_heartbeat()
         # Every task of this loop: the network tasks, and a bootstrap still waiting for a shard that is away (its
         # future was cancelled from the learner's thread; the task must still run to its end before the loop stops).
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]

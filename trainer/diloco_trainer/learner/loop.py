@@ -368,6 +368,7 @@ class Learner:
             with self.inner.full(self.names):
                 self._dump_params(self.opts.save_params / f"params-rank{self.group.rank}.safetensors")
         if self.client is not None:
+            self.client.report(self.step, self.step_time_ema, self.tokens, self.nonce, self.outer.steps_discarded)
             if drained:
                 log.info("handed over in %.2f s: every trained step is covered by an acknowledged outer gradient",
                          time.monotonic() - started)

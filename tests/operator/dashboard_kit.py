@@ -7,6 +7,7 @@ import json
 import re
 
 from cluster_kit import ROOT
+from polling import wait_for
 
 DASHBOARD = ROOT / "charts" / "decoupled-diloco" / "dashboards" / "diloco.json"
 # Grafana fills these in; an evaluation outside it puts a window of its own in their place.
@@ -35,3 +36,22 @@ def metric_names(expr: str) -> set[str]:
     """The series a query reads: diloco_syncer_*, diloco_learner_*, diloco_operator_* (not the diloco_dev_* target
     labels that pod labels become)."""
     return set(_METRIC.findall(expr))
+
+
+def queries_without_data(query) -> list[str]:
+    """The dashboard's queries for which `query(expr)` (a Prometheus instant query) returns nothing, named by panel."""
+    return [f"{title} [{ref}]: {expr}" for title, ref, expr in queries() if not query(expr)]
+
+
+def wait_for_data_in_every_query(query, timeout: float) -> None:
+    """Poll until every dashboard query has data (rates need two scrapes in their window); AssertionError naming
+    the panels and queries still without data after `timeout` seconds."""
+    missing: list[str] = []
+
+    def every_query_has_data() -> bool:
+        missing[:] = queries_without_data(query)
+        return not missing
+    try:
+        wait_for(every_query_has_data, timeout, "data for every dashboard query", 1.0)
+    except AssertionError:
+        raise AssertionError("dashboard queries without data:\n" + "\n".join(missing)) from None

@@ -1,0 +1,122 @@
+"""A real Prometheus for the monitoring tests: Debian's binary (hack/prometheus.sh installs it once), run with a
+config and data directory of the test's own on loopback, scraping static targets every second; queries go through
+its HTTP API (/api/v1/query), as Grafana's do."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from cluster_kit import ROOT
+from polling import wait_for
+
+
+def prometheus_binary() -> str:
+    """DILOCO_PROMETHEUS, else /usr/bin/prometheus, installed from Debian's package when missing (root)."""
+    out = subprocess.run(["bash", str(ROOT / "hack" / "prometheus.sh")], stdout=subprocess.PIPE, text=True)
+    if out.returncode:
+        raise AssertionError(f"hack/prometheus.sh failed (exit {out.returncode}); its log is above")
+    return out.stdout.strip().splitlines()[-1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def static(name: str, address: str) -> dict:
+    """A scrape job of one plain-http target ("host:port", /metrics)."""
+    return {"job_name": name, "static_configs": [{"targets": [address]}]}
+
+
+def kubernetes_pods(name: str, kubeconfig: str, namespaces: list[str]) -> dict:
+    """The usual `kubernetes-pods` scrape job: pods found through the API server in `namespaces`, kept when they
+    say prometheus.io/scrape "true", scraped on their prometheus.io/port and /path with their prometheus.io/scheme
+    (https unverified: a job's syncer certificate is its own CA's), their labels as target labels (diloco.dev/job
+    becomes diloco_dev_job), plus namespace and pod."""
+    annotation = "__meta_kubernetes_pod_annotation_prometheus_io_"
+    return {
+        "job_name": name, "tls_config": {"insecure_skip_verify": True},
+        "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": kubeconfig,
+                                   "namespaces": {"names": namespaces}}],
+        "relabel_configs": [
+            {"source_labels": [annotation + "scrape"], "action": "keep", "regex": "true"},
+            {"source_labels": [annotation + "scheme"], "regex": "(https?)", "target_label": "__scheme__"},
+            {"source_labels": [annotation + "path"], "regex": "(.+)", "target_label": "__metrics_path__"},
+            {"source_labels": ["__address__", annotation + "port"], "regex": r"([^:]+)(?::\d+)?;(\d+)",
+             "replacement": "$1:$2", "target_label": "__address__"},
+            {"action": "labelmap", "regex": "__meta_kubernetes_pod_label_(.+)"},
+            {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+            {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+        ],
+    }
+
+
+class Prometheus:
+    """`prometheus` running `scrape_configs` (static() and kubernetes_pods() make them), scraping every second."""
+
+    def __init__(self, binary: str, workdir: Path, scrape_configs: list[dict]):
+        self.binary, self.workdir = binary, workdir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+                  "scrape_configs": scrape_configs}
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.config = workdir / "prometheus.yml"
+        self.config.write_text(yaml.safe_dump(config))
+        self.log = workdir / "prometheus.log"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "Prometheus":
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [self.binary, f"--config.file={self.config}", f"--storage.tsdb.path={self.workdir / 'data'}",
+                 f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "GOMAXPROCS": "1"})
+        wait_for(self._ready, 60, "prometheus ready", 0.2)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+    def _ready(self) -> bool:
+        assert self.proc.poll() is None, f"prometheus exited:\n{self.log.read_text()[-3000:]}"
+        try:
+            return urllib.request.urlopen(f"{self.url}/-/ready", timeout=2).status == 200
+        except OSError:
+            return False
+
+    def _get(self, path: str, **params: str) -> dict:
+        url = f"{self.url}{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
+        body = json.loads(urllib.request.urlopen(url, timeout=10).read())
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict]:
+        """An instant query's result vector (a query Prometheus refuses fails the test with its error)."""
+        try:
+            data = self._get("/api/v1/query", query=expr)
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"prometheus refused {expr!r}: {e.read().decode()}") from e
+        assert data["resultType"] == "vector", (expr, data["resultType"])
+        return data["result"]
+
+    def targets(self) -> list[dict]:
+        """The active targets: each one's labels (job, instance, ...) and health ("up", "down", "unknown")."""
+        return self._get("/api/v1/targets")["activeTargets"]

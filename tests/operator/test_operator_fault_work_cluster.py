@@ -87,7 +87,7 @@ def test_a_units_last_fault_shows_its_recovery_and_the_work_its_ended_learner_li
 
         (victim,) = unit_pods(kubectl, ns, UNIT)
         kubectl.run("delete", "pod", victim["metadata"]["name"], "-n", ns, "--wait=false")
-        fault = wait_for(lambda: kubectl.get("lu", UNIT, ns=ns)["status"].get("lastFault"), 30, "the fault", 0.2)
+        fault = wait_for(lambda: kubectl.get("lu", UNIT, ns=ns)["status"].get("lastFault"), 60, "the fault", 0.2)
         # The next life starts after the fault (whole seconds in the status) and trains a step: the first life's
         # loss can now be told.
         fault_at = C.parse_time(fault["time"]).timestamp()
@@ -112,11 +112,11 @@ def test_a_units_last_fault_shows_its_recovery_and_the_work_its_ended_learner_li
         assert (columns["LAST-FAULT"], columns["LOST-TOKENS"]) == ("PodDeleted", str(4 * PER_STEP)), columns
         assert float(columns["RECOVERY"]) == fault["recoverySeconds"]
         dj = wait_for(lambda: (d := kubectl.get("dj", "lost", ns=ns))["status"].get("lastFault", {}).get(
-            "lostTokens") is not None and d, 30, "the job's last fault with its work lost", 0.2)
+            "lostTokens") is not None and d, 60, "the job's last fault with its work lost", 0.2)
         assert dj["status"]["lastFault"]["unit"] == UNIT and dj["status"]["lastFault"]["lostSteps"] == 4
         line = f'diloco_operator_job_last_fault_lost_tokens{{job="lost",namespace="{ns}"}} {float(4 * PER_STEP)}'
         wait_for(lambda: line in urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics",
-                                                        timeout=5).read().decode(), 30, line, 0.5)
+                                                        timeout=5).read().decode(), 60, line, 0.5)
     finally:
         stop.set()
         if beating is not None:

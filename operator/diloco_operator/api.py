@@ -526,6 +526,9 @@ class UnitFault(_Api):
     incarnation: int  # the incarnation the restart started
     recoveredAt: str | None = None
     recoverySeconds: float | None = None  # from the fault to recoveredAt
+    # from the fault to the syncer first hearing of the next learner life, which reports only once it has trained a
+    # step (an upper bound on the time to training again, by at most a heartbeat; faultwork.py)
+    trainingAgainSeconds: float | None = None
     lostSteps: int | None = None  # inner steps the ended learner process trained that no merge covers
     lostTokens: int | None = None  # their tokens
 

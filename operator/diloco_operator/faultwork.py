@@ -26,7 +26,9 @@ def work_lost(life: IncarnationWork, fragments: int) -> tuple[int, int]:
 
 
 def fault_work(fault: dict, learner: LearnerStatus | None, fragments: int, unit_ended: bool) -> dict:
-    """`fault` (a LearnerUnit's status.lastFault) with lostSteps and lostTokens, once the syncer can tell: a later
+    """`fault` (a LearnerUnit's status.lastFault) with lostSteps and lostTokens (and trainingAgainSeconds, from the
+    fault to the syncer first hearing of the next life, which it does once that life trained a step; the fault's
+    time is in whole seconds, so up to 1 s more), once the syncer can tell: a later
     life has trained a step (so its start-up resend of the ended life's snapshot went out), or none will follow
     (`unit_ended`: a failed unit). Recomputed while the figures move (a resend merged late lowers them); `fault`
     as it was otherwise."""
@@ -35,9 +37,12 @@ def fault_work(fault: dict, learner: LearnerStatus | None, fragments: int, unit_
     life = ended_life(learner, at.timestamp())
     if life is None:
         return fault
-    followed = any(i.first_seen > at.timestamp() and i.steps > 0 for i in learner.incarnations)
-    if not (followed or unit_ended):
+    after = [i for i in learner.incarnations if i.first_seen > at.timestamp() and i.steps > 0]
+    if not (after or unit_ended):
         return fault
     steps, tokens = work_lost(life, fragments)
-    return {**fault, "lostSteps": steps, "lostTokens": tokens}
+    told = {**fault, "lostSteps": steps, "lostTokens": tokens}
+    if after:  # the next life reports once it trained a step: heard of within a heartbeat of training again
+        told["trainingAgainSeconds"] = round(min(i.first_seen for i in after) - at.timestamp(), 1)
+    return told
 

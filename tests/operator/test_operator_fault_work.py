@@ -42,11 +42,12 @@ def test_the_loss_is_told_once_the_next_life_trained_a_step_or_the_unit_ended():
     assert faultwork.fault_work(FAULT, waiting, P, unit_ended=False) == FAULT
     going = LearnerStatus(incarnations=[ended, life("c", +5, 1, 0)])
     told = faultwork.fault_work(FAULT, going, P, unit_ended=False)
-    assert (told["lostSteps"], told["lostTokens"]) == (7, 7 * 256)
+    assert (told["lostSteps"], told["lostTokens"], told["trainingAgainSeconds"]) == (7, 7 * 256, 5.0)
     api.UnitFault.model_validate(told)  # what the LearnerUnit's status holds
     alone = LearnerStatus(incarnations=[ended])
     assert faultwork.fault_work(FAULT, alone, P, unit_ended=False) == FAULT
-    assert faultwork.fault_work(FAULT, alone, P, unit_ended=True)["lostSteps"] == 7, "a failed unit has no next life"
+    failed = faultwork.fault_work(FAULT, alone, P, unit_ended=True)
+    assert failed["lostSteps"] == 7 and "trainingAgainSeconds" not in failed, "a failed unit has no next life"
 
 
 def test_without_the_syncers_ledger_nothing_is_claimed():

@@ -107,6 +107,7 @@ def test_a_units_last_fault_shows_its_recovery_and_the_work_its_ended_learner_li
         fault = lu["status"]["lastFault"]
         assert fault["reason"] == "PodDeleted" and (fault["lostSteps"], fault["lostTokens"]) == (4, 4 * PER_STEP)
         assert 0 <= fault["recoverySeconds"] < 60
+        assert 1.5 <= fault["trainingAgainSeconds"] < 60, "the next life was first heard of 1.5 s after the fault"
         header, row = kubectl.run("get", "lu", UNIT, "-n", ns).stdout.splitlines()
         columns = table_row(header, row)
         assert (columns["LAST-FAULT"], columns["LOST-TOKENS"]) == ("PodDeleted", str(4 * PER_STEP)), columns

@@ -4,7 +4,8 @@ that the operator mounts read-only into the learner and syncer pods. The job run
 `restricted` and is reconciled by the namespaced install (an operator pod holding only its Role there): every
 container runs as UID 10001 with no capability, no new privileges, a seccomp filter and a read-only root; the syncer
 and learner pods talk over TLS with the certificate the operator issued (spec.syncer.tls Auto, the default); a killed
-learner pod (deleted, or by spec.chaos) restarts its unit while the others train on; a SIGKILLed syncer is replaced
+learner pod (deleted, or by spec.chaos) restarts its unit while the others train on; an evicted one (a drain) hands
+over its unsent work and loses none; a SIGKILLed syncer is replaced
 by the other container of its pod (spec.syncer.standby), which resumes from the checkpoint, spool and merge journal
 on the PVC losing no acknowledged update; a spec only the syncer can refuse (more fragments than the model has
 tensors) is reported without a crash loop; the job succeeds with a final model that beats the unigram baseline of
@@ -316,6 +317,41 @@ def test_a_learner_killed_by_spec_chaos_restarts_its_unit(job, kubectl):
     kill_and_time_recovery(job, unit, via_chaos)
     events = kubectl.get("events", ns=job.ns)
     assert any(e["reason"] == "ChaosPodKilled" for e in events), "no ChaosPodKilled event"
+
+
+def test_an_evicted_learner_hands_over_its_unsent_work_exits_0_and_its_unit_shows_no_work_lost(job, kubectl):
+    """`kubectl drain`'s way out for one pod (the Eviction API: a graceful delete, as a spot reclaim's is): the
+    learner finishes its step, sends every step it trained that no acknowledged outer gradient covers, exits 0
+    within its grace period, and its unit's lastFault says the fault lost no work (issue 19 items 3 and 5)."""
+    unit = f"{JOB}-cpu-2"
+    victim = wait_for(lambda: job.unit_pod(unit), 300, f"unit {unit}'s pod running", 1.0)
+    wait_for(lambda: (learner_step(victim) or 0) >= 1, 300, f"unit {unit} training", 0.5)
+    name = victim["metadata"]["name"]
+    grace = victim["spec"]["terminationGracePeriodSeconds"]
+    eviction = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": job.ns}}
+    evicted_at = time.monotonic()
+    kubectl.run("create", "--raw", f"/api/v1/namespaces/{job.ns}/pods/{name}/eviction", "-f", "-",
+                input=json.dumps(eviction))
+
+    def ended():  # the container's end as the kubelet reports it, or the pod gone (deleted once it ended)
+        pod = kubectl.get("pod", name, ns=job.ns)
+        if pod is None:
+            return {"gone": True}
+        states = [(c.get("state") or {}).get("terminated") for c in pod["status"].get("containerStatuses", [])]
+        return states[0] if states and states[0] else None
+    end = wait_for(ended, grace + 30, f"the evicted pod {name} to stop", 0.2)
+    stopped_s = time.monotonic() - evicted_at
+    if "gone" not in end:
+        assert end["exitCode"] == 0, end
+    print(f"[e2e] {unit}: evicted -> container {'exit ' + str(end.get('exitCode')) if 'gone' not in end else 'gone'}"
+          f" after {stopped_s:.1f}s (grace {grace}s)", file=sys.stderr)
+    assert stopped_s < grace, f"the learner used its whole grace period ({stopped_s:.1f} s)"
+    lu = wait_for(lambda: (u := kubectl.get("lu", unit, ns=job.ns))["status"].get("lastFault", {}).get(
+        "lostTokens") is not None and u, 240, f"unit {unit}'s last fault with the work it lost", 1.0)
+    fault = lu["status"]["lastFault"]
+    print(f"[e2e] {unit}: last fault {fault['reason']}, recovery {fault.get('recoverySeconds')}s, "
+          f"lost {fault['lostSteps']} steps / {fault['lostTokens']} tokens", file=sys.stderr)
+    assert (fault["lostSteps"], fault["lostTokens"]) == (0, 0), fault
 
 
 def test_a_sigkilled_syncer_resumes_from_its_checkpoint_losing_no_acknowledged_update(job, kubectl):

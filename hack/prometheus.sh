@@ -2,6 +2,7 @@
 # A real Prometheus for the monitoring tests (tests/trainer/test_prometheus_dashboard.py): Debian's `prometheus`
 # package, installed if missing (root, apt-get), never run as the package's service: the tests start the binary
 # with their own config and data directory. Idempotent. Prints the binary's path on its last line.
+# Debian builds it without Kubernetes service discovery (no kubernetes_sd_configs): tests give it static targets.
 set -euo pipefail
 export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
 

@@ -38,31 +38,8 @@ def static(name: str, address: str) -> dict:
     return {"job_name": name, "static_configs": [{"targets": [address]}]}
 
 
-def kubernetes_pods(name: str, kubeconfig: str, namespaces: list[str]) -> dict:
-    """The usual `kubernetes-pods` scrape job: pods found through the API server in `namespaces`, kept when they
-    say prometheus.io/scrape "true", scraped on their prometheus.io/port and /path with their prometheus.io/scheme
-    (https unverified: a job's syncer certificate is its own CA's), their labels as target labels (diloco.dev/job
-    becomes diloco_dev_job), plus namespace and pod."""
-    annotation = "__meta_kubernetes_pod_annotation_prometheus_io_"
-    return {
-        "job_name": name, "tls_config": {"insecure_skip_verify": True},
-        "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": kubeconfig,
-                                   "namespaces": {"names": namespaces}}],
-        "relabel_configs": [
-            {"source_labels": [annotation + "scrape"], "action": "keep", "regex": "true"},
-            {"source_labels": [annotation + "scheme"], "regex": "(https?)", "target_label": "__scheme__"},
-            {"source_labels": [annotation + "path"], "regex": "(.+)", "target_label": "__metrics_path__"},
-            {"source_labels": ["__address__", annotation + "port"], "regex": r"([^:]+)(?::\d+)?;(\d+)",
-             "replacement": "$1:$2", "target_label": "__address__"},
-            {"action": "labelmap", "regex": "__meta_kubernetes_pod_label_(.+)"},
-            {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
-            {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
-        ],
-    }
-
-
 class Prometheus:
-    """`prometheus` running `scrape_configs` (static() and kubernetes_pods() make them), scraping every second."""
+    """`prometheus` running `scrape_configs` (static() makes them), scraping every second."""
 
     def __init__(self, binary: str, workdir: Path, scrape_configs: list[dict]):
         self.binary, self.workdir = binary, workdir

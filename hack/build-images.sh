@@ -45,6 +45,15 @@ in_k8s_io() { ctr -n k8s.io images ls -q 2>/dev/null | grep -qxF "$(ctr_name "$1
 
 [ "$(id -u)" = 0 ] || die "run as root (debootstrap, the container engine)"
 
+# One build at a time: a whole-suite ./hack/test.sh starts one in the background, and the e2e tier's fixture runs
+# this script again later; that second run waits here, then finds everything built and imported (seconds).
+LOCK=${DILOCO_BUILD_TMP:-/var/tmp}/diloco-build-images.lock
+exec 9>"$LOCK"
+if ! flock -n 9; then
+  log "another build holds $LOCK: waiting for it"
+  flock 9
+fi
+
 s=$(now)
 bash hack/container-engine.sh up >&2
 log "container engine up ($(since "$s"))"

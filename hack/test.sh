@@ -11,8 +11,26 @@ bash hack/setup.sh
 if [ $# -eq 0 ]; then
   bash hack/xla-env.sh >/dev/null 2>"${TMPDIR:-/tmp}/diloco-xla-env.log" &
 fi
+# The e2e tier (last in the suite) needs the images in containerd: as root, a whole-suite run builds and imports them
+# in the background from the start (hack/build-images.sh, cached by content; ~4.5 min after a code change), so the
+# e2e fixture's own call finds them ready. A container engine that this started is stopped at the end.
+images_pid=""
+engine_was_up=1
+if [ $# -eq 0 ] && [ "$(id -u)" = 0 ]; then
+  bash hack/container-engine.sh status >/dev/null 2>&1 || engine_was_up=0
+  bash hack/build-images.sh >"${TMPDIR:-/tmp}/diloco-build-images.log" 2>&1 &
+  images_pid=$!
+fi
 DILOCO_TESTBED_DIR=$(bash hack/build-testbed.sh | tail -n 1)
 DILOCO_HELM=$(bash hack/build-helm.sh | tail -n 1)   # the chart tests' helm (tests/operator/helm_kit.py)
 DILOCO_KUEUE=$(bash hack/build-kueue.sh | tail -n 1)  # the Kueue tests' manager and CRDs (tests/operator/kueue_kit.py)
 export DILOCO_TESTBED_DIR DILOCO_HELM DILOCO_KUEUE
-exec .venv/bin/python -m pytest "$@"
+# Two workers (pytest-xdist): the training-process stream and the Kubernetes stream side by side (tests/conftest.py);
+# DILOCO_TEST_WORKERS=0 runs everything in this one process, in order.
+rc=0
+.venv/bin/python -m pytest -n "${DILOCO_TEST_WORKERS:-2}" --dist loadgroup "$@" || rc=$?
+if [ -n "$images_pid" ]; then
+  wait "$images_pid" || echo "[test] the background image build failed: ${TMPDIR:-/tmp}/diloco-build-images.log" >&2
+  [ "$engine_was_up" = 1 ] || bash hack/container-engine.sh down >&2
+fi
+exit "$rc"

@@ -55,7 +55,8 @@ if ! flock -n 9; then
 fi
 
 s=$(now)
-bash hack/container-engine.sh up >&2
+# fd 9 (the lock) closed for the engine: containerd and dockerd outlive this script and would hold the lock forever
+bash hack/container-engine.sh up 9>&- >&2
 log "container engine up ($(since "$s"))"
 
 work=$(mktemp -d "${DILOCO_BUILD_TMP:-/var/tmp}/diloco-build.XXXXXX")

@@ -10,7 +10,7 @@ from datetime import datetime
 from diloco_operator import api
 from diloco_operator import conditions as C
 from diloco_operator import objects as O
-from diloco_operator.unitplan import PodView, UnitPlan
+from diloco_operator.unitplan import PodView, UnitPlan, carried_status
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"  # on a DilocoJob: its units queue in this LocalQueue
 PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"  # on a DilocoJob: the WorkloadPriorityClass of its units
@@ -128,13 +128,7 @@ def plan_held(spec: api.LearnerUnitSpec, status: dict | None, pods: list[PodView
     """A unit Kueue has not admitted, or is evicting: no pod is created, every pod goes. A unit that was running
     starts its next admission as a new incarnation (not a restart: preemption is not the unit's failure, so
     restarts and backoff stay as they were). Events tell an eviction once."""
-    old = dict(status or {})
-    st = {**old}
-    st.setdefault("restarts", 0)
-    st.setdefault("consecutiveFailures", 0)
-    st.setdefault("incarnation", 0)
-    st["podsDesired"] = spec.podsPerUnit
-    st["observedGeneration"] = generation
+    old, st = carried_status(spec, status, generation)
     plan = UnitPlan(status=st, delete=[p.name for p in pods if not p.deleting])
     if st.get("launchedIncarnation") == st["incarnation"]:
         st["incarnation"] += 1

@@ -110,12 +110,9 @@ def _failure_cause(spec: api.LearnerUnitSpec, current: list[PodView], want_hash:
     return None
 
 
-def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | None, pods: list[PodView],
-              now: datetime, *, generation: int | None = None, node_pools: dict[str, str] | None = None,
-              job_finished: bool = False, lost: Mapping[str, str] | None = None) -> UnitPlan:
-    """Decide one reconcile of a unit. Terminal phases (Succeeded, Failed) stick. `lost`: pods on lost nodes (name ->
-    why, nodeloss.lost_pods): force-deleted, and a launched unit with one restarts without backoff."""
-    lost = lost or {}
+def carried_status(spec: api.LearnerUnitSpec, status: dict | None, generation: int | None) -> tuple[dict, dict]:
+    """The unit's status as it was, and the copy a reconcile decides on: counters defaulted, the desired pod count
+    and the observed generation set."""
     old = dict(status or {})
     st = {**old}
     st.setdefault("restarts", 0)
@@ -123,6 +120,16 @@ def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | Non
     st.setdefault("incarnation", 0)
     st["podsDesired"] = spec.podsPerUnit
     st["observedGeneration"] = generation
+    return old, st
+
+
+def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | None, pods: list[PodView],
+              now: datetime, *, generation: int | None = None, node_pools: dict[str, str] | None = None,
+              job_finished: bool = False, lost: Mapping[str, str] | None = None) -> UnitPlan:
+    """Decide one reconcile of a unit. Terminal phases (Succeeded, Failed) stick. `lost`: pods on lost nodes (name ->
+    why, nodeloss.lost_pods): force-deleted, and a launched unit with one restarts without backoff."""
+    lost = lost or {}
+    old, st = carried_status(spec, status, generation)
     conds = list(old.get("conditions", []))
     plan = UnitPlan(status=st, force_delete=[p.name for p in pods if p.name in lost])
     inc = st["incarnation"]

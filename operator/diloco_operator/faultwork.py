@@ -8,8 +8,9 @@ from diloco_trainer.protocol.messages import IncarnationWork, LearnerStatus
 
 
 def ended_life(learner: LearnerStatus, fault_at: float) -> IncarnationWork | None:
-    """The learner life that ran when the fault came: the last one the syncer first heard from before it."""
-    return max((i for i in learner.incarnations if i.first_seen <= fault_at), key=lambda i: i.first_seen,
+    """The learner life that ran when the fault came: the last one the syncer first heard from before it. A fault's
+    time is in whole seconds (floored), so a life first heard of within that second counts as before it."""
+    return max((i for i in learner.incarnations if i.first_seen < fault_at + 1.0), key=lambda i: i.first_seen,
                default=None)
 
 
@@ -37,7 +38,7 @@ def fault_work(fault: dict, learner: LearnerStatus | None, fragments: int, unit_
     life = ended_life(learner, at.timestamp())
     if life is None:
         return fault
-    after = [i for i in learner.incarnations if i.first_seen > at.timestamp() and i.steps > 0]
+    after = [i for i in learner.incarnations if i.first_seen > life.first_seen and i.steps > 0]
     if not (after or unit_ended):
         return fault
     steps, tokens = work_lost(life, fragments)

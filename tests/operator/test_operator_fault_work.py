@@ -36,6 +36,15 @@ def test_the_ended_life_is_the_last_one_first_heard_from_before_the_fault():
     assert faultwork.ended_life(LearnerStatus(incarnations=[life("c", +5, 3, 0)]), T_FAULT.timestamp()) is None
 
 
+def test_a_life_first_heard_of_within_the_faults_whole_second_is_the_ended_one_and_the_next_is_told():
+    # the fault's time is floored to the second: a life that started 0.1 s into it ran when the fault came
+    # (the cluster test's first life can start in the same second its pod is deleted)
+    learner = LearnerStatus(incarnations=[life("a", +0.1, 4, 0), life("b", +1.6, 1, 0)])
+    assert faultwork.ended_life(learner, T_FAULT.timestamp()).id == "a"
+    told = faultwork.fault_work(FAULT, learner, P, unit_ended=False)
+    assert (told["lostSteps"], told["lostTokens"], told["trainingAgainSeconds"]) == (4, 4 * 256, 1.6)
+
+
 def test_the_loss_is_told_once_the_next_life_trained_a_step_or_the_unit_ended():
     ended = life("b", -60, 100, 93)
     waiting = LearnerStatus(incarnations=[ended, life("c", +5, 0, 0)])  # started, no step: its resend may be due

@@ -1,8 +1,10 @@
-"""Waiting in tests: poll a condition until it holds (blocking or async), and whether a process is still alive."""
+"""Waiting in tests: poll a condition until it holds (blocking or async), whether a process is still alive, and
+stopping one."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 from pathlib import Path
 
@@ -39,3 +41,15 @@ def alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"  # the state follows "(comm)", which may hold spaces
+
+
+def stop(proc: subprocess.Popen | None, timeout: float = 15.0) -> None:
+    """Terminate `proc` if it still runs, and kill it if it has not exited after `timeout` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

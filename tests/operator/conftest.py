@@ -17,7 +17,7 @@ import yaml
 from diloco_devcluster import testbed as testbed_mod
 from diloco_devcluster.cli import install_crds
 
-from polling import wait_for
+from polling import stop, wait_for
 from cluster_kit import KUBECTL, PYTHONPATH, ROOT, Kubectl
 from helm_kit import Helm, helm_binary
 
@@ -81,14 +81,7 @@ class OperatorProcess:
         log.close()
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc)
         self.proc = None
 
     def metrics(self) -> dict[str, float]:

@@ -18,7 +18,7 @@ import yaml
 from diloco_operator import certs
 
 from cluster_kit import ROOT, Kubectl
-from polling import wait_for
+from polling import stop, wait_for
 
 KUEUE_GROUP = "kueue.x-k8s.io"
 KUEUE_API = f"/apis/{KUEUE_GROUP}/v1beta2"
@@ -145,14 +145,7 @@ class Kueue:
         for kind in ("mutating", "validating"):
             self.kubectl.run("delete", f"{kind}webhookconfiguration", f"{WEBHOOK_PREFIX}-{kind}", "--wait=false",
                              check=False)
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc)
         self.proc = None
 
     def log_tail(self, lines: int = 40) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from cluster_kit import ROOT
-from polling import wait_for
+from polling import stop, wait_for
 
 
 def prometheus_binary() -> str:
@@ -63,14 +63,8 @@ class Prometheus:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            self.proc = None
+        stop(self.proc, timeout=20)
+        self.proc = None
 
     def _ready(self) -> bool:
         assert self.proc.poll() is None, f"prometheus exited:\n{self.log.read_text()[-3000:]}"

@@ -18,7 +18,7 @@ import pytest
 from cluster_kit import PYTHONPATH, ROOT
 from dashboard_kit import wait_for_data_in_every_query
 from diloco_kube.labels import POOL_LABEL
-from polling import wait_for
+from polling import stop, wait_for
 from prometheus_kit import Prometheus, free_port, prometheus_binary, static
 from test_operator_cluster import cpu_units, job, unit_pods, wait_job_ready
 
@@ -32,16 +32,6 @@ TINY = {"model": {"seq_len": 16, "d_model": 16, "n_layers": 1, "n_heads": 2}, "d
 def _spawn(args: list[str], log, env: dict) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "diloco_trainer.cli", *args], env=env, stdout=log,
                             stderr=subprocess.STDOUT, cwd=ROOT)
-
-
-def _stop(proc: subprocess.Popen | None) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_prometheus_scrapes_operator_syncer_and_learner_and_every_dashboard_query_has_data(
@@ -100,5 +90,5 @@ def test_prometheus_scrapes_operator_syncer_and_learner_and_every_dashboard_quer
                   f"operator log:\n{operator.log_tail()}", file=sys.stderr)
             raise
         finally:
-            _stop(learner)
-            _stop(syncer)
+            stop(learner, 30)
+            stop(syncer, 30)

@@ -15,6 +15,8 @@ import threading
 import time
 import urllib.request
 
+from pathlib import Path
+
 import pytest
 
 from diloco_operator import api
@@ -80,6 +82,21 @@ def serving_pair(kubectl, ns: str, job_name: str, where) -> list[str]:
     for key in ("tls.crt", "tls.key"):
         (where / key).write_bytes(base64.b64decode(data[key]))
     return ["--tls-cert", str(where / "tls.crt"), "--tls-key", str(where / "tls.key")]
+
+
+def job_syncer(kubectl, ns: str, job_name: str, where) -> tuple[subprocess.Popen, Path, str]:
+    """A real syncer run here (kwok runs no containers) on the config, token and certificate the operator generated
+    for the job, with its state in where/state (its endpoint.json says where it listens); and the job's token."""
+    token = base64.b64decode(kubectl.get("secret", f"{job_name}-token", ns=ns)["data"]["token"]).decode()
+    config = where / "config.yaml"
+    config.write_text(kubectl.get("configmap", f"{job_name}-config", ns=ns)["data"]["config.yaml"])
+    state = where / "state"
+    env = {**os.environ, "DILOCO_TOKEN": token, "PYTHONPATH": PYTHONPATH}
+    proc = subprocess.Popen([sys.executable, "-m", "diloco_trainer.cli", "syncer", "--config", str(config),
+                             "--host", "127.0.0.1", "--port", "0", "--state-dir", str(state),
+                             *serving_pair(kubectl, ns, job_name, where)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, state, token
 
 
 def node_pool(kubectl, node: str) -> str:
@@ -377,16 +394,7 @@ def test_job_status_reports_a_real_syncers_progress_and_units_last_contribution(
     tiny = {"model": {"seq_len": 16, "d_model": 16, "n_layers": 1, "n_heads": 2}, "outer": {"fragments": 2}}
     kubectl.apply(job("live", cpu_units(1), config=tiny), "-n", ns)
     wait_job_ready(kubectl, ns, "live", 1)
-    # The real syncer, run here on the config and token the operator generated (kwok runs no containers).
-    token = base64.b64decode(kubectl.get("secret", "live-token", ns=ns)["data"]["token"]).decode()
-    config = tmp_path / "config.yaml"
-    config.write_text(kubectl.get("configmap", "live-config", ns=ns)["data"]["config.yaml"])
-    state = tmp_path / "state"
-    env = {**os.environ, "DILOCO_TOKEN": token, "PYTHONPATH": PYTHONPATH}
-    syncer = subprocess.Popen([sys.executable, "-m", "diloco_trainer.cli", "syncer", "--config", str(config),
-                               "--host", "127.0.0.1", "--port", "0", "--state-dir", str(state),
-                               *serving_pair(kubectl, ns, "live", tmp_path)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    syncer, state, token = job_syncer(kubectl, ns, "live", tmp_path)
     stop, beating = threading.Event(), None
     try:
         url = wait_for(lambda: (state / "endpoint.json").exists() and

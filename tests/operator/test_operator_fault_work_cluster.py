@@ -5,12 +5,8 @@ the learner's two lives over its API: heartbeats, and outer gradients the syncer
 
 from __future__ import annotations
 
-import base64
 import json
-import os
 import ssl
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -21,9 +17,8 @@ import torch
 from diloco_operator import conditions as C
 from diloco_trainer.protocol.wire import SubmissionMeta, decode_tensors, encode_submission, quantize
 
-from cluster_kit import PYTHONPATH
 from polling import wait_for
-from test_operator_cluster import cpu_units, job, serving_pair, unit_pods, wait_job_ready  # helpers only
+from test_operator_cluster import cpu_units, job, job_syncer, unit_pods, wait_job_ready  # helpers only
 
 pytestmark = pytest.mark.cluster
 UNIT = "lost-cpu-0"
@@ -43,15 +38,7 @@ def test_a_units_last_fault_shows_its_recovery_and_the_work_its_ended_learner_li
             "outer": {"fragments": 2, "compression": "none"}}
     kubectl.apply(job("lost", cpu_units(1), config=tiny), "-n", ns)
     wait_job_ready(kubectl, ns, "lost", 1)
-    token = base64.b64decode(kubectl.get("secret", "lost-token", ns=ns)["data"]["token"]).decode()
-    config = tmp_path / "config.yaml"
-    config.write_text(kubectl.get("configmap", "lost-config", ns=ns)["data"]["config.yaml"])
-    state = tmp_path / "state"
-    env = {**os.environ, "DILOCO_TOKEN": token, "PYTHONPATH": PYTHONPATH}
-    syncer = subprocess.Popen([sys.executable, "-m", "diloco_trainer.cli", "syncer", "--config", str(config),
-                               "--host", "127.0.0.1", "--port", "0", "--state-dir", str(state),
-                               *serving_pair(kubectl, ns, "lost", tmp_path)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    syncer, state, token = job_syncer(kubectl, ns, "lost", tmp_path)
     life = {"incarnation": "aaaa", "step": 10, "tokens": 10 * PER_STEP}  # the first life: 10 steps trained
     stop, beating = threading.Event(), None
     try:

@@ -430,6 +430,21 @@ def learner_tolerations(spec: api.LearnerUnitSpec) -> list[dict]:
     return tolerations + node_loss_tolerations(spec.tolerations, spec.failurePolicy.nodeLostSeconds)
 
 
+def pod_learner_entrypoint(pods_per_unit: int) -> list[str]:
+    """The learner container's command up to the learner's own arguments: `diloco pod-learner` (runtime/podsup.py), a
+    supervisor that restarts a killed or crashed learner process in place from a warm spare, without the kubelet's
+    CrashLoopBackOff. A rank of a unit of several pods cannot rejoin its group's collectives alone: there the
+    supervisor only passes signals and exit codes on, and the operator restarts the whole unit, as before."""
+    if pods_per_unit > 1:
+        return ["diloco", "pod-learner", "--max-restarts", "0", "--spares", "0", "--"]
+    return ["diloco", "pod-learner", "--"]
+
+
+def learner_arguments(command: list[str]) -> list[str]:
+    """The `diloco learner` arguments in a learner container's command (after pod-learner's `--`)."""
+    return command[command.index("--") + 1:]
+
+
 def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
     """Pod `rank` of incarnation `incarnation` of a unit, placed by nodeSelector/tolerations/resources."""
     spec = api.LearnerUnitSpec.model_validate(unit["spec"])
@@ -444,7 +459,7 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
     if spec.accelerator.topology:
         node_selector[api.TPU_TOPOLOGY_LABEL] = spec.accelerator.topology
     url = spec.syncerUrl or syncer_urls(spec.jobName, spec.syncerTls, spec.syncerShards or 1)
-    command = ["diloco", "learner", "--syncer", url, "--learner-id", name,
+    command = [*pod_learner_entrypoint(spec.podsPerUnit), "--syncer", url, "--learner-id", name,
                "--unit", str(spec.unitIndex), "--units", str(spec.shards or spec.unitIndex + 1), "--device", device, "--state-dir", LEARNER_STATE_DIR,
                "--metrics-port", str(api.METRICS_PORT), "--token-file", TOKEN_FILE,
                "--drain-s", str(spec.failurePolicy.drainSeconds)]

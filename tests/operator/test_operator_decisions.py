@@ -205,7 +205,9 @@ def test_pods_are_placed_on_their_accelerator_pool_with_rendezvous_env():
     assert env["RANK"] == "1" and env["WORLD_SIZE"] == "2" and env["MASTER_ADDR"] == "rank-0.demo-gpu-1"
     assert env["DILOCO_SYNCER_URL"] == "https://demo-syncer:8470" and env["DILOCO_UNIT"] == "4"
     cmd = p["spec"]["containers"][0]["command"]
-    assert cmd[:2] == ["diloco", "learner"] and cmd[cmd.index("--device") + 1] == "cuda"
+    assert cmd[:2] == ["diloco", "pod-learner"] and cmd[cmd.index("--device") + 1] == "cuda"
+    # A rank of a two-pod unit is never restarted alone (it could not rejoin its group): the operator restarts the unit.
+    assert cmd[2:cmd.index("--")] == ["--max-restarts", "0", "--spares", "0"]
     assert p["metadata"]["ownerReferences"][0]["uid"] == "lu-1" and p["spec"]["restartPolicy"] == "Never"
 
 
@@ -309,10 +311,11 @@ def test_every_learner_pod_command_is_accepted_by_the_learner_itself(monkeypatch
         unit = objects.learner_unit(JOB, objects.unit_spec("demo", spec, tmpl, index, unit_index))
         unit["metadata"]["uid"] = "lu"
         container = objects.unit_pod(unit, 0, 0)["spec"]["containers"][0]
-        assert container["command"][:2] == ["diloco", "learner"]
+        # The learner's process is supervised in the pod and restarted in place from a warm spare (runtime/podsup.py).
+        assert container["command"][:3] == ["diloco", "pod-learner", "--"]
         parser = argparse.ArgumentParser()
         learner_main.configure(parser)
-        args = container["command"][2:]
+        args = objects.learner_arguments(container["command"])
         ca = args.index("--ca") + 1  # the CA the pod mounts from its ConfigMap: a file here
         assert args[ca] == f"{objects.LEARNER_CA_DIR}/ca.crt"
         args[ca] = str(tmp_path / "ca.crt")

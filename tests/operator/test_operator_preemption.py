@@ -30,7 +30,7 @@ def drain_s_of(pod: dict) -> float:
 
     parser = argparse.ArgumentParser()
     learner_main.configure(parser)
-    args, _ = parser.parse_known_args(pod["spec"]["containers"][0]["command"][2:])
+    args, _ = parser.parse_known_args(objects.learner_arguments(pod["spec"]["containers"][0]["command"]))
     return args.drain_s
 
 

@@ -12,6 +12,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "local": ("diloco_trainer.runtime.local", "train on this machine: a syncer and N learner processes"),
     "syncer": ("diloco_trainer.syncer.main", "run the syncer service (what the syncer image runs)"),
     "learner": ("diloco_trainer.learner.main", "run one learner unit (what the learner image runs)"),
+    "pod-learner": ("diloco_trainer.runtime.podsup",
+                    "a learner pod's entrypoint: the learner, restarted in place from a warm spare when it dies"),
     "baseline": ("diloco_trainer.baselines.train", "run a baseline: DDP or synchronous DiLoCo"),
     "data": ("diloco_trainer.data.cli", "tokenizers and token shards: train a BPE, prepare text/JSONL/Parquet"),
     "operator": ("diloco_operator.main", "run the Kubernetes operator (kopf)"),

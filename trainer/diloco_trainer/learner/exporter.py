@@ -13,8 +13,9 @@ _GAUGES = prometheus_fields(LearnerRecord, "gauge")
 _COUNTERS = prometheus_fields(LearnerRecord, "counter")
 
 
-def serve_metrics(port: int, snapshot):
-    """Serve Prometheus /metrics on `port` (its own thread) from `snapshot()`, the latest metrics record."""
+def serve_metrics(port: int, snapshot, process_restarts: int = 0):
+    """Serve Prometheus /metrics on `port` (its own thread) from `snapshot()`, the latest metrics record, and
+    how often the pod's supervisor restarted this learner's process in place (runtime/podsup.py)."""
     from prometheus_client import CollectorRegistry, start_http_server
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -35,6 +36,11 @@ def serve_metrics(port: int, snapshot):
             for p, version in (rec.get("versions") or {}).items():
                 v.add_metric(labels + [str(p)], float(version))
             yield v
+            r = CounterMetricFamily("diloco_learner_process_restarts",
+                                    "learner process restarts in place by the pod's supervisor (diloco pod-learner)",
+                                    labels=["learner_id"])
+            r.add_metric(labels, float(process_restarts))
+            yield r
 
     registry = CollectorRegistry()
     registry.register(Collector())

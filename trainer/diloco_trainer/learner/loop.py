@@ -61,6 +61,7 @@ class LearnerOptions:
     save_params: Path | None = None  # write the final local θ here (params-rank{r}.safetensors), for inspection
     ca: Path | None = None  # CA certificate the syncer's (https) certificate is verified against
     restore_inner: bool = True  # resume AdamW and error feedback from the state directory's snapshot (inner_state.py)
+    process_restarts: int = 0  # restarts in place by `diloco pod-learner` before this process (runtime/podsup.py)
 
 
 @dataclass
@@ -434,5 +435,6 @@ class Learner:
             return None
         from diloco_trainer.learner.exporter import serve_metrics
 
-        return serve_metrics(self.opts.metrics_port, lambda: self.metrics_state or self._record(Window()))
+        return serve_metrics(self.opts.metrics_port, lambda: self.metrics_state or self._record(Window()),
+                             process_restarts=self.opts.process_restarts)
 

@@ -50,6 +50,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "come from the syncer, except a sharded syncer's fragments whose shard is down: those "
                              "the snapshot holds (a version that shard issued), until it answers again")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--process-restarts", type=int, default=0, metavar="N",
+                        help="set by `diloco pod-learner`: how often this learner's process was restarted in place "
+                             "(exported as diloco_learner_process_restarts)")
     parser.add_argument("--standby", default=None, metavar="DIR",
                         help="warm spare: import everything, then wait for DIR/assignment.json (the learner "
                              "arguments a supervisor hands over) and become that learner")
@@ -82,6 +85,8 @@ def options_from_args(args: argparse.Namespace):
         raise ValueError(f"--jitter must be < 1, got {args.jitter}")
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.process_restarts < 0:
+        raise ValueError(f"--process-restarts must be >= 0, got {args.process_restarts}")
     if args.log_every < 1:
         raise ValueError(f"--log-every must be >= 1, got {args.log_every}")
     if not args.poll_s > 0:
@@ -100,7 +105,7 @@ def options_from_args(args: argparse.Namespace):
         slowdown=args.slowdown, jitter=args.jitter, log_every=args.log_every, metrics_port=args.metrics_port,
         drain_s=args.drain_s, seed=args.seed, data_cache=Path(args.data_cache) if args.data_cache else None,
         poll_s=args.poll_s, save_params=Path(args.save_params) if args.save_params else None,
-        ca=Path(args.ca) if args.ca else None,
+        ca=Path(args.ca) if args.ca else None, process_restarts=args.process_restarts,
         **({} if args.restore_inner_state is None else {"restore_inner": args.restore_inner_state}))
 
 

@@ -469,6 +469,7 @@ class TemplateScaling(_Api):
     name: str
     desired: int = 0
     running: int = 0
+    queued: int | None = None  # units whose Kueue Workload waits for quota (never parked)
     parkCount: int = 0  # consecutive parks (reset once a unit of the template runs)
     freeUnits: int | None = None  # units that fit on ready, matching nodes now (accelerator templates)
     retryAt: str | None = None  # parked: no new units before this (unless capacity appears)
@@ -490,6 +491,7 @@ class AutoscalingStatus(_Api):
     targetUnits: int = 0  # spec.replicas (or maxUnits) within [minUnits, maxUnits]
     desiredUnits: int = 0  # what it asks for now, given parked templates
     runningUnits: int = 0
+    queuedUnits: int | None = None  # units kept as pending Kueue Workloads (waiting for quota, never parked)
     templates: list[TemplateScaling] = Field(default_factory=list)
     parkedUnits: list[ParkedUnit] = Field(default_factory=list)  # newest first, at most 20
     lastScaleUpTime: str | None = None

@@ -26,6 +26,7 @@ class UnitState:
     unschedulable_since: datetime | None = None  # PodsScheduled=False since
     unschedulable_message: str = ""
     finished: bool = False  # Succeeded or Failed: never parked, never counted as capacity
+    queued: bool = False  # its Kueue Workload waits for quota (Admitted=False): kept, never parked, takes no room
 
 
 @dataclass
@@ -49,7 +50,8 @@ def unit_state(lu: dict) -> UnitState:
                      running=status.get("phase") == "Running",
                      unschedulable_since=C.parse_time(sched.get("lastTransitionTime")) if stuck else None,
                      unschedulable_message=(sched or {}).get("message", "") if stuck else "",
-                     finished=status.get("phase") in ("Succeeded", "Failed"))
+                     finished=status.get("phase") in ("Succeeded", "Failed"),
+                     queued=(C.get_condition(status.get("conditions"), C.ADMITTED) or {}).get("status") == "False")
 
 
 def accelerator_usage(pods: list[dict]) -> dict[str, float]:
@@ -165,6 +167,9 @@ class _Template:
     def kept(self, parked: set[str]) -> int:
         return sum(1 for u in self.units if u.name not in parked)
 
+    def queued(self) -> int:
+        return sum(1 for u in self.units if u.queued and not u.running and not u.finished)
+
 
 def _templates(spec: api.DilocoJobSpec, units: list[UnitState], free: dict[str, int | None],
                old: api.AutoscalingStatus, now: datetime) -> tuple[list[_Template], list[Event]]:
@@ -175,8 +180,10 @@ def _templates(spec: api.DilocoJobSpec, units: list[UnitState], free: dict[str, 
     for t in preference(spec):
         p = prev.get(t.name) or api.TemplateScaling(name=t.name)
         mine = [u for u in units if u.template == t.name]
-        # Room not yet promised: units whose pods the scheduler has not placed nor refused will take some.
-        pending = sum(1 for u in mine if not u.running and not u.finished and u.unschedulable_since is None)
+        # Room not yet promised: units whose pods the scheduler has not placed nor refused will take some (a unit
+        # queued in Kueue has no pod yet: it takes room only once admitted).
+        pending = sum(1 for u in mine if not u.running and not u.finished and not u.queued
+                      and u.unschedulable_since is None)
         room = free.get(t.name)
         tpl = _Template(t, mine, None if room is None else max(0, room - pending),
                         C.parse_time(p.retryAt), p.parkCount, p.reason or "")
@@ -194,8 +201,9 @@ def _templates(spec: api.DilocoJobSpec, units: list[UnitState], free: dict[str, 
 
 
 def _stuck(tpl: _Template, now: datetime, timeout: timedelta) -> list[UnitState]:
-    """Units Unschedulable longer than the provisioning timeout (a cluster autoscaler had its chance)."""
-    return [u for u in tpl.units if not u.running and not u.finished and u.unschedulable_since
+    """Units Unschedulable longer than the provisioning timeout (a cluster autoscaler had its chance). A unit queued
+    in Kueue never is: it waits for quota, not for a node (see docs/operator.md, Kueue and autoscaling)."""
+    return [u for u in tpl.units if not u.running and not u.finished and not u.queued and u.unschedulable_since
             and now - u.unschedulable_since >= timeout]
 
 
@@ -292,7 +300,9 @@ def decide(spec: api.DilocoJobSpec, units: list[UnitState], free: dict[str, int 
     by_name = {t.spec.name: t for t in templates}
     status = api.AutoscalingStatus(
         targetUnits=target, desiredUnits=sum(counts.values()), runningUnits=sum(t.running(parked) for t in templates),
+        queuedUnits=sum(t.queued() for t in templates),
         templates=[api.TemplateScaling(name=t.spec.name, desired=counts[t.spec.name], running=t.running(parked),
+                                       queued=t.queued(),
                                        parkCount=t.park_count, freeUnits=t.free, retryAt=_iso(t.retry_at),
                                        reason=t.reason if t.retry_at else None) for t in templates],
         parkedUnits=([api.ParkedUnit(name=u.name, template=u.template, reason=by_name[u.template].reason,
@@ -308,6 +318,9 @@ def _limited(status: api.AutoscalingStatus, templates: list[_Template], up_ok: b
              a: api.Autoscaling) -> tuple[bool, str, str]:
     """The ScalingLimited condition: (status, reason, message)."""
     desired, target = status.desiredUnits, status.targetUnits
+    if desired >= target and status.queuedUnits:
+        return True, C.Reason.WAITING_FOR_QUOTA, (f"{desired} units wanted (target {target}); {status.queuedUnits} "
+                                                  "wait for quota in Kueue: their Workloads stay queued")
     if desired >= target:
         return False, C.Reason.TARGET_MET, f"{desired} units wanted (target {target})"
     if not up_ok:
@@ -322,7 +335,7 @@ def _wake(templates: list[_Template], units: list[UnitState], parked: set[str], 
     """Seconds until the next decision is due: a backoff or a cooldown ends, or a pending unit times out."""
     wakes = [(t.retry_at - now).total_seconds() for t in templates if t.retry_at is not None]
     wakes += [(u.unschedulable_since + timeout - now).total_seconds() for u in units
-              if u.unschedulable_since and not u.running and u.name not in parked]
+              if u.unschedulable_since and not u.running and not u.queued and u.name not in parked]
     if not up_ok and last_up:
         wakes.append(a.scaleUpCooldownSeconds - (now - last_up).total_seconds())
     if stuck and not down_ok and last_down:

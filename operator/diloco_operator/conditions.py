@@ -46,6 +46,7 @@ class Reason:
     # Autoscaling (condition ScalingLimited and the Events of its decisions)
     TARGET_MET = "TargetMet"
     CAPACITY_UNAVAILABLE = "CapacityUnavailable"
+    WAITING_FOR_QUOTA = "WaitingForQuota"  # every unit wanted exists; some wait for Kueue to admit their Workloads
     COOLDOWN = "Cooldown"
     SCALED_UP = "ScaledUp"
     SCALED_DOWN = "ScaledDown"

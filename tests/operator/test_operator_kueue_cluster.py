@@ -1,6 +1,7 @@
 """Kueue admission per learner unit against a real Kueue (hack/build-kueue.sh) on the local control plane: a job grows
 into the quota its ClusterQueue gives, grows further when the quota is raised or when its finished units free theirs,
-and loses one unit, not the job, when a higher-priority Workload preempts it."""
+and loses one unit, not the job, when a higher-priority Workload preempts it; an autoscaled job keeps the units its
+quota lacks as queued Workloads (not parked) until Kueue admits them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from diloco_operator import kueue
 
 from kueue_kit import KUEUE_API, Kueue, cluster_queue, local_queue, priority_class, resource_flavor
 from polling import wait_for
-from test_operator_autoscale_cluster import GPU_TAINT, H100, POOL, Nodes
+from test_operator_autoscale_cluster import GPU_TAINT, H100, POOL, Nodes, autoscaled_job, autoscaling, template
 from test_operator_cluster import condition, events, job, running, unit_pods
 
 pytestmark = pytest.mark.cluster
@@ -176,3 +177,49 @@ def test_units_that_complete_free_their_quota_for_the_waiting_ones(kubectl, kueu
     rest = sorted(set(units) - set(first))
     wait_for(lambda: running_units(kubectl, ns, rest) == rest, 60, "the waiting units running", 0.5)
     assert all(kubectl.get("lu", u, ns=ns)["status"]["phase"] == "Succeeded" for u in first)
+
+
+def test_an_autoscaled_job_keeps_the_units_its_quota_lacks_as_queued_workloads_and_they_run_when_it_is_raised(
+        kubectl, kueue_operator, ns, queue):
+    body = autoscaled_job("auto", [template(ns, "h100", "gpu", {"type": "nvidia-h100-80gb", "count": 8}, 4)],
+                          minUnits=1, maxUnits=4, provisioningTimeoutSeconds=1)
+    body["metadata"]["labels"] = {kueue.QUEUE_LABEL: "team"}
+    kubectl.apply(body, "-n", ns)
+    applied = time.monotonic()
+    units = [f"auto-h100-{i}" for i in range(4)]
+    # Quota for 2 of the 4 units it wants: 2 run, 2 stay as queued Workloads, and the job says it waits for quota.
+    wait_for(lambda: (a := autoscaling(kubectl, ns, "auto")).get("runningUnits") == 2 and a.get("queuedUnits") == 2,
+             60, "2 units running and 2 queued in the autoscaling status", 0.5)
+    dj = kubectl.get("dj", "auto", ns=ns)
+    assert condition(dj, C.SCALING_LIMITED)["reason"] == C.Reason.WAITING_FOR_QUOTA, dj["status"]
+    running_now = running_units(kubectl, ns, units)
+    waiting = sorted(set(units) - set(running_now))
+    assert len(running_now) == 2 and all(workload(kubectl, ns, u) and not admitted(workload(kubectl, ns, u))
+                                         for u in waiting)
+    uids = {u: unit_pods(kubectl, ns, u)[0]["metadata"]["uid"] for u in running_now}
+
+    # Long past the provisioning timeout (1 s) the autoscaler decides again (kubectl scale to 3, as an HPA would):
+    # nothing is parked; the job sheds one queued Workload, never a running unit.
+    wait_for(lambda: time.monotonic() - applied > 5, 10, "five provisioning timeouts", 0.5)
+    kubectl.run("scale", "dj", "auto", "-n", ns, "--replicas=3")
+    wait_for(lambda: (a := autoscaling(kubectl, ns, "auto")).get("targetUnits") == 3 and a.get("queuedUnits") == 1,
+             60, "target 3: one queued unit left", 0.5)
+    a = autoscaling(kubectl, ns, "auto")
+    assert a.get("parkedUnits", []) == [] and not events(kubectl, ns, C.Reason.UNITS_PARKED), a
+    def kept() -> list[str]:
+        return [u for u in waiting
+                if (lu := kubectl.get("lu", u, ns=ns)) and not lu["metadata"].get("deletionTimestamp")]
+    (left,) = wait_for(lambda: len(k := kept()) == 1 and k, 30, "one of the two queued units kept", 0.3)
+    assert workload(kubectl, ns, left) and not admitted(workload(kubectl, ns, left)), "still a pending Workload"
+    assert {u: unit_pods(kubectl, ns, u)[0]["metadata"]["uid"] for u in running_now} == uids, "running units untouched"
+
+    # More quota: Kueue admits the queued Workload and its unit trains; the target is met.
+    raised = time.monotonic()
+    kubectl.apply(cluster_queue(queue, f"{ns}-h100", {GPUS: 32}, ns))
+    wait_for(lambda: left in running_units(kubectl, ns, [left]), 60, "the queued unit running", 0.2)
+    print(f"[kueue] autoscaled: quota raised -> the queued unit's pod Running in {time.monotonic() - raised:.1f} s",
+          file=sys.stderr)
+    wait_for(lambda: (a := autoscaling(kubectl, ns, "auto")).get("runningUnits") == 3 and a.get("queuedUnits") == 0
+             and condition(kubectl.get("dj", "auto", ns=ns), C.SCALING_LIMITED).get("reason") == C.Reason.TARGET_MET,
+             30, "3 running, none queued, ScalingLimited=False", 0.3)
+    assert not events(kubectl, ns, C.Reason.UNITS_PARKED)

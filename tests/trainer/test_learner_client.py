@@ -141,13 +141,33 @@ def test_a_queued_submission_is_superseded_by_a_fresh_one_with_the_same_id():
     try:
         old = Submission(0, 3, "nobody.x.p0.v3", b"old", 2, 100)
         new = Submission(0, 3, "nobody.x.p0.v3", b"new", 5, 250)
-        c.submit(old)
-        c.submit(new)
+        assert c.submit(old) and c.submit(new)
         c.submit(Submission(1, 3, "nobody.x.p1.v3", b"other", 1, 50))
         assert c.pending() == 2 and c.snapshot()["superseded"] == 1
         assert c._outbox["nobody.x.p0.v3"] is new
     finally:
         c.close()
+
+
+def test_a_submission_on_its_way_to_the_syncer_is_never_superseded(client, syncer):
+    """Once the sender has taken a Δ, a fresh Δ with its id is refused until the answer is booked: the syncer merges
+    one Δ per id, so replacing it would drop the steps only the fresh one covers when the first is merged."""
+    boot = client.bootstrap()
+    p, base = 1, boot.versions[1]
+    sid = f"{client.learner_id}.x.p{p}.v{base}"
+    first = _body(client, boot.plan, boot.theta, p, base, sid, c_steps=2)
+    syncer.send(signal.SIGSTOP)  # the request reaches its socket, the answer waits
+    try:
+        assert client.submit(first)
+        wait_for(lambda: client._posting == sid, 30, "the sender to take the first Δ")
+        assert not client.submit(_body(client, boot.plan, boot.theta, p, base, sid, c_steps=6))
+        assert client._outbox[sid] is first and client.snapshot()["superseded"] == 0
+    finally:
+        syncer.send(signal.SIGCONT)
+    (answer,) = _answers(client)
+    assert answer.accepted and (answer.c_steps, answer.c_tokens) == (2, 2 * 512)
+    assert not client.submit(_body(client, boot.plan, boot.theta, p, base, sid, c_steps=6)), "acknowledged"
+    assert client.pending() == 0
 
 
 def test_bootstrap_keeps_retrying_while_no_syncer_answers_until_stopped():

@@ -195,6 +195,33 @@ def test_error_feedback_residuals_carry_what_int4_dropped_into_the_next_send():
     assert residual is not None and torch.allclose(deltas["a"] + residual, -params["a"])
 
 
+@pytest.mark.parametrize("adopt", ["overwrite", "keep"])
+def test_a_delta_the_link_may_have_delivered_stands_and_the_steps_after_it_are_discarded_or_carried_not_lost(adopt):
+    # H=4: fragment 0's Δ after step 4 is on the wire when its next falls due after step 8. The link refuses a fresh
+    # Δ of that id (the syncer merges one per id): the first stands, and once it is acknowledged the four steps
+    # after it count as trained after an acknowledged Δ (discarded by overwrite, carried by keep), never as merged.
+    sync, params = make(adopt, compression="int4")
+    train(sync, params, 4, by=0.013)
+    params["a"].add_(torch.tensor([0.0, 0.013, -0.7, 1.0]))  # uneven: int4 leaves a residual
+    first = sent_of(sync, 4, 0)
+    residual = sync.ef.residual("a").clone()
+    assert residual.abs().sum() > 0
+    train(sync, params, 4, by=0.013)
+    offered = []
+    assert [s.fragment for s in sync.send_due(8, "l0", "n0", lambda sub: offered.append(sub) or sub.fragment != 0)] \
+        == [1]
+    assert [s.submission_id for s in offered if s.fragment == 0] == [first.submission_id]
+    assert torch.equal(sync.ef.residual("a"), residual), "the residuals are those the standing Δ left"
+    sync.book([answer(first)])
+    sync.adopt(0, 2, {"a": torch.full((4,), 10.0)}, step=8)
+    if adopt == "overwrite":
+        assert (sync.steps_discarded, sync.frags[0].c_steps) == (4, 0)
+        assert torch.equal(params["a"], torch.full((4,), 10.0))
+    else:
+        assert (sync.steps_kept, sync.frags[0].c_steps) == (4, 4)
+        assert torch.allclose(params["a"], torch.full((4,), 10.0 - 4 * 0.013)), "the four steps ride on top"
+
+
 def test_keep_with_a_fraction_carries_that_share_of_the_progress_and_of_its_counters():
     params = {"a": torch.zeros(4), "b": torch.zeros(2, 2)}
     sync = OuterSync(PLAN, {0: 1, 1: 1}, params, sync_every=4, adopt="keep", compression="none", block_size=8,

@@ -53,6 +53,7 @@ class SyncerClient:
         self._lock = threading.Lock()
         self._outbox: OrderedDict[str, Submission] = OrderedDict()  # submission id -> latest body
         self._maybe_delivered: dict[str, Submission] = {}  # first attempt whose fate is unknown, per id
+        self._posting: str | None = None  # the id the sender is sending now, until its answer is booked
         self._acked_ids: set[str] = set()
         self._updates: dict[int, FragmentUpdate] = {}  # fragment -> newest fetched, not yet adopted
         self._answers: list[Answer] = []
@@ -96,15 +97,19 @@ class SyncerClient:
             self._saved_versions = None if versions is None else dict(versions)
             return True
 
-    def submit(self, sub: Submission) -> None:
-        """Queue a submission; a queued, unsent one with the same id is replaced (it is superseded)."""
+    def submit(self, sub: Submission) -> bool:
+        """Queue a submission; a queued, unsent one with the same id is replaced (it is superseded). False, and
+        nothing queued, when one with that id may have reached the syncer already (being sent, or sent without an
+        answer) or was acknowledged: the syncer merges one Δ per id, so the earlier one stands."""
         with self._lock:
-            if sub.submission_id in self._acked_ids:
-                return  # already acknowledged: the learner should not even have built it
-            if sub.submission_id in self._outbox:
+            sid = sub.submission_id
+            if sid in self._acked_ids or sid == self._posting or sid in self._maybe_delivered:
+                return False
+            if sid in self._outbox:
                 self.stats.superseded += 1
-            self._outbox[sub.submission_id] = sub
+            self._outbox[sid] = sub
         self._loop.call_soon_threadsafe(self._wake_sender.set)
+        return True
 
     def take_updates(self) -> list[FragmentUpdate]:
         """Newer fragment versions fetched since the last call (one per fragment, the newest)."""
@@ -303,6 +308,7 @@ class SyncerClient:
         while True:
             with self._lock:
                 sub = next(iter(self._outbox.values()), None)
+                self._posting = None if sub is None else sub.submission_id  # from now on it is not superseded
             if sub is None:
                 self._wake_sender.clear()
                 await self._wake_sender.wait()
@@ -322,10 +328,14 @@ class SyncerClient:
                 # later "duplicate" answer is accounted with the counters the syncer actually holds.
                 with self._lock:
                     self._maybe_delivered.setdefault(sub.submission_id, sub)
+                    self._posting = None
                 self._set_up(False, str(exc) or type(exc).__name__)
                 await asyncio.sleep(self._delay(attempt))
                 attempt += 1
                 continue
+            if status == 429 or status >= 500:  # not taken: a fresher Δ may replace it while this one waits
+                with self._lock:
+                    self._posting = None
             if status == 429:  # one of ours for this fragment still waits for its merge (or is being read): later
                 await asyncio.sleep(self._delay(attempt))
                 attempt += 1
@@ -354,13 +364,13 @@ class SyncerClient:
 
     def _settle(self, sub: Submission, status: int, answer: SubmitAnswer | ErrorAnswer, delivered: bool = True) -> None:
         """Book the syncer's answer to `sub` (or a refusal decided here, `delivered=False`) and drop its id from the
-        outbox: a fresher Δ queued meanwhile with the same id comes from the same base, so it is either already
-        counted or equally refused."""
+        outbox (`submit` queues no fresher Δ with the id being sent, so nothing else is dropped with it)."""
         reason = answer.error if isinstance(answer, ErrorAnswer) else ""
         duplicate = isinstance(answer, SubmitAnswer) and answer.duplicate
         with self._lock:
             self.stats.sent += delivered
             self._outbox.pop(sub.submission_id, None)
+            self._posting = None
             held = sub
             if 200 <= status < 300:
                 if duplicate:  # the syncer kept an earlier attempt whose answer we never saw

@@ -84,8 +84,9 @@ class SyncerLink(Protocol):
         """Register and pull Θ, then start syncing. `held` gives the learner's saved Θ, which a sharded link may
         train from while a shard is away (a single syncer has nothing to start without)."""
 
-    def submit(self, sub: Submission) -> None:
-        """Queue a submission; a queued, unsent one with the same id is replaced (it is superseded)."""
+    def submit(self, sub: Submission) -> bool:
+        """Queue a submission; a queued, unsent one with the same id is replaced (it is superseded). False, and
+        nothing queued, when one with that id may already have reached the syncer, or was acknowledged."""
 
     def take_updates(self) -> list[FragmentUpdate]:
         """Newer fragment versions fetched since the last call (one per fragment, the newest)."""

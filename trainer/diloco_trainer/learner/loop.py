@@ -19,7 +19,7 @@ import torch
 
 from diloco_trainer.learner import devices
 from diloco_trainer.learner.devices import UnitGroup
-from diloco_trainer.learner.link import FragmentUpdate, SyncerLink
+from diloco_trainer.learner.link import FragmentUpdate, Submission, SyncerLink
 from diloco_trainer.learner.sharded_client import make_client
 from diloco_trainer.protocol.shardmap import split_syncer_urls
 from diloco_trainer.config import TrainConfig
@@ -266,9 +266,7 @@ class Learner:
             # the work this Δ carries.
             due = [n for p in self.outer.due_fragments(self.step) for n in self.plan[p]]
             with self.inner.full(due):
-                subs = self.outer.send_due(self.step, self.opts.learner_id, self.nonce)
-            for sub in subs:
-                self.client.submit(sub)
+                self.outer.send_due(self.step, self.opts.learner_id, self.nonce, self._queue)
             stop = self._adopt_updates()
 
             step_s = time.monotonic() - started
@@ -297,6 +295,10 @@ class Learner:
         return self.inner.step(x, y, self.inner.lr_at(self.steps_before + self.step + 1))
 
     # ------------------------------------------------------------------ outer gradients
+
+    def _queue(self, sub: Submission) -> bool:
+        """Hand a Δ to the link (only the rank that talks to the syncer builds one)."""
+        return self.client.submit(sub)
 
     def _book_answers(self) -> None:
         if self.client is not None:
@@ -401,9 +403,7 @@ class Learner:
             self._adopt_updates()
             flush = self.group.broadcast_json(self.outer.flushable() if self.group.is_main else None)
             with self.inner.full([n for p in flush for n in self.plan[p]]):
-                subs = self.outer.flush(self.opts.learner_id, self.nonce)
-            for sub in subs:
-                self.client.submit(sub)
+                self.outer.flush(self.opts.learner_id, self.nonce, self._queue)
             left = self.client is not None and bool(self.outer.unsettled() or self.client.pending())
             done = self.group.broadcast_json(not left or time.monotonic() >= deadline)
             if done:

@@ -15,6 +15,7 @@ Adoption (`outer.adopt`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,6 +27,7 @@ from diloco_trainer.protocol.fragments import first_due_step
 from diloco_trainer.protocol.wire import ErrorFeedback, SubmissionMeta, encode_submission
 
 AdoptMode = Literal["keep", "overwrite"]
+QueueFn = Callable[[Submission], bool]  # hands a Δ to the link: False when it keeps an earlier Δ of that id instead
 
 
 def submission_id(learner_id: str, nonce: str, fragment: int, base_version: int) -> str:
@@ -104,12 +106,13 @@ class OuterSync:
         """The fragments `send_due(step)` sends (every rank of a unit knows them: the clocks move on every rank)."""
         return [p for p, fs in enumerate(self.frags) if step >= fs.next_due]
 
-    def send_due(self, step: int, learner_id: str, nonce: str) -> list[Submission]:
-        """Δs of the fragments due after local step `step`; each fragment's clock moves H steps on."""
+    def send_due(self, step: int, learner_id: str, nonce: str, queue: QueueFn | None = None) -> list[Submission]:
+        """Δs of the fragments due after local step `step`, each handed to `queue`; each fragment's clock moves H
+        steps on."""
         out = []
         for p, fs in enumerate(self.frags):
             if step >= fs.next_due:
-                sub = self.outer_gradient(p, learner_id, nonce)
+                sub = self.outer_gradient(p, learner_id, nonce, queue)
                 if sub is not None:
                     out.append(sub)
                 fs.next_due = step + self.sync_every
@@ -121,10 +124,10 @@ class OuterSync:
         return [p for p, fs in enumerate(self.frags)
                 if self.sends and fs.c_steps > 0 and not (fs.acked or fs.in_flight or fs.refused)]
 
-    def flush(self, learner_id: str, nonce: str) -> list[Submission]:
+    def flush(self, learner_id: str, nonce: str, queue: QueueFn | None = None) -> list[Submission]:
         """Δs of the fragments with work no sent Δ covers (the learner is leaving). A fragment whose Δ is still
         unanswered keeps it (its answer comes during the drain; superseding it there could race its delivery)."""
-        return [s for p in self.flushable() if (s := self.outer_gradient(p, learner_id, nonce)) is not None]
+        return [s for p in self.flushable() if (s := self.outer_gradient(p, learner_id, nonce, queue)) is not None]
 
     def unsettled(self) -> list[int]:
         """The fragments a leaving learner still has trained work on that no acknowledged Δ covers: unsent, or
@@ -138,16 +141,19 @@ class OuterSync:
                 if fs.c_steps > 0 and not fs.refused
                 and (not fs.acked or (keep and fs.c_steps > fs.sent_steps))]
 
-    def outer_gradient(self, p: int, learner_id: str, nonce: str) -> Submission | None:
-        """Δ_p = Θ_p(base) − θ_p, compressed with error feedback; None when there is nothing to send."""
+    def outer_gradient(self, p: int, learner_id: str, nonce: str, queue: QueueFn | None = None) -> Submission | None:
+        """Δ_p = Θ_p(base) − θ_p, compressed with error feedback, handed to `queue` (when given); None when there is
+        nothing to send, or when `queue` refuses it: a Δ from this base may already have reached the syncer, which
+        merges at most one Δ per id, so that one stands and the steps since count as trained after it (a newer
+        version discards them with overwrite and carries them with keep, as after any acknowledged Δ)."""
         fs = self.frags[p]
         if not self.sends or fs.acked or fs.c_steps == 0:
             return None
         names = self.plan[p]
+        now = {n: self.ef.residual(n) for n in names}
+        start = now if fs.ef_before is None else fs.ef_before
         if fs.ef_before is not None:  # superseding an unanswered Δ: compress from the residuals it started from
-            self._restore_residuals(fs.ef_before)
-        else:
-            fs.ef_before = {n: self.ef.residual(n) for n in names}
+            self._restore_residuals(start)
         with torch.no_grad():
             deltas = {n: fs.base[n] - self._local(n) for n in names}
         parts = self.ef.compress(deltas, self.compression, self.block_size)
@@ -155,12 +161,17 @@ class OuterSync:
         meta = SubmissionMeta(learner_id, sid, p, fs.version, fs.c_steps, fs.c_tokens)
         body = encode_submission(meta, parts, self.compression, self.block_size,
                                  {n: tuple(self.params[n].shape) for n in names})
+        sub = Submission(p, fs.version, sid, body, fs.c_steps, fs.c_tokens)
+        if queue is not None and not queue(sub):
+            self._restore_residuals(now)  # as if never built: the residuals of the Δ that stands
+            return None
+        fs.ef_before = start
         fs.in_flight = True
         if self.adopt_mode == "keep":
             fs.sent = self._copy(names)
         fs.sent_steps, fs.sent_tokens = fs.c_steps, fs.c_tokens
         self.queued += 1
-        return Submission(p, fs.version, sid, body, fs.c_steps, fs.c_tokens)
+        return sub
 
     def _restore_residuals(self, before: dict[str, Tensor | None]) -> None:
         state = self.ef.state_dict()

@@ -148,8 +148,8 @@ class ShardedSyncerClient:
     def _client_of(self, fragment: int) -> SyncerClient:
         return self.shards[shard_of(fragment, self.num_fragments, len(self.shards))]
 
-    def submit(self, sub: Submission) -> None:
-        self._client_of(sub.fragment).submit(sub)
+    def submit(self, sub: Submission) -> bool:
+        return self._client_of(sub.fragment).submit(sub)
 
     def take_updates(self) -> list[FragmentUpdate]:
         """Newer versions from every shard (SyncerRefused when a shard that answered late cannot be used)."""

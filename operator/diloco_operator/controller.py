@@ -9,7 +9,7 @@ import base64
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 from datetime import datetime, timezone
 
@@ -23,6 +23,7 @@ from diloco_operator import jobplan
 from diloco_operator import objects as O
 from diloco_operator import refusal
 from diloco_operator import faultwork, jobstatus, kueue, nodeloss, syncer_status, unitplan
+from diloco_operator.jobstate import JobState, JobStates, SyncerTls, TlsRead
 from diloco_operator.kueue_gate import KueueGate
 from diloco_operator.cache import Cache
 from diloco_kube.client import (CONFIGMAPS, DEPLOYMENTS, DILOCOJOBS, LEARNERUNITS, NETWORKPOLICIES, NODES, PODS,
@@ -84,17 +85,6 @@ class _NotTheJobs:
         return lu is not None and unitplan.job_controller_uid(lu) != self.uid
 
 
-@dataclass
-class SyncerTls:
-    """The syncer's certificate as the operator last saw it (spec.syncer.tls)."""
-
-    secret: str | None = None  # the Secret the syncer serves from (None: plain HTTP)
-    ca: str | None = None  # ca.crt (PEM): what learners and the operator verify the syncer against
-    cert_hash: str | None = None  # of tls.crt: a new certificate rolls the syncer
-    problem: str | None = None  # what is wrong with the user's Secret, naming the field
-    events: list[tuple[str, str, str]] = field(default_factory=list)
-
-
 class Controller:
     """Reconciles DilocoJobs and LearnerUnits from a queue fed by watch events and a periodic resync."""
 
@@ -110,11 +100,7 @@ class Controller:
         # in the key: a job re-created under its old name owns none of what was ensured for the old one.
         self.ensured: dict[tuple[str, ...], tuple[str, float]] = {}
         self.ensure_ttl_s = ensure_ttl_s
-        self.tokens: dict[tuple[str, str, str], str] = {}  # (ns, job, job uid) -> the syncer's bearer token
-        # (ns, job, job uid) -> the learner epochs document as last written (jobplan.token_epochs)
-        self.epochs: dict[tuple[str, str, str], dict[str, dict]] = {}
-        # (ns, job, uid, mode, secret) -> (the syncer's TLS as last read, when): Secrets are not watched
-        self.tls: dict[tuple, tuple[SyncerTls, float]] = {}
+        self.jobs = JobStates()  # what is remembered of each job, by its UID (jobstate.py)
         self.workers = workers
         self.resync_s = resync_s
         self.queue: asyncio.Queue[Key] = asyncio.Queue()
@@ -123,8 +109,6 @@ class Controller:
         self.dirty: set[Key] = set()
         self.known: set[Key] = set()
         self.failures: dict[Key, int] = {}
-        self.syncer_info: dict[tuple[str, str, int], jobstatus.SyncerReading] = {}  # (ns, job, shard) -> last read
-        self.syncer_polled: dict[tuple[str, str, str], float] = {}
         self.syncer_poll_s = 10.0
         # (ns, unit) -> (uid, status decided but not written yet, write it by): a launch's Pending status waits up
         # to first_launch_wait_s for its pods (unitplan.status_may_wait), so it is usually written once, as Running.
@@ -132,9 +116,6 @@ class Controller:
         self.first_launch_wait_s = first_launch_wait_s
         self.background: set[asyncio.Task] = set()
         self.remotes = RemoteClusters(kube)
-        self.swept: dict[tuple[str, str, str], float] = {}  # (ns, job, cluster) -> last orphan sweep
-        # (ns, job, cluster) -> (template -> units that fit there, when): remote Nodes are listed, not watched
-        self.remote_room: dict[tuple[str, str, str], tuple[dict[str, int | None], float]] = {}
         # node -> when this operator first saw it not Ready (nodeloss.not_ready); dropped once it is Ready
         self.node_down_since: dict[str, datetime] = {}
         self.kueue = KueueGate(kube, cache, self._ensure)  # units of jobs queued in Kueue (kueue.py)
@@ -290,17 +271,8 @@ class Controller:
         if job is None or job["metadata"].get("deletionTimestamp"):
             self.remotes.forget(ns, name)
             metrics.forget_job(ns, name)
-            for cache in (self.swept, self.remote_room):
-                for key in [k for k in cache if k[:2] == (ns, name)]:
-                    del cache[key]
+            self.jobs.drop(ns, name)  # everything remembered of the job
             self.forget(("job", ns, name))
-            for key in [k for k in self.syncer_info if k[:2] == (ns, name)]:
-                del self.syncer_info[key]
-            for key in [k for k in self.syncer_polled if k[:2] == (ns, name)]:
-                del self.syncer_polled[key]
-            for cache in (self.tls, self.epochs):
-                for key in [k for k in cache if k[:2] == (ns, name)]:
-                    del cache[key]
             return  # the garbage collector removes everything the job owns
         now = datetime.now(timezone.utc)
         old_status = job.get("status") or {}
@@ -334,7 +306,8 @@ class Controller:
                                     prefix="invalid spec: ", refusal=refused)
             return
         syncer_ready = all(ready)
-        readings = {i: self.syncer_info.get((ns, name, i)) for i in range(shards)}
+        state = self.jobs.of(job)
+        readings = {i: state.syncer_readings.get(i) for i in range(shards)}
 
         uid = job["metadata"].get("uid")
         lus = self._own_units(ns, name, uid)
@@ -453,13 +426,13 @@ class Controller:
         learner pods (listed, at most every REMOTE_POLL_S). A cluster that does not answer has no room (the
         autoscaler then grows nothing there and touches no unit running there)."""
         ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+        state = self.jobs.of(job)
         out: dict[str, int | None] = {}
         for cluster in spec.clusters:
             templates = [t.name for t in spec.units if t.cluster == cluster.name]
             if not templates:
                 continue
-            key = (ns, name, cluster.name)
-            cached = self.remote_room.get(key)
+            cached = state.remote_room.get(cluster.name)
             if cached is None or time.monotonic() - cached[1] >= REMOTE_POLL_S:
                 try:
                     remote = await self.remotes.get(ns, name, cluster)
@@ -472,7 +445,7 @@ class Controller:
                         raise
                     self.remotes.failed(ns, name, cluster.name, f"cluster {cluster.name}: {exc}")
                     room = {t: 0 for t in templates}
-                cached = self.remote_room[key] = ({t: room[t] for t in templates}, time.monotonic())
+                cached = state.remote_room[cluster.name] = ({t: room[t] for t in templates}, time.monotonic())
             out.update(cached[0])
         return out
 
@@ -499,10 +472,10 @@ class Controller:
     async def _sweep_remote_orphans(self, job: dict, spec: api.DilocoJobSpec, units: set[str]) -> None:
         """Remove what units that no longer exist left in remote clusters (scaled down, deleted by hand): at home
         the garbage collector does that; there nobody else would. At most every REMOTE_SWEEP_S per job."""
-        key = (job["metadata"]["namespace"], job["metadata"]["name"], "")
-        if time.monotonic() - self.swept.get(key, 0.0) < REMOTE_SWEEP_S:
+        state = self.jobs.of(job)
+        if time.monotonic() - state.swept_at < REMOTE_SWEEP_S:
             return
-        self.swept[key] = time.monotonic()
+        state.swept_at = time.monotonic()
         await self._remote_delete(job, spec, keep=units)
 
     async def _remote_cleanup_and_release(self, job: dict) -> None:
@@ -560,11 +533,11 @@ class Controller:
         secret = O.tls_secret_name(name, spec.syncer.tls)
         if secret is None:
             return SyncerTls()
-        key = (ns, name, job["metadata"].get("uid"), spec.syncer.tls.effective_mode, secret)
-        cached = self.tls.get(key)
+        job_state, mode = self.jobs.of(job), spec.syncer.tls.effective_mode
+        cached = job_state.tls if job_state.tls and (job_state.tls.mode, job_state.tls.secret) == (mode, secret) else None
         # A broken user Secret is looked at again soon: the user is fixing it.
-        if cached and time.monotonic() - cached[1] < (self.ensure_ttl_s if not cached[0].problem else 5.0):
-            return cached[0]
+        if cached and time.monotonic() - cached.at < (self.ensure_ttl_s if not cached.state.problem else 5.0):
+            return cached.state
         obj = await self.kube.get(SECRETS, ns, secret)
         if spec.syncer.tls.effective_mode == "Auto":  # the operator's own Secret: never someone else's of that name
             _check_controller(SECRETS, O.auto_tls_secret(job, {}), obj)
@@ -590,40 +563,36 @@ class Controller:
         if data and not state.problem:
             state.ca, state.cert_hash = data[certs.CA_CRT], O.spec_hash(data[certs.TLS_CRT])
             await self._ensure(CONFIGMAPS, O.ca_config_map(job, state.ca))
-        for old in [k for k in self.tls if k[:2] == (ns, name)]:  # the spec or the job changed: one entry per job
-            del self.tls[old]
-        self.tls[key] = (state, time.monotonic())
+        job_state.tls = TlsRead(mode, secret, state, time.monotonic())  # one per job: the spec may have changed
         return state
 
     def _poll_syncer(self, job: dict, tls: SyncerTls, shard: int = 0, shards: int = 1) -> None:
         """Start a background poll of one syncer shard (at most one in flight, at most every syncer_poll_s);
         reconciles read the cached answer, so a slow or unreachable syncer never delays healing."""
-        ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
         url = syncer_status.syncer_address(job, api.SYNCER_PORT, tls=tls.secret is not None, shard=shard,
                                            shards=shards, trust_annotation=self.trust_syncer_url)
-        key = (ns, name, url)
-        last = self.syncer_polled.get(key)
+        state = self.jobs.of(job)
+        last = state.syncer_polled.get(url)
         if last is not None and time.monotonic() - last < self.syncer_poll_s:
             return
-        self.syncer_polled[key] = time.monotonic()
-        task = asyncio.create_task(self._fetch_syncer(ns, name, job["metadata"].get("uid", ""), url, tls.ca,
-                                                      shard, shards))
+        state.syncer_polled[url] = time.monotonic()
+        task = asyncio.create_task(self._fetch_syncer(state, url, tls.ca, shard, shards))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    async def _job_token(self, ns: str, name: str, uid: str) -> str:
+    async def _job_token(self, state: JobState) -> str:
         """The job's token (the syncer's), read once: created once, never changed ("" while it does not exist)."""
-        if (token := self.tokens.get((ns, name, uid))) is None:
-            secret = await self.kube.get(SECRETS, ns, O.secret_name(name))
+        if (token := state.token) is None:
+            secret = await self.kube.get(SECRETS, state.namespace, O.secret_name(state.name))
             token = base64.b64decode((secret or {}).get("data", {}).get(O.TOKEN_KEY, "")).decode()
             if token:
-                self.tokens[(ns, name, uid)] = token
+                state.token = token
         return token
 
     async def _learner_epochs(self, job: dict) -> dict[str, dict]:
         """The job's learner epochs document (as last written; read back from its ConfigMap once), ensured to exist."""
-        key = (job["metadata"]["namespace"], job["metadata"]["name"], job["metadata"].get("uid", ""))
-        if (known := self.epochs.get(key)) is None:
+        key = (job["metadata"]["namespace"], job["metadata"]["name"])
+        if (known := self.jobs.of(job).epochs) is None:
             cm = await self.kube.get(CONFIGMAPS, key[0], O.epochs_config_name(key[1]))
             known = {}
             if cm is not None:
@@ -637,9 +606,8 @@ class Controller:
         return known
 
     async def _write_learner_epochs(self, job: dict, epochs: dict[str, dict]) -> None:
-        key = (job["metadata"]["namespace"], job["metadata"]["name"], job["metadata"].get("uid", ""))
         await self._ensure(CONFIGMAPS, O.learner_epochs_config_map(job, epochs))
-        self.epochs[key] = epochs
+        self.jobs.of(job).epochs = epochs
 
     async def _ensure_unit_token(self, unit: dict, job: dict, remote: Remote | None = None) -> None:
         """The unit's own learner token Secret (created once). A Secret of that name owned by anything else is
@@ -650,7 +618,7 @@ class Controller:
         key = (SECRETS.plural, ns, secret_name, unit["metadata"].get("uid", "")) + ((remote.cluster,) if remote else ())
         if (done := self.ensured.get(key)) and time.monotonic() - done[1] < self.ensure_ttl_s:
             return
-        job_token = await self._job_token(ns, job["metadata"]["name"], job["metadata"].get("uid", ""))
+        job_token = await self._job_token(self.jobs.of(job))
         if not job_token:
             raise RuntimeError(f"the token Secret of job {job['metadata']['name']} is not there yet")
         secret = O.unit_token_secret(unit, learner_token(job_token, name, O.token_epoch(unit)))
@@ -667,10 +635,11 @@ class Controller:
                 raise RuntimeError(f"Secret {where}/{secret_name} exists and is not unit {name}'s: not using it")
         self.ensured[key] = ("", time.monotonic())
 
-    async def _fetch_syncer(self, ns: str, name: str, uid: str, url: str, ca: str | None = None, shard: int = 0,
+    async def _fetch_syncer(self, state: JobState, url: str, ca: str | None = None, shard: int = 0,
                             shards: int = 1) -> None:
+        ns, name = state.namespace, state.name
         try:
-            token = await self._job_token(ns, name, uid)
+            token = await self._job_token(state)
             info = await syncer_status.fetch(url, token, ca_pem=ca,
                                              server_hostname=O.syncer_name(name, shard, shards))
         except ApiError as exc:
@@ -678,9 +647,9 @@ class Controller:
             return
         if info is None:
             return
-        before = self.syncer_info.get((ns, name, shard))
+        before = state.syncer_readings.get(shard)
         changed = before is None or before.status != info.status  # not just read again
-        self.syncer_info[(ns, name, shard)] = info
+        state.syncer_readings[shard] = info
         if changed:
             self.enqueue(("job", ns, name))
         self.enqueue(("job", ns, name), self.syncer_poll_s)  # keep the numbers fresh while it answers
@@ -826,12 +795,12 @@ class Controller:
             if admission is not None:
                 plan.status = kueue.admitted_condition(plan.status, admission, now, unit["metadata"].get("generation"))
         flavors = await self.kueue.flavors(admission) if admission is not None and plan.create else []
-        last_seen = max((info.learners_seen.get(name) or "" for key, info in self.syncer_info.items()
-                         if key[:2] == (ns, spec.jobName)), default="") or None
+        job_state = self.jobs.get(job["metadata"].get("uid") or "")
+        shard_readings = list(job_state.syncer_readings.values()) if job_state else []
+        last_seen = max((info.learners_seen.get(name) or "" for info in shard_readings), default="") or None
         if last_seen:
             plan.status["lastContribution"] = last_seen
-        if plan.status.get("lastFault") and (reading := jobstatus.combine(
-                [r for key, r in self.syncer_info.items() if key[:2] == (ns, spec.jobName)])) is not None:
+        if plan.status.get("lastFault") and (reading := jobstatus.combine(shard_readings)) is not None:
             # the work the restart's ended learner life took with it, once the syncer can tell (faultwork.py)
             plan.status["lastFault"] = faultwork.fault_work(
                 plan.status["lastFault"], reading.status.learners.get(name), reading.status.fragments,

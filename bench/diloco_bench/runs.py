@@ -240,7 +240,7 @@ def training_span(summary: dict) -> tuple[float, float] | None:
 
 def rates(s: dict) -> dict:
     """Trained and useful tokens per second over the training span (runs.training_span)."""
-    span = runs.training_span(s)
+    span = training_span(s)
     seconds = span[1] - span[0] if span else float(s["wall_time_s"])
     # Tokens that reached the model = merged fraction × tokens trained (summaries older than goodput.py called the
     # merged fraction "goodput").

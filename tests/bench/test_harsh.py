@@ -1,8 +1,10 @@
 """The harsh resilience schedule (bench/diloco_bench/harsh.py) and the restart-state comparison's step conversion."""
 
+import json
+
 import pytest
 
-from diloco_bench import harsh, report, restart_state
+from diloco_bench import harsh, report, restart_state, runs
 from diloco_chaos.experiment import parse_experiment
 
 
@@ -24,3 +26,14 @@ def test_steps_behind_finds_where_the_reference_had_the_same_loss():
     assert restart_state.steps_behind(reference, reference) == pytest.approx(0.0, abs=1e-9)
     assert restart_state.steps_behind(reference, [x + 0.5 for x in reference]) == pytest.approx(5.0)
     assert restart_state.steps_behind(reference, [x - 0.5 for x in reference]) == 0.0
+
+
+def test_rates_count_tokens_per_second_of_training_from_the_learners_first_step_to_their_last_report(tmp_path):
+    # Two learners: l0 began its first step at t=100 (step 1 reported at 101 after a 1 s step), l1 reported last at 120.
+    for name, lines in {"l0": [(101.0, 1), (110.0, 10)], "l1": [(105.0, 2), (120.0, 12)]}.items():
+        (tmp_path / "learners" / name).mkdir(parents=True)
+        (tmp_path / "learners" / name / "metrics.jsonl").write_text("".join(
+            json.dumps({"time": t, "step": step, "step_time_s": 1.0}) + "\n" for t, step in lines))
+    summary = {"run_dir": str(tmp_path), "wall_time_s": 40.0, "tokens_trained": 2000, "merged_fraction": 0.75}
+    r = runs.rates(summary)
+    assert r["training_s"] == 20.0 and r["tokens_per_s"] == 100.0 and r["useful_per_s"] == 75.0

@@ -116,3 +116,36 @@ def process_of(container: str) -> dict[str, str]:
         parts = line.split()
         out[f"mount {parts[4]}"] = parts[5]
     return out
+
+
+def metric_of(pod: dict, name: str) -> float | None:
+    """One series' value on a learner pod's /metrics (the first line starting `name{`), None while it does not answer."""
+    ip = pod.get("status", {}).get("podIP")
+    try:
+        text = urllib.request.urlopen(f"http://{ip}:{METRICS_PORT}/metrics", timeout=2).read().decode()
+    except (urllib.error.URLError, OSError):
+        return None
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")), None)
+
+
+def supervised_learner(pod: dict) -> tuple[int, bool] | None:
+    """The host PID of the learner process `diloco pod-learner` (the learner container's PID 1) supervises, and
+    whether a warm spare waits beside it; None while its processes.json names no live learner."""
+    sup = Path("/proc") / pid_of(container_id(pod, "learner"))
+    works = list((sup / "root" / "tmp").glob("diloco-pod-learner-*"))
+    try:
+        entry = json.loads((works[0] / "processes.json").read_text())["processes"][0]
+    except (IndexError, OSError, ValueError, KeyError):
+        return None
+    if not entry["alive"]:
+        return None
+    spare = any((d / "ready").exists() for d in (works[0] / "spares").glob("spare-*") if not (d / "assignment.json").exists())
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            status = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines() if ":" in line)
+        except OSError:
+            continue
+        nspid = status.get("NSpid", "").split()
+        if status.get("PPid", "").strip() == sup.name and len(nspid) >= 2 and int(nspid[-1]) == entry["pid"]:
+            return int(nspid[0]), spare
+    return None

@@ -20,7 +20,9 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -35,8 +37,8 @@ import pytest
 from polling import wait_for
 from diloco_devcluster import realnode
 from diloco_trainer.syncer.takeover import read_incarnations
-from e2e_kit import (SYNCER_PORT, container_id, container_of, job_namespace, learner_step, pid_of, process_of,
-                     pv_dir, syncer_status)
+from e2e_kit import (SYNCER_PORT, container_id, container_of, job_namespace, learner_step, metric_of, pid_of,
+                     process_of, pv_dir, supervised_learner, syncer_status)
 
 pytestmark = [pytest.mark.e2e]
 
@@ -296,6 +298,41 @@ def test_learners_train_over_tls_with_the_operators_certificate_and_their_own_to
     except urllib.error.URLError as exc:
         assert "CERTIFICATE_VERIFY_FAILED" in str(exc), exc
     assert job.syncer_status() is not None  # verified against the CA under the Service's name
+
+
+IN_PLACE_KILLS = 3
+
+
+def test_a_sigkilled_learner_process_trains_again_in_its_pod_from_a_warm_spare_without_a_container_restart(
+        job, kubectl):
+    """The learner container's entrypoint (`diloco pod-learner`) restarts its killed learner process in place from a
+    warm spare: the same pod and container (restartCount 0, no CrashLoopBackOff), training again in seconds."""
+    unit = f"{JOB}-cpu-0"
+    pod = wait_for(lambda: job.unit_pod(unit), 300, f"unit {unit}'s pod running", 1.0)
+    recovery = []
+    for kill in range(1, IN_PLACE_KILLS + 1):
+        found = wait_for(lambda: (lambda s: s if s and s[1] else None)(supervised_learner(pod)), 240,
+                         f"unit {unit}'s learner with a warm spare beside it (kill {kill})", 0.5)
+        wait_for(lambda: (learner_step(pod) or 0) >= 1, 240, f"unit {unit} training (kill {kill})", 0.5)
+        killed_at = time.monotonic()
+        os.kill(found[0], signal.SIGKILL)
+        try:
+            wait_for(lambda: metric_of(pod, "diloco_learner_process_restarts_total") == kill
+                     and (learner_step(pod) or 0) >= 1, 120, f"unit {unit} training again after kill {kill}", 0.1)
+        except AssertionError as exc:
+            now = kubectl.get("pod", pod["metadata"]["name"], ns=job.ns)
+            logs = kubectl.run("logs", "-n", job.ns, pod["metadata"]["name"], "--tail=60", check=False)
+            raise AssertionError(f"{exc}\npod status: {json.dumps((now or {}).get('status'))[:3000]}\n"
+                                 f"logs:\n{logs.stdout[-6000:]}{logs.stderr[-1000:]}") from None
+        recovery.append(time.monotonic() - killed_at)
+    now = kubectl.get("pod", pod["metadata"]["name"], ns=job.ns)
+    assert now["metadata"]["uid"] == pod["metadata"]["uid"]
+    assert now["status"]["containerStatuses"][0]["restartCount"] == 0
+    assert kubectl.get("lu", unit, ns=job.ns)["status"].get("restarts", 0) == 0
+    logs = kubectl.run("logs", "-n", job.ns, pod["metadata"]["name"]).stdout
+    assert logs.count("restarted in place") == IN_PLACE_KILLS and "warm spare" in logs, logs[-3000:]
+    print(f"[e2e] {unit}: learner process SIGKILLed -> training again in its pod in "
+          f"{', '.join(f'{t:.1f}' for t in recovery)} s (median {statistics.median(recovery):.1f} s)", file=sys.stderr)
 
 
 def test_a_deleted_learner_pod_restarts_its_unit_while_the_others_keep_training(job, kubectl):

@@ -30,7 +30,10 @@ def start_pod_learner(work: Path, url: str, state: Path, log_path: Path, *sup_ar
            "--syncer", url, "--learner-id", "l0", "--state-dir", str(state), "--device", "cpu", "--log-every", "1",
            "--poll-s", "0.1", "--drain-s", str(DRAIN_S), *learner_args]
     state.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(cmd, env=child_env(), stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, cwd=ROOT)
+    env = child_env()
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # as in a pod: torch picks its threads (more than one here)
+        env.pop(var)
+    return subprocess.Popen(cmd, env=env, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 def learner_pid(work: Path) -> int | None:

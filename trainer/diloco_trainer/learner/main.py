@@ -142,6 +142,18 @@ def _warm_up(config: str | None = None) -> None:
     opt.step()
 
 
+def _warm_up_single_threaded(config: str | None) -> int:
+    """`_warm_up` on one thread, for a zygote: OpenMP's thread pool does not survive a fork (a forked child's first
+    parallel op waited forever in a learner pod, where OMP_NUM_THREADS is not 1), so the zygote never starts one and
+    each forked spare starts its own. Returns the thread count torch would have used, for the spare to set."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    _warm_up(config)
+    return threads
+
+
 def _assigned_args(directory: str, warm_up=_warm_up) -> argparse.Namespace:
     """Wait as a warm spare (runtime/spares.py) and return the arguments of the learner this process becomes."""
     from diloco_trainer.runtime.spares import wait_for_assignment
@@ -159,9 +171,14 @@ def run(args: argparse.Namespace) -> int:
     if args.zygote:
         from diloco_trainer.runtime.zygote import serve
 
+        threads: list[int] = []
         # Returns only in a forked spare, already warm.
-        spare = str(serve(Path(args.zygote), lambda: _warm_up(args.warm_config)))
+        spare = str(serve(Path(args.zygote), lambda: threads.append(_warm_up_single_threaded(args.warm_config))))
         args = _assigned_args(spare, warm_up=lambda: None)
+        if threads and threads[0] > 1:
+            import torch
+
+            torch.set_num_threads(threads[0])  # this process's own thread pool, started after the fork
     elif spare:
         args = _assigned_args(spare)
     if not args.syncer or not args.learner_id:

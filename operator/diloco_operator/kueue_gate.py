@@ -23,7 +23,7 @@ class KueueGate:
     def __init__(self, kube: Kube, cache: Cache, ensure: Callable[..., Awaitable[dict]]):
         self.kube = kube
         self.cache = cache
-        self.ensure = ensure  # Controller._ensure: create-if-missing against the watched copy
+        self.ensure = ensure  # Writer.ensure (writes.py): create-if-missing against the watched copy
         self.read: dict[tuple[str, str], tuple[dict | None, float]] = {}  # (plural, name) -> (object, when)
 
     async def _cluster_object(self, res, name: str) -> dict | None:

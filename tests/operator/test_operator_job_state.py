@@ -33,7 +33,7 @@ def reconcile_with(jobs_index: dict, setup) -> Controller:
         try:
             controller = Controller(kube, Cache({"jobs": jobs_index}))
             setup(controller)
-            await controller.reconcile_job("ns", "demo")
+            await controller.job_reconciler.reconcile("ns", "demo")
             return controller
         finally:
             kube.close()
@@ -44,10 +44,10 @@ def test_handling_a_deleted_jobs_removal_leaves_no_state_of_it():
     def setup(controller: Controller) -> None:
         remember_everything(controller.jobs, job("demo", "uid-1"))
         remember_everything(controller.jobs, job("other", "uid-2"))
-        controller.known.add(("job", "ns", "demo"))
+        controller.queue.known.add(("job", "ns", "demo"))
     controller = reconcile_with({}, setup)  # gone from the watch cache
     assert list(controller.jobs.by_uid) == ["uid-2"]  # only the other job's
-    assert ("job", "ns", "demo") not in controller.known
+    assert ("job", "ns", "demo") not in controller.queue.known
 
 
 def test_a_job_being_deleted_without_finalizer_is_forgotten_before_it_is_gone():

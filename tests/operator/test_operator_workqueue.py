@@ -1,0 +1,83 @@
+"""The reconcile work queue on its own (no cluster): duplicates coalesce, a key added during its own pass runs once
+more after it, a failed pass is retried with backoff, an error it gives up on forgets the key."""
+
+from __future__ import annotations
+
+import asyncio
+
+from diloco_operator.workqueue import WorkQueue, backoff
+
+from polling import wait_for_async
+
+A, B = ("job", "ns", "a"), ("unit", "ns", "b")
+
+
+def run_queue(process, body, **kwargs) -> None:
+    async def go() -> None:
+        queue = WorkQueue(process, workers=2, resync_s=3600, **kwargs)
+        runner = asyncio.create_task(queue.run())
+        try:
+            await body(queue)
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+    asyncio.run(go())
+
+
+def test_keys_added_before_a_worker_runs_are_processed_once_each():
+    seen: list = []
+
+    async def process(key):
+        seen.append(key)
+
+    async def body(queue: WorkQueue) -> None:
+        for key in (A, B, A, A, B):
+            queue.add(key)
+        assert queue.queue.qsize() == 2  # no worker has run yet: the duplicates coalesced
+        await wait_for_async(lambda: len(seen) >= 2 and not queue.active, 5, "both keys processed")
+        assert sorted(seen) == sorted([A, B]) and queue.queue.empty()
+    run_queue(process, body)
+
+
+def test_a_key_added_during_its_pass_runs_once_more_after_it_never_twice_at_once():
+    passes, running, overlap = [], set(), []
+
+    async def body(queue: WorkQueue) -> None:
+        gate = asyncio.Event()
+
+        async def process(key):
+            overlap.append(key in running)
+            running.add(key)
+            passes.append(key)
+            if len(passes) == 1:
+                await gate.wait()
+            running.discard(key)
+        queue.process = process
+        queue.add(A)
+        await wait_for_async(lambda: A in queue.active, 5, "the first pass started")
+        queue.add(A)
+        queue.add(A)  # coalesces with the one before: a single re-run
+        gate.set()
+        await wait_for_async(lambda: len(passes) == 2 and not queue.active, 5, "the re-run ended")
+        assert overlap == [False, False] and not queue.dirty
+    run_queue(None, body)
+
+
+def test_a_failed_pass_is_retried_with_backoff_and_a_given_up_key_is_forgotten():
+    calls: list = []
+
+    async def process(key):
+        calls.append(key)
+        if key == A and len([k for k in calls if k == A]) == 1:
+            raise RuntimeError("first pass fails")
+        if key == B:
+            raise LookupError("namespace going away")
+
+    async def body(queue: WorkQueue) -> None:
+        queue.add(A)
+        queue.add(B)
+        await wait_for_async(lambda: calls.count(A) == 2, 5, "the retry of the failed pass")
+        assert A in queue.known and A not in queue.failures  # the retry succeeded: the count starts over
+        assert calls.count(B) == 1 and B not in queue.known  # given up on: never retried or resynced
+    run_queue(process, body, gives_up=lambda key, exc: isinstance(exc, LookupError))
+    assert [backoff(n) for n in (1, 2, 3, 8, 20)] == [0.5, 1.0, 2.0, 30.0, 30.0]

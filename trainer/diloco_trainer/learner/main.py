@@ -59,6 +59,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zygote", default=None, metavar="DIR",
                         help="warm up once, then fork a warm spare for every DIR/fork-*.json request (the local "
                              "runtime's spare pool, runtime/zygote.py)")
+    parser.add_argument("--warm-hf", action="store_true",
+                        help="--zygote: warm up on a tiny transformers Llama instead of the built-in GPT, so transformers "
+                             "is imported ahead too (a learner pod's spares, which learn the model only from the syncer)")
     parser.add_argument("--warm-config", default=None, metavar="YAML",
                         help="--zygote: warm up on a model of this run config's size (the local runtime's "
                              "config.yaml) instead of a tiny one")
@@ -109,7 +112,12 @@ def options_from_args(args: argparse.Namespace):
         **({} if args.restore_inner_state is None else {"restore_inner": args.restore_inner_state}))
 
 
-def _warm_up(config: str | None = None) -> None:
+# --warm-hf: the smallest Llama transformers builds (importing transformers and its Llama code: ~5-7 s on 2 busy cores)
+TINY_HF = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 8}
+
+
+def _warm_up(config: str | None = None, hf: bool = False) -> None:
     """What a learner start spends most of its time on, done ahead: importing torch and our modules, and the lazy
     initialisation of a first forward, backward and AdamW step (measured on a busy 2-core machine: 13 s of imports,
     5 s for the first AdamW, 1.3 s for the first step). With the run's `config` (a YAML file), that step is taken
@@ -131,6 +139,8 @@ def _warm_up(config: str | None = None) -> None:
         cfg = TrainConfig.model_validate(yaml.safe_load(Path(config).read_text()))
         shape = (cfg.inner.batch_size, cfg.model.seq_len)
         data.preload(cfg.data)  # the learners of `diloco local` read the default data cache
+    elif hf:
+        cfg, shape = TrainConfig(model={"hf": TINY_HF, "seq_len": 8}, inner={"lr": 1e-3}), (1, 8)
     else:
         cfg, shape = TrainConfig(model=MODEL_PRESETS["tiny"], inner={"lr": 1e-3}), (1, 8)
     model = build_model(cfg.model, seed=0)
@@ -142,7 +152,7 @@ def _warm_up(config: str | None = None) -> None:
     opt.step()
 
 
-def _warm_up_single_threaded(config: str | None) -> int:
+def _warm_up_single_threaded(config: str | None, hf: bool = False) -> int:
     """`_warm_up` on one thread, for a zygote: OpenMP's thread pool does not survive a fork (a forked child's first
     parallel op waited forever in a learner pod, where OMP_NUM_THREADS is not 1), so the zygote never starts one and
     each forked spare starts its own. Returns the thread count torch would have used, for the spare to set."""
@@ -150,7 +160,7 @@ def _warm_up_single_threaded(config: str | None) -> int:
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    _warm_up(config)
+    _warm_up(config, hf)
     return threads
 
 
@@ -172,8 +182,11 @@ def run(args: argparse.Namespace) -> int:
         from diloco_trainer.runtime.zygote import serve
 
         threads: list[int] = []
-        # Returns only in a forked spare, already warm.
-        spare = str(serve(Path(args.zygote), lambda: threads.append(_warm_up_single_threaded(args.warm_config))))
+
+        def warm_up() -> None:
+            threads.append(_warm_up_single_threaded(args.warm_config, args.warm_hf))
+
+        spare = str(serve(Path(args.zygote), warm_up))  # returns only in a forked spare, already warm
         args = _assigned_args(spare, warm_up=lambda: None)
         if threads and threads[0] > 1:
             import torch

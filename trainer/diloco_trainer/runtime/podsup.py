@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
 
         sup.should_restart = should_restart
         if args.spares:
-            sup.spares = SparePool(work / "spares", args.spares, prefix, env, sup.spawn)
+            # The model comes from the syncer: warm transformers too (a Llama learner started ~6 s sooner in a pod).
+            sup.spares = SparePool(work / "spares", args.spares, prefix, env, sup.spawn, zygote_args=("--warm-hf",))
         _say(f"starting learner {parsed.learner_id} ({args.spares} warm spare(s), at most {args.max_restarts} "
              f"restarts in place within {args.restart_window_s:g} s)")
         sup.start("learner")

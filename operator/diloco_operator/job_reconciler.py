@@ -46,6 +46,25 @@ class _NotTheJobs:
         return lu is not None and unitplan.job_controller_uid(lu) != self.uid
 
 
+@dataclass
+class _Syncer:
+    """What a pass learned writing the syncer's objects: the learners' token epochs, the TLS state, shards ready."""
+
+    epochs: dict[str, dict]
+    tls: SyncerTls
+    ready: list[bool]
+
+
+@dataclass
+class _Units:
+    """The job's LearnerUnits after a pass (objects and jobplan views), its autoscaling decision and unit Events."""
+
+    lus: list[dict]
+    views: list[jobplan.UnitView]
+    decision: autoscale.Decision | None
+    events: list[tuple[str, str, str]]
+
+
 class JobReconciler:
     """Reconciles one DilocoJob per call (`reconcile(ns, name)`); `enqueue` asks for later passes."""
 
@@ -65,17 +84,10 @@ class JobReconciler:
         self.trust_syncer_url = trust_syncer_url  # follow the diloco.dev/syncer-url annotation (syncer_address)
 
     async def reconcile(self, ns: str, name: str) -> None:
+        """One pass over a job: its deletion, or its syncer's objects, its units and its status, in that order."""
         job = self.cache.job(ns, name)
-        if job is not None and job["metadata"].get("deletionTimestamp") and FINALIZER in (
-                job["metadata"].get("finalizers") or []):
-            await self.remote.cleanup_and_release(job)
+        if await self._gone(ns, name, job):
             return
-        if job is None or job["metadata"].get("deletionTimestamp"):
-            self.remotes.forget(ns, name)
-            metrics.forget_job(ns, name)
-            self.jobs.drop(ns, name)  # everything remembered of the job
-            self.forget(("job", ns, name))
-            return  # the garbage collector removes everything the job owns
         now = datetime.now(timezone.utc)
         old_status = job.get("status") or {}
         try:
@@ -86,7 +98,40 @@ class JobReconciler:
             return
         finished = old_status.get("phase") in jobplan.TERMINAL_JOB
         await self.remote.finalizer(job, want=bool(spec.clusters))
-        shards = spec.config.syncer.shards
+        syncer = await self._syncer(job, spec, old_status, now, finished)
+        if syncer is None:
+            return
+        units = await self._units(job, spec, old_status, syncer.epochs, now, finished)
+        readings = self.jobs.of(job).syncer_readings
+        readings = {i: readings.get(i) for i in range(spec.config.syncer.shards)}
+        status, status_events = await self._observe(job, spec, old_status, now, finished, syncer, units, readings)
+        await self._publish(job, old_status, finished, status, syncer, units, status_events)
+        if (reading := jobstatus.combine([r for r in readings.values() if r is not None])) is not None:
+            # units show when the syncer last heard from them
+            seen = {lu["metadata"]["name"]: (lu.get("status") or {}).get("lastContribution") for lu in units.lus}
+            for unit, last in reading.learners_seen.items():
+                if unit in seen and seen[unit] != last:
+                    self.enqueue(("unit", ns, unit))
+
+    async def _gone(self, ns: str, name: str, job: dict | None) -> bool:
+        """A job being deleted (its remote objects first) or gone: forget it; True when there is nothing else to do."""
+        if job is not None and job["metadata"].get("deletionTimestamp") and FINALIZER in (
+                job["metadata"].get("finalizers") or []):
+            await self.remote.cleanup_and_release(job)
+            return True
+        if job is None or job["metadata"].get("deletionTimestamp"):
+            self.remotes.forget(ns, name)
+            metrics.forget_job(ns, name)
+            self.jobs.drop(ns, name)  # everything remembered of the job
+            self.forget(("job", ns, name))
+            return True  # the garbage collector removes everything the job owns
+        return False
+
+    async def _syncer(self, job: dict, spec: api.DilocoJobSpec, old_status: dict, now: datetime,
+                      finished: bool) -> _Syncer | None:
+        """The job's token Secret, config, network policy, learner token epochs, TLS and syncer shards; None when the
+        job is blocked (an object of its names that is not its own, or a spec its syncer refused): status written."""
+        ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
         try:
             await self.writer.ensure(SECRETS, O.token_secret(job, base64.urlsafe_b64encode(os.urandom(32)).decode()),
                                      update=False)
@@ -97,96 +142,107 @@ class JobReconciler:
             refused = None if finished else self._syncer_refused(job, spec, old_status, now)
             ready = await asyncio.gather(*(self._ensure_syncer_shard(job, spec, tls, shard,
                                                                      finished or refused is not None)
-                                           for shard in range(shards)))
+                                           for shard in range(spec.config.syncer.shards)))
         except NotControlled as exc:  # nothing of the job is started on top of someone else's object
             await self._job_blocked(job, old_status, C.Reason.OBJECT_NOT_OURS, str(exc), now)
             self.enqueue(("job", ns, name), NOT_CONTROLLED_RETRY_S)
-            return
+            return None
         if refused is not None:  # the syncer stays at zero (no crash loop) and no unit is added until a retry
             # (the periodic resync looks again; past refusal.RETRY_AFTER_S the syncer is given the spec again)
             await self._job_blocked(job, old_status, C.Reason.INVALID_SPEC, refused["message"], now,
                                     prefix="invalid spec: ", refusal=refused)
-            return
-        syncer_ready = all(ready)
-        state = self.jobs.of(job)
-        readings = {i: state.syncer_readings.get(i) for i in range(shards)}
+            return None
+        return _Syncer(epochs, tls, list(ready))
 
-        uid = job["metadata"].get("uid")
+    async def _units(self, job: dict, spec: api.DilocoJobSpec, old_status: dict, epochs: dict[str, dict],
+                     now: datetime, finished: bool) -> _Units:
+        """The job's LearnerUnits brought to what jobplan (and, when autoscaled, autoscale) decides; a finished
+        job's are left as they are."""
+        ns, name, uid = job["metadata"]["namespace"], job["metadata"]["name"], job["metadata"].get("uid")
         lus = self._own_units(ns, name, uid)
         units = [jobplan.unit_view(lu) for lu in lus]
+        if finished:
+            return _Units(lus, units, None, [])
         events: list[tuple[str, str, str]] = []
         decision = None
-        if not finished:
-            if spec.autoscaling is not None:
-                free = (autoscale.free_by_template(name, spec, self.cache.nodes(), self.cache.all_pods())
-                        if self.cache.watches_nodes else {t.name: None for t in spec.units})  # None: unknown
-                if spec.clusters:  # templates in remote clusters: the room on those clusters' nodes
-                    free.update(await self.remote.free(job, spec))
-                    self.enqueue(("job", ns, name), REMOTE_POLL_S)  # their Nodes are listed, not watched
-                decision = autoscale.decide(spec, [autoscale.unit_state(lu) for lu in lus if not
-                                                   lu["metadata"].get("deletionTimestamp")], free,
-                                            old_status.get("autoscaling"), now)
-                events += decision.events
-                plan = jobplan.plan_units(name, spec, units, decision.counts, decision.park, running_first=True,
-                                          foreign=_NotTheJobs(self.cache, ns, uid))
-            else:
-                plan = jobplan.plan_units(name, spec, units, foreign=_NotTheJobs(self.cache, ns, uid))
-            # Retire removed units' tokens and reserve new ones' epochs before any unit is created or deleted.
-            epochs, new_epochs = jobplan.token_epochs(epochs, [u for u in units], plan)
-            await self._write_learner_epochs(job, epochs)
+        if spec.autoscaling is not None:
+            free = (autoscale.free_by_template(name, spec, self.cache.nodes(), self.cache.all_pods())
+                    if self.cache.watches_nodes else {t.name: None for t in spec.units})  # None: unknown
+            if spec.clusters:  # templates in remote clusters: the room on those clusters' nodes
+                free.update(await self.remote.free(job, spec))
+                self.enqueue(("job", ns, name), REMOTE_POLL_S)  # their Nodes are listed, not watched
+            decision = autoscale.decide(spec, [autoscale.unit_state(lu) for lu in lus if not
+                                               lu["metadata"].get("deletionTimestamp")], free,
+                                        old_status.get("autoscaling"), now)
+            events += decision.events
+            plan = jobplan.plan_units(name, spec, units, decision.counts, decision.park, running_first=True,
+                                      foreign=_NotTheJobs(self.cache, ns, uid))
+        else:
+            plan = jobplan.plan_units(name, spec, units, foreign=_NotTheJobs(self.cache, ns, uid))
+        # Retire removed units' tokens and reserve new ones' epochs before any unit is created or deleted.
+        epochs, new_epochs = jobplan.token_epochs(epochs, [u for u in units], plan)
+        await self._write_learner_epochs(job, epochs)
 
-            async def delete(unit: str) -> None:
-                last = self.cache.unit(ns, unit)
-                self.cache.deleted(LEARNERUNITS.plural, ns, unit, await self.kube.delete(LEARNERUNITS, ns, unit), last)
+        async def delete(unit: str) -> None:
+            last = self.cache.unit(ns, unit)
+            self.cache.deleted(LEARNERUNITS.plural, ns, unit, await self.kube.delete(LEARNERUNITS, ns, unit), last)
 
-            async def create(uspec: api.LearnerUnitSpec) -> None:
-                unit = O.learner_unit(job, uspec, new_epochs[O.unit_name(name, uspec.template, uspec.index)])
-                self.cache.wrote(LEARNERUNITS.plural, await self.kube.create(LEARNERUNITS, unit))
+        async def create(uspec: api.LearnerUnitSpec) -> None:
+            unit = O.learner_unit(job, uspec, new_epochs[O.unit_name(name, uspec.template, uspec.index)])
+            self.cache.wrote(LEARNERUNITS.plural, await self.kube.create(LEARNERUNITS, unit))
 
-            async def update(unit: str, uspec: api.LearnerUnitSpec) -> None:
-                self.cache.wrote(LEARNERUNITS.plural, await self.kube.merge_patch(
-                    LEARNERUNITS, ns, unit, {"spec": uspec.model_dump(mode="json")}))
-            # Independent writes go out together (bounded): 1,000 units are not 1,000 round trips in a row.
-            await bounded([delete(u) for u in plan.delete] + [create(u) for u in plan.create.values()]
-                          + [update(u, us) for u, us in plan.update.items()])
-            events += jobplan.unit_events(plan, decision.park if decision else ())
-            if plan.delete or plan.create:
-                lus = self._own_units(ns, name, uid)
-                units = [jobplan.unit_view(lu) for lu in lus if lu["metadata"]["name"] not in plan.delete]
+        async def update(unit: str, uspec: api.LearnerUnitSpec) -> None:
+            self.cache.wrote(LEARNERUNITS.plural, await self.kube.merge_patch(
+                LEARNERUNITS, ns, unit, {"spec": uspec.model_dump(mode="json")}))
+        # Independent writes go out together (bounded): 1,000 units are not 1,000 round trips in a row.
+        await bounded([delete(u) for u in plan.delete] + [create(u) for u in plan.create.values()]
+                      + [update(u, us) for u, us in plan.update.items()])
+        events += jobplan.unit_events(plan, decision.park if decision else ())
+        if plan.delete or plan.create:
+            lus = self._own_units(ns, name, uid)
+            units = [jobplan.unit_view(lu) for lu in lus if lu["metadata"]["name"] not in plan.delete]
+        return _Units(lus, units, decision, events)
+
+    async def _observe(self, job: dict, spec: api.DilocoJobSpec, old_status: dict, now: datetime, finished: bool,
+                       syncer: _Syncer, units: _Units, readings: dict) -> tuple[api.DilocoJobStatus, list]:
+        """The job's status (jobstatus.observe) from its units, its syncer shards' readiness and readings, its
+        autoscaling decision and its remote clusters (orphans there swept first)."""
+        ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
         down: dict[str, str] = {}
         if spec.clusters and not finished:
-            await self.remote.sweep_orphans(job, spec, {lu["metadata"]["name"] for lu in lus})
+            await self.remote.sweep_orphans(job, spec, {lu["metadata"]["name"] for lu in units.lus})
         if spec.clusters:
             down = {c: why for c, why in self.remotes.unreachable_clusters(ns, name).items()
                     if any(rc.name == c for rc in spec.clusters)}
-        status, status_events = jobstatus.observe(jobstatus.JobObservation(
-            name=name, spec=spec, generation=job["metadata"].get("generation"), units=units,
-            old=api.DilocoJobStatus.read(old_status), now=now, shard_ready=list(ready), shard_readings=readings,
+        decision, tls, shards = units.decision, syncer.tls, spec.config.syncer.shards
+        return jobstatus.observe(jobstatus.JobObservation(
+            name=name, spec=spec, generation=job["metadata"].get("generation"), units=units.views,
+            old=api.DilocoJobStatus.read(old_status), now=now, shard_ready=syncer.ready, shard_readings=readings,
             desired=sum(decision.counts.values()) if decision else None,
             autoscaling=decision.status if decision else None, scaling_limited=decision.limited if decision else None,
             clusters=[c.name for c in spec.clusters], clusters_down=down,
             tls=jobstatus.TlsView(secret=tls.secret, problem=tls.problem),
             url_followed=self.trust_syncer_url and len(syncer_status.annotated_urls(job)) == shards,
             url_problem=syncer_status.annotation_problem(job, tls.secret is not None, self.trust_syncer_url)))
+
+    async def _publish(self, job: dict, old_status: dict, finished: bool, status: api.DilocoJobStatus,
+                       syncer: _Syncer, units: _Units, status_events: list) -> None:
+        """Metrics, the status patch (only what changed) and the Events; a job that just finished stops its units."""
+        ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+        events = list(units.events)
         metrics.export_job_status(ns, name, status)
         if status.phase not in jobplan.TERMINAL_JOB:
-            events += tls.events
-            tls.events = []
-            if decision is not None and decision.requeue_after is not None:
-                self.enqueue(("job", ns, name), decision.requeue_after)
+            events += syncer.tls.events
+            syncer.tls.events = []
+            if units.decision is not None and units.decision.requeue_after is not None:
+                self.enqueue(("job", ns, name), units.decision.requeue_after)
         if (patch := status_patch(old_status, status.wire())) is not None:
             self.cache.wrote(DILOCOJOBS.plural,
                              await self.kube.merge_patch(DILOCOJOBS, ns, name, {"status": patch}, "status"))
         await self.writer.events(job, events + status_events)
         if status.phase in jobplan.TERMINAL_JOB and not finished:
-            for lu in lus:  # stop the units of a finished job
+            for lu in units.lus:  # stop the units of a finished job
                 self.enqueue(("unit", ns, lu["metadata"]["name"]))
-        if (reading := jobstatus.combine([r for r in readings.values() if r is not None])) is not None:
-            # units show when the syncer last heard from them
-            seen = {lu["metadata"]["name"]: (lu.get("status") or {}).get("lastContribution") for lu in lus}
-            for unit, last in reading.learners_seen.items():
-                if unit in seen and seen[unit] != last:
-                    self.enqueue(("unit", ns, unit))
 
     def _own_units(self, ns: str, job: str, uid: str | None) -> list[dict]:
         """The job's LearnerUnits: those naming it and controlled by it. A unit that names the job and is not its

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from diloco_trainer.protocol.tokens import learner_token
@@ -22,6 +23,18 @@ from diloco_operator.kueue_gate import KueueGate
 from diloco_operator.remote import ClusterUnavailable, Remote, RemoteClusters, unreachable
 from diloco_operator.syncer_poller import SyncerPoller
 from diloco_operator.writes import Writer, bounded
+
+
+@dataclass
+class _Decided:
+    """A unit pass's decision: the plan, the pods it saw, its Kueue queue and admission, and when a node not Ready
+    yet will have been lost for nodeLostSeconds."""
+
+    plan: unitplan.UnitPlan
+    pods: list[unitplan.PodView]
+    queue: str | None
+    admission: kueue.Admission | None
+    lost_wait: float | None
 
 
 class UnitReconciler:
@@ -138,6 +151,8 @@ class UnitReconciler:
         return cm["data"][O.CA_KEY]
 
     async def reconcile(self, ns: str, name: str) -> None:
+        """One pass over a unit: read its pods (watched, or listed in its remote cluster), decide (unitplan, or
+        kueue while its Workload is not admitted), write pods and objects, then its status and Events."""
         unit = self.cache.unit(ns, name)
         if unit is None or unit["metadata"].get("deletionTimestamp"):
             self.forget(("unit", ns, name))
@@ -152,7 +167,6 @@ class UnitReconciler:
         if (why := unitplan.not_controlled_by_job(unit, job)) is not None:
             await self._unit_refused(unit, job, why)
             return
-        job_finished = (job.get("status") or {}).get("phase") in jobplan.TERMINAL_JOB
         remote = None
         if spec.cluster is not None:  # a unit in a remote cluster: its pods there are listed, not watched
             try:
@@ -163,13 +177,23 @@ class UnitReconciler:
             pod_objs = {p["metadata"]["name"]: p for p in pod_list}
         else:
             pod_objs = {p["metadata"]["name"]: p for p in self.cache.pods_of_unit(ns, name, O.LABEL_UNIT)}
-        kube = remote.kube if remote else self.kube
-        pods = [unitplan.pod_view(p) for p in pod_objs.values()]
         written = unit.get("status") or {}
         held = self.unwritten.get((ns, name))
         if held is not None and held[0] != unit["metadata"].get("uid"):
             held = None  # a new unit of the same name
         old_status = held[1] if held else written  # what this operator decided last, written or not
+        decided = await self._decide(unit, spec, job, old_status, pod_objs, remote)
+        if not await self._apply(unit, spec, job, decided, pod_objs, remote):
+            return
+        await self._record(unit, spec, job, decided, written, held, old_status)
+
+    async def _decide(self, unit: dict, spec: api.LearnerUnitSpec, job: dict, old_status: dict,
+                      pod_objs: dict[str, dict], remote: Remote | None) -> _Decided:
+        """The unit's plan (pods to delete and create, its status and Events): unitplan's, or kueue's while its
+        Workload waits; with what the syncer says of it (last contribution, the work its last fault lost)."""
+        ns, name = unit["metadata"]["namespace"], unit["metadata"]["name"]
+        job_finished = (job.get("status") or {}).get("phase") in jobplan.TERMINAL_JOB
+        pods = [unitplan.pod_view(p) for p in pod_objs.values()]
         now = datetime.now(timezone.utc)
         lost, lost_wait = self._lost_pods(spec, pods, now) if remote is None else ({}, None)
         # A job queued in Kueue: the unit runs only while its Workload is admitted (units in remote clusters and
@@ -185,7 +209,6 @@ class UnitReconciler:
                                       job_finished=job_finished, lost=lost)
             if admission is not None:
                 plan.status = kueue.admitted_condition(plan.status, admission, now, unit["metadata"].get("generation"))
-        flavors = await self.kueue.flavors(admission) if admission is not None and plan.create else []
         job_state = self.jobs.get(job["metadata"].get("uid") or "")
         shard_readings = list(job_state.syncer_readings.values()) if job_state else []
         last_seen = max((info.learners_seen.get(name) or "" for info in shard_readings), default="") or None
@@ -202,6 +225,16 @@ class UnitReconciler:
                 f"cluster {spec.cluster} answers (namespace {remote.namespace})", datetime.now(timezone.utc),
                 unit["metadata"].get("generation"))
             plan.requeue_after = min(plan.requeue_after or REMOTE_POLL_S, REMOTE_POLL_S)
+        return _Decided(plan, pods, queue, admission, lost_wait)
+
+    async def _apply(self, unit: dict, spec: api.LearnerUnitSpec, job: dict, decided: _Decided,
+                     pod_objs: dict[str, dict], remote: Remote | None) -> bool:
+        """Delete and create the plan's pods (with the objects new pods need: state claims, the unit's Service,
+        network policy, token, CA); False when the unit's remote cluster did not answer (its status says so)."""
+        ns, name = unit["metadata"]["namespace"], unit["metadata"]["name"]
+        plan, admission = decided.plan, decided.admission
+        kube = remote.kube if remote else self.kube
+        flavors = await self.kueue.flavors(admission) if admission is not None and plan.create else []
 
         async def delete(pod: str, grace: int | None = None) -> None:
             answer = await kube.delete(PODS, remote.namespace if remote else ns, pod, grace_seconds=grace)
@@ -236,10 +269,18 @@ class UnitReconciler:
                 raise
             self.remotes.failed(ns, spec.jobName, spec.cluster, f"cluster {spec.cluster}: {exc!r}")
             await self._unit_unreachable(unit, spec, f"cluster {spec.cluster} did not answer: {exc!r}")
-            return
-        if admission is not None and admission.state == "evicted" and not pods:  # its pods are gone: quota back
+            return False
+        return True
+
+    async def _record(self, unit: dict, spec: api.LearnerUnitSpec, job: dict, decided: _Decided, written: dict,
+                      held: tuple | None, old_status: dict) -> None:
+        """Kueue's Workload told (quota back, finished), the status written (a launch's may wait a moment, so one
+        write carries both the launch and the pods running), metrics, Events and the next looks."""
+        ns, name = unit["metadata"]["namespace"], unit["metadata"]["name"]
+        plan, admission = decided.plan, decided.admission
+        if admission is not None and admission.state == "evicted" and not decided.pods:  # pods gone: quota back
             await self.kueue.release(ns, name)
-        if queue and plan.status.get("phase") in unitplan.TERMINAL_UNIT:
+        if decided.queue and plan.status.get("phase") in unitplan.TERMINAL_UNIT:
             await self.kueue.finish(ns, name, plan.status["phase"], plan.status.get("message") or "")
         patch = None
         now_s = time.monotonic()
@@ -262,8 +303,8 @@ class UnitReconciler:
                                            if r == C.Reason.NODE_LOST])
         if plan.requeue_after is not None:
             self.enqueue(("unit", ns, name), plan.requeue_after)
-        if lost_wait is not None:  # a node not Ready yet for nodeLostSeconds: look again when it will have been
-            self.enqueue(("unit", ns, name), lost_wait + 0.1)
+        if decided.lost_wait is not None:  # a node not Ready for nodeLostSeconds yet: look again once it will have been
+            self.enqueue(("unit", ns, name), decided.lost_wait + 0.1)
         if patch:  # the job's status is computed from its units': let it follow at once
             self.enqueue(("job", ns, spec.jobName))
 

@@ -7,10 +7,11 @@ and learner pods talk over TLS with the certificate the operator issued (spec.sy
 learner pod (deleted, or by spec.chaos) restarts its unit while the others train on; an evicted one (a drain) hands
 over its unsent work and loses none; a SIGKILLed syncer is replaced
 by the other container of its pod (spec.syncer.standby), which resumes from the checkpoint, spool and merge journal
-on the PVC losing no acknowledged update; a spec only the syncer can refuse (more fragments than the model has
-tensors) is reported without a crash loop; the job succeeds with a final model that beats the unigram baseline of
-its tokens, which `diloco export` turns into a directory transformers loads and generates from; deleting the job
-removes everything it owned.
+on the PVC losing no acknowledged update; a real Prometheus on the host scrapes the pods where their prometheus.io
+annotations say and has data for every query of the Grafana dashboard; a spec only the syncer can refuse (more
+fragments than the model has tensors) is reported without a crash loop; the job succeeds with a final model that
+beats the unigram baseline of its tokens, which `diloco export` turns into a directory transformers loads and
+generates from; deleting the job removes everything it owned.
 
 The tests run in file order on one job (each step builds on the one before, as a user's job would): one job serves
 every check, so the e2e tier pays for one set of containers starting and training."""
@@ -35,6 +36,8 @@ from pathlib import Path
 import pytest
 
 from polling import wait_for
+from dashboard_kit import wait_for_data_in_every_query
+from prometheus_kit import Prometheus, annotated_pods, prometheus_binary
 from diloco_devcluster import realnode
 from diloco_trainer.syncer.takeover import read_incarnations
 from e2e_kit import (SYNCER_PORT, container_id, container_of, job_namespace, learner_step, metric_of, pid_of,
@@ -416,6 +419,27 @@ def test_a_sigkilled_syncer_resumes_from_its_checkpoint_losing_no_acknowledged_u
     for lid, info in before["learners"].items():
         assert after["learners"][lid]["tokens_merged"] >= info["tokens_merged"], f"{lid} lost merged tokens"
     wait_outer_steps_advance(job, 4, 120, "merges after the syncer restart")
+
+
+def test_a_real_prometheus_scrapes_the_pods_where_their_annotations_say_and_every_dashboard_query_has_data(
+        job, kubectl, operator_pod, tmp_path):
+    # After the faults above (two learner kills, a syncer SIGKILL): Prometheus on the host scrapes the job's and the
+    # operator's pods where their prometheus.io annotations say (the syncer over https), as the usual kubernetes-pods
+    # scrape job would (the targets read from the API: Debian's prometheus has no Kubernetes discovery), and each
+    # query of the Grafana dashboard must return data.
+    pods = kubectl.get("pod", ns=job.ns) + [operator_pod.pod()]
+    scrapes = annotated_pods("pods", [p for p in pods if p.get("status", {}).get("phase") == "Running"])
+    with Prometheus(prometheus_binary(), tmp_path / "prometheus", scrapes) as prom:
+        def scraped(component: str) -> list[dict]:
+            return [t for t in prom.targets() if t["health"] == "up" and component in (
+                t["labels"].get("diloco_dev_component"), t["labels"].get("app_kubernetes_io_name"))]
+        wait_for(lambda: scraped("learner") and scraped("syncer") and scraped("diloco-operator"), 120,
+                 "prometheus scraping the syncer, the learners and the operator", 1.0)
+        assert all(t["scrapeUrl"].startswith("https://") for t in scraped("syncer")), scraped("syncer")
+        wait_for_data_in_every_query(prom.query, 60)
+        (restarts,) = prom.query(f'diloco_operator_unit_restarts_total{{exported_namespace="{job.ns}"}}')
+        assert float(restarts["value"][1]) >= 2  # the two learner kills above
+        assert prom.query('diloco_syncer_standby == 1'), "the syncer's standby took over: its gauge says so"
 
 
 def incarnations(metrics_jsonl: Path) -> list[list[dict]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import urllib.error
@@ -38,8 +39,29 @@ def static(name: str, address: str) -> dict:
     return {"job_name": name, "static_configs": [{"targets": [address]}]}
 
 
+def annotated_pods(name: str, pods: list[dict]) -> list[dict]:
+    """Scrape jobs for the running `pods` that say prometheus.io/scrape "true", as the usual kubernetes-pods job's
+    relabeling makes them: pod IP and prometheus.io/port, /path and /scheme (https unverified: a job's syncer
+    certificate is its own CA's), the pod's labels as target labels (diloco.dev/job becomes diloco_dev_job) plus
+    namespace and pod. Static targets read from the API: Debian's prometheus is built without Kubernetes discovery."""
+    jobs: dict[tuple[str, str], dict] = {}
+    for pod in pods:
+        meta, ip = pod["metadata"], (pod.get("status") or {}).get("podIP")
+        ann = meta.get("annotations") or {}
+        if ann.get("prometheus.io/scrape") != "true" or not ip or meta.get("deletionTimestamp"):
+            continue
+        scheme, path = ann.get("prometheus.io/scheme", "http"), ann.get("prometheus.io/path", "/metrics")
+        job = jobs.setdefault((scheme, path), {
+            "job_name": f"{name}-{len(jobs)}", "scheme": scheme, "metrics_path": path,
+            "tls_config": {"insecure_skip_verify": True}, "static_configs": []})
+        labels = {re.sub(r"[^A-Za-z0-9_]", "_", k): v for k, v in (meta.get("labels") or {}).items()}
+        job["static_configs"].append({"targets": [f"{ip}:{ann['prometheus.io/port']}"],
+                                      "labels": {**labels, "namespace": meta["namespace"], "pod": meta["name"]}})
+    return list(jobs.values())
+
+
 class Prometheus:
-    """`prometheus` running `scrape_configs` (static() makes them), scraping every second."""
+    """`prometheus` running `scrape_configs` (static() and annotated_pods() make them), scraping every second."""
 
     def __init__(self, binary: str, workdir: Path, scrape_configs: list[dict]):
         self.binary, self.workdir = binary, workdir

@@ -26,6 +26,8 @@ PHASES = ("exit_seen", "restarted", "assigned", "registered", "corpus", "ready",
 LOG_MARKS = {"assigned": "warm spare took over", "registered": "syncer reachable", "corpus": "corpus from cache",
              "ready": "starting at versions"}
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
+# The next life's resend of the unsent work its predecessor's snapshot held (learner/loop.py, Learner._resend).
+_RESENT = re.compile(r"resending the unsent work of the previous start: \d+ of \d+ fragment\(s\) .*\((\d+) steps\)")
 
 
 def log_time(line: str) -> float | None:
@@ -53,12 +55,26 @@ def _log_marks(log_path: Path, after: float, before: float) -> dict[str, float]:
     return found
 
 
+def _resent_steps(log_path: Path, after: float, before: float) -> int:
+    """Fragment-steps the life started in (after, before) resent from its predecessor's snapshot (0 if none)."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        t = log_time(line)
+        if t is not None and after - 0.001 <= t < before and (m := _RESENT.search(line)):
+            return int(m.group(1))
+    return 0
+
+
 def kills(run_dir: Path, record: list[ChaosEntry], overwritten: float = 0.0) -> list[dict]:
     """One breakdown per fault of the record (see the module docstring); times in seconds after the kill.
 
     `overwritten`: the fraction of trained steps that never reach the model even without failures (a newer version
     overwrote them before they were sent; 1 − goodput of the failure-free run). The steps a kill took with it
-    (`lost_steps`) are the unacknowledged ones less that share of the incarnation's steps."""
+    (`lost_steps`) are the unacknowledged ones less that share of the incarnation's steps and less what the next life
+    resent from the snapshot the killed one left (`resent_steps`: its base version had not moved, so it is merged)."""
     run_dir = Path(run_dir)
     fragments = int(yaml.safe_load((run_dir / "config.yaml").read_text())["outer"]["fragments"])
     events = read_events(run_dir)
@@ -79,6 +95,7 @@ def kills(run_dir: Path, record: list[ChaosEntry], overwritten: float = 0.0) -> 
             marks = _log_marks(run_dir / "logs" / f"{unit}.log", exit_.time, nxt)
             for phase in LOG_MARKS:
                 k[phase] = marks[phase] - at if phase in marks else None
+            k["resent_steps"] = _resent_steps(run_dir / "logs" / f"{unit}.log", exit_.time, nxt) / fragments
             new = [r for r in metrics if start.time <= float(r["time"]) < nxt and int(r.get("step", 0)) > 0]
             if new:
                 r0 = new[0]
@@ -93,7 +110,8 @@ def kills(run_dir: Path, record: list[ChaosEntry], overwritten: float = 0.0) -> 
             step_s = float(last.get("step_time_s") or 0)
             since = (at - float(last["time"])) / step_s if step_s else 0.0
             k["unacked_steps"] = int(last["step"]) - int(last.get("acked_steps", 0)) / fragments + since
-            k["lost_steps"] = max(0.0, k["unacked_steps"] - overwritten * (int(last["step"]) + since))
+            k["lost_steps"] = max(0.0, k["unacked_steps"] - k.get("resent_steps", 0.0)
+                                  - overwritten * (int(last["step"]) + since))
             k["step_time_s"] = step_s
             k["lost_s"] = k["lost_steps"] * step_s
         out.append(k)
@@ -103,7 +121,7 @@ def kills(run_dir: Path, record: list[ChaosEntry], overwritten: float = 0.0) -> 
 def phase_summary(breakdown: list[dict]) -> dict:
     """Median and max of every phase over kills (seconds after the kill), and of the work lost at a kill."""
     out: dict = {"kills": len(breakdown), "on_spare": sum(1 for k in breakdown if k["spare"])}
-    for key in (*PHASES, "unacked_steps", "lost_steps", "lost_s"):
+    for key in (*PHASES, "unacked_steps", "resent_steps", "lost_steps", "lost_s"):
         xs = [k[key] for k in breakdown if k.get(key) is not None]
         out[key] = {"median": statistics.median(xs), "max": max(xs), "n": len(xs)} if xs else None
     return out
@@ -116,9 +134,11 @@ def describe(summary: dict) -> str:
     if summary.get("spare_cpu_s"):
         parts.append(f"spare warm-up {summary['spare_cpu_s']:.1f} CPU-s per spare started")
     if summary.get("lost_steps"):
+        resent = summary.get("resent_steps") or {"median": 0.0}
         parts.append(f"work lost with the process {summary['lost_steps']['median']:.1f} steps "
                      f"({summary['lost_s']['median']:.1f} s of a learner; "
-                     f"{summary['unacked_steps']['median']:.1f} unacknowledged)")
+                     f"{summary['unacked_steps']['median']:.1f} unacknowledged, "
+                     f"{resent['median']:.1f} resent from its snapshot)")
     return f"{summary['kills']} kills, {summary['on_spare']} on a warm spare: " + "; ".join(parts)
 
 

@@ -38,7 +38,9 @@ def _run_dir(tmp_path):
            f"{_stamp(kill + 2.35)} INFO learner-1[0] diloco_trainer.learner.main: warm spare took over (pid 11, x)",
            f"{_stamp(kill + 2.4)} INFO learner-1[0] diloco_trainer.learner.client: syncer reachable",
            f"{_stamp(kill + 3.1)} INFO learner-1[0] diloco_trainer.data.corpus: corpus from cache x.train.npy (1 / 1 bytes)",
-           f"{_stamp(kill + 3.2)} INFO learner-1[0] diloco_trainer.learner.loop: learner learner-1 (...) starting at versions"]
+           f"{_stamp(kill + 3.2)} INFO learner-1[0] diloco_trainer.learner.loop: learner learner-1 (...) starting at versions",
+           f"{_stamp(kill + 3.3)} INFO learner-1[0] diloco_trainer.learner.loop: resending the unsent work of the "
+           "previous start: 3 of 4 fragment(s) still at its base version (24 steps)"]
     (run / "logs" / "learner-1.log").write_text("\n".join(log) + "\n")
     record = [ChaosEntry(event="fault", time=kill, unit="learner-1", fault=1),
               ChaosEntry(event="recovery", time=kill + 7.5, fault=1, unit="learner-1", merged_again_s=7.5)]
@@ -55,7 +57,9 @@ def test_a_kill_is_broken_down_into_the_phases_of_its_recovery_and_the_work_it_l
     assert k["first_step"] == pytest.approx(4.0) and k["first_acked"] == pytest.approx(7.0)
     assert k["merged_again"] == 7.5
     # 40 steps trained (+0.5 until the kill), 20 of them acknowledged per fragment; 10% would be overwritten anyway.
-    assert k["unacked_steps"] == pytest.approx(20.5) and k["lost_steps"] == pytest.approx(20.5 - 4.05)
+    # The next life resent 24 fragment-steps (6 per fragment) of its snapshot: merged, so not lost.
+    assert k["unacked_steps"] == pytest.approx(20.5) and k["resent_steps"] == pytest.approx(6.0)
+    assert k["lost_steps"] == pytest.approx(20.5 - 6.0 - 4.05)
     assert k["lost_s"] == pytest.approx(k["lost_steps"] * 0.4)
     summary = kill_cost.phase_summary([k])
     assert summary["kills"] == 1 and summary["first_step"]["median"] == pytest.approx(4.0)

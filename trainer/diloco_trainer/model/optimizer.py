@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from diloco_trainer.config import TrainConfig
+from diloco_trainer.model.adamw import AdamW
 
 
 def inner_lr(step: int, lr: float, warmup_steps: int) -> float:
@@ -27,16 +27,16 @@ def decay_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
     return decayed, plain
 
 
-def inner_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.AdamW, Callable[[int], float]]:
+def inner_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[AdamW, Callable[[int], float]]:
     """(AdamW over the model's parameters, step -> learning rate); weight decay as `decay_groups` splits them."""
     inner = cfg.inner
     decayed, plain = decay_groups(model)
-    opt = torch.optim.AdamW([{"params": decayed, "weight_decay": inner.weight_decay},
+    opt = AdamW([{"params": decayed, "weight_decay": inner.weight_decay},
                              {"params": plain, "weight_decay": 0.0}],
                             lr=inner.lr, betas=(inner.beta1, inner.beta2))
     return opt, lambda step: inner_lr(step, inner.lr, inner.warmup_steps)
 
 
-def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(opt: AdamW, lr: float) -> None:
     for group in opt.param_groups:
         group["lr"] = lr

@@ -132,3 +132,35 @@ def test_the_operator_image_packages_import_nothing_the_image_lacks():
     pkgs = package_graph(project_graph())
     for pkg in OPERATOR_IMAGE:
         assert pkgs[pkg] <= OPERATOR_IMAGE, f"{pkg} imports {sorted(pkgs[pkg] - OPERATOR_IMAGE)}"
+
+
+def folder_graph(edges: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    """The import graph between the role folders (and top-level modules) of one package."""
+    def folder(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+    out: dict[str, set[str]] = {}
+    for m, targets in edges.items():
+        if m.startswith(package + "."):
+            out.setdefault(folder(m), set()).update(folder(t) for t in targets if t.startswith(package + "."))
+    return {f: ts - {f} for f, ts in out.items()}
+
+
+def test_no_import_cycle_between_the_operators_role_folders():
+    found = cycles(folder_graph(project_graph(), "diloco_operator"))
+    assert not found, "operator folder cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+PURE_OPERATOR_FOLDERS = ("diloco_operator.api", "diloco_operator.plan", "diloco_operator.objects")
+IO = ("kopf", "aiohttp", "kubernetes", "diloco_kube.client", "diloco_operator.reconcile", "diloco_operator.remote",
+      "diloco_operator.handlers", "asyncio", "socket", "subprocess")
+
+
+def test_the_operators_pure_folders_import_no_io():
+    mods = project_modules()
+    for m, path in mods.items():
+        if not m.startswith(PURE_OPERATOR_FOLDERS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for t in _targets(m, path, node):
+                    assert not any(t == io or t.startswith(io + ".") for io in IO), f"{m} imports {t}"

@@ -26,7 +26,7 @@ import yaml
 from diloco_devcluster import testbed
 from diloco_devcluster.cli import install_crds
 from diloco_devcluster.pools import DEFAULT_POOLS, NodePool
-from diloco_operator import api
+from diloco_operator.api import models as api
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL = "bench-cpu"

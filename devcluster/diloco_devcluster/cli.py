@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from diloco_devcluster import testbed
-from diloco_operator.schema import CRD_DIR
+from diloco_operator.api.schema import CRD_DIR
 
 DEFAULT_DIR = Path.home() / ".cache" / "diloco-testbed" / "devcluster"
 

@@ -12,12 +12,12 @@ import os
 import kopf
 from prometheus_client import start_http_server
 
-from diloco_operator import api
-from diloco_operator import objects as O
-from diloco_operator.cache import Cache
-from diloco_operator.chaosrun import run_job_chaos
-from diloco_operator.controller import Controller
 from diloco_kube.client import Kube
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as O
+from diloco_operator.reconcile.cache import Cache
+from diloco_operator.reconcile.chaosrun import run_job_chaos
+from diloco_operator.reconcile.controller import Controller
 
 
 def _env_float(name: str, default: float) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from diloco_operator import api
+from diloco_operator.api import models as api
 
 RECONCILES = Counter("diloco_operator_reconciles_total", "Reconcile passes", ["kind", "result"])
 RECONCILE_SECONDS = Histogram("diloco_operator_reconcile_seconds", "Duration of one reconcile pass", ["kind"],

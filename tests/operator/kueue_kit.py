@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from diloco_operator import certs
+from diloco_operator.objects import certs
 
 from cluster_kit import ROOT, Kubectl
 from polling import stop, wait_for

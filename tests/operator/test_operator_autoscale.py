@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from diloco_operator import api
-from diloco_operator import conditions as C
-from diloco_operator.autoscale import UnitState, decide, free_units
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
+from diloco_operator.plan.autoscale import UnitState, decide, free_units
 
 T0 = datetime(2026, 11, 24, 12, 0, 0, tzinfo=timezone.utc)
 GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]

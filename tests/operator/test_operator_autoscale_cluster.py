@@ -7,9 +7,9 @@ import urllib.error
 
 import pytest
 
-from diloco_operator import api
-from diloco_operator import conditions as C
 from diloco_devcluster.pools import NodePool, node_objects
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
 
 from polling import wait_for
 from test_operator_cluster import FAST, condition, events, running, unit_pods

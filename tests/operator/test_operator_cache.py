@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 
-from diloco_operator.cache import Cache
+from diloco_operator.reconcile.cache import Cache
 
 from polling import wait_for
 from test_operator_cluster import cpu_units, job, wait_job_ready

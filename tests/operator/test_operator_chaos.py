@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from diloco_operator.chaosrun import ANNOTATION_STARTED, persisted, spec_hash
+from diloco_operator.reconcile.chaosrun import ANNOTATION_STARTED, persisted, spec_hash
 
 from polling import wait_for
 from test_operator_cluster import cpu_units, events, job, wait_job_ready

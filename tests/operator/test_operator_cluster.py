@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from diloco_operator import api
-from diloco_operator.objects import secret_name
 from diloco_kube.labels import FAIL_POD_EXIT_CODE_ANNOTATION, FAIL_POD_LABEL, POOL_LABEL
+from diloco_operator.api import models as api
+from diloco_operator.objects.builders import secret_name
 
 from polling import wait_for
 from cluster_kit import PYTHONPATH

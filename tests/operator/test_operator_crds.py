@@ -10,7 +10,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from diloco_operator import api, schema
+from diloco_operator.api import models as api, schema
 
 from cluster_kit import ROOT
 
@@ -148,7 +148,7 @@ def test_committed_crds_and_the_charts_copy_are_generated_from_the_models():
         assert sorted(p.name for p in (ROOT / folder).iterdir()) == sorted(rendered), f"{folder}/ holds other files"
         for name, text in rendered.items():
             assert (ROOT / folder / name).read_text() == text, \
-                f"{folder}/{name} is stale: python -m diloco_operator.schema"
+                f"{folder}/{name} is stale: python -m diloco_operator.api.schema"
 
 
 def test_the_crd_schema_is_structural_and_carries_the_training_config():

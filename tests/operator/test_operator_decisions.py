@@ -6,10 +6,11 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from diloco_operator import api
-from diloco_operator import conditions as C
-from diloco_operator import jobplan, objects, unitplan
 from diloco_kube.client import status_patch
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as objects
+from diloco_operator.plan import jobplan, unitplan
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 JOB = {"apiVersion": api.API_VERSION, "kind": "DilocoJob",
@@ -212,7 +213,8 @@ def test_pods_are_placed_on_their_accelerator_pool_with_rendezvous_env():
 
 
 def test_syncer_status_summary_and_address():
-    from diloco_operator import jobstatus, syncer_status
+    from diloco_operator.plan import jobstatus
+    from diloco_operator.reconcile import syncer_status
     from diloco_trainer.protocol.messages import SyncerStatus
     doc = {"outer_steps": 7, "versions": {"0": 3, "1": 4}, "learners": {"demo-gpu-0": {"last_seen": 1767225600.5}}}
     reading = jobstatus.SyncerReading(SyncerStatus.model_validate(doc), 1767225601.0)
@@ -225,7 +227,7 @@ def test_syncer_status_summary_and_address():
 
 
 def test_the_syncer_url_annotation_is_followed_only_when_the_operator_trusts_it():
-    from diloco_operator import syncer_status
+    from diloco_operator.reconcile import syncer_status
     def annotated(url: str) -> dict:
         return {**JOB, "metadata": {**JOB["metadata"], "annotations": {syncer_status.URL_ANNOTATION: url}}}
     # The operator sends the job's token to that address: a job's author alone must not choose it.
@@ -394,7 +396,7 @@ def test_learners_dial_every_shard_in_shard_order():
 
 
 def test_shard_statuses_name_each_shard_with_its_fragments_and_merges():
-    from diloco_operator import jobplan
+    from diloco_operator.plan import jobplan
     spec = sharded_spec(3)
     from diloco_trainer.protocol.messages import SyncerStatus
     shards = jobplan.shard_statuses("demo", spec, [True, False, True],
@@ -411,7 +413,8 @@ def test_shard_statuses_name_each_shard_with_its_fragments_and_merges():
 
 
 def test_the_jobs_syncer_numbers_add_up_over_its_shards():
-    from diloco_operator import jobstatus, syncer_status
+    from diloco_operator.plan import jobstatus
+    from diloco_operator.reconcile import syncer_status
     from diloco_trainer.protocol.messages import LearnerStatus, SyncerStatus
     t = T0.timestamp()
     combined = jobstatus.combine([

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from diloco_operator import api, faultwork
+from diloco_operator.api import models as api
+from diloco_operator.plan import faultwork
 from diloco_trainer.protocol.messages import IncarnationWork, LearnerStatus
 
 P = 4

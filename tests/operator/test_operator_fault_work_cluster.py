@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 import torch
 
-from diloco_operator import conditions as C
+from diloco_operator.api import conditions as C
 from diloco_trainer.protocol.wire import SubmissionMeta, decode_tensors, encode_submission, quantize
 
 from polling import wait_for

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from diloco_operator import api
-from diloco_operator import objects as O
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as O
 
 from polling import wait_for
 from test_operator_cluster import condition, cpu_units, events, job, unit_pods, wait_job_ready

@@ -156,7 +156,7 @@ def _selects(monitor: dict, pod_meta: dict, pod_spec: dict) -> bool:
 
 
 def test_pod_monitors_and_the_dashboard_render_only_when_enabled_and_select_the_pods_that_serve_metrics(helm):
-    from diloco_operator import objects
+    from diloco_operator.objects import builders as objects
     from test_operator_decisions import JOB, job_spec
 
     default = helm.render()

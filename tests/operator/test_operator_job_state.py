@@ -8,9 +8,9 @@ import asyncio
 from kubernetes import client as k8s
 
 from diloco_kube.client import Kube
-from diloco_operator.cache import Cache
-from diloco_operator.controller import Controller
-from diloco_operator.jobstate import JobStates, SyncerTls, TlsRead
+from diloco_operator.reconcile.cache import Cache
+from diloco_operator.reconcile.controller import Controller
+from diloco_operator.reconcile.jobstate import JobStates, SyncerTls, TlsRead
 
 
 def job(name: str, uid: str, **meta) -> dict:

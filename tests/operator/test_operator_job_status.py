@@ -12,8 +12,11 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from prometheus_client import REGISTRY
 
-from diloco_operator import api, jobplan, jobstatus, metrics, objects, unitplan
-from diloco_operator.jobstatus import SyncerReading
+from diloco_operator import metrics
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as objects
+from diloco_operator.plan import jobplan, jobstatus, unitplan
+from diloco_operator.plan.jobstatus import SyncerReading
 from diloco_trainer.protocol.messages import LearnerStatus, SyncerStatus
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)

@@ -10,8 +10,8 @@ import yaml
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
-from diloco_operator.kubeconfig_policy import KubeconfigRefused, check_inline
-from diloco_operator.remote import parse_kubeconfig
+from diloco_operator.remote.clusters import parse_kubeconfig
+from diloco_operator.remote.kubeconfig_policy import KubeconfigRefused, check_inline
 
 CA = base64.b64encode(b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n").decode()
 

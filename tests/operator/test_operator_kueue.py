@@ -7,8 +7,10 @@ from datetime import datetime, timezone
 
 import pytest
 
-from diloco_operator import api, autoscale, kueue, objects, unitplan
-from diloco_operator import conditions as C
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as objects
+from diloco_operator.plan import autoscale, kueue, unitplan
 
 pytestmark = pytest.mark.fast
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)

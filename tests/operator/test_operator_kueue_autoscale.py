@@ -7,8 +7,8 @@ from datetime import timedelta
 
 import pytest
 
-from diloco_operator import autoscale, kueue
-from diloco_operator import conditions as C
+from diloco_operator.api import conditions as C
+from diloco_operator.plan import autoscale, kueue
 
 from test_operator_autoscale import T0, spec, unit
 from test_operator_kueue import spec_of

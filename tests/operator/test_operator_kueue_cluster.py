@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from diloco_operator import conditions as C
-from diloco_operator import kueue
+from diloco_operator.api import conditions as C
+from diloco_operator.plan import kueue
 
 from kueue_kit import KUEUE_API, Kueue, cluster_queue, local_queue, priority_class, resource_flavor
 from polling import wait_for

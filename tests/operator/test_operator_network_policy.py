@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from diloco_operator import api
-from diloco_operator import objects as O
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as O
 
 from polling import wait_for
 from test_operator_cluster import cpu_units, job, wait_job_ready

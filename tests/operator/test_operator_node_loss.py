@@ -8,8 +8,10 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from pydantic import ValidationError
 
-from diloco_operator import api, nodeloss, objects, unitplan
-from diloco_operator import conditions as C
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as objects
+from diloco_operator.plan import nodeloss, unitplan
 
 pytestmark = pytest.mark.fast
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)

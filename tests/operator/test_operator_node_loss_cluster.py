@@ -12,10 +12,10 @@ import uuid
 
 import pytest
 
-from diloco_operator import api
-from diloco_operator import conditions as C
 from diloco_devcluster.pools import NodePool, node_objects
 from diloco_kube.labels import KWOK_ANNOTATION
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
 
 from polling import wait_for
 from test_operator_autoscale_cluster import POOL, Nodes

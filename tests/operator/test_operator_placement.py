@@ -8,7 +8,8 @@ import pytest
 from diloco_devcluster import pools
 from diloco_devcluster.pools import NodePool
 from diloco_kube.labels import POOL_LABEL
-from diloco_operator import api, objects
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as objects
 
 from polling import wait_for
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from diloco_operator import api, objects, podsecurity
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as objects, podsecurity
 
 JOB = {"apiVersion": api.API_VERSION, "kind": "DilocoJob",
        "metadata": {"name": "demo", "namespace": "ns", "uid": "u-1", "generation": 1}}

@@ -8,7 +8,8 @@ import argparse
 import pytest
 from pydantic import ValidationError
 
-from diloco_operator import api, objects
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as objects
 
 pytestmark = pytest.mark.fast
 JOB = {"apiVersion": api.API_VERSION, "kind": "DilocoJob",

@@ -6,8 +6,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from diloco_operator import objects as O
-from diloco_operator.refusal import MESSAGE_PREFIX, RETRY_AFTER_S, name_the_field, refusal_of, still_refused
+from diloco_operator.objects import builders as O
+from diloco_operator.plan.refusal import MESSAGE_PREFIX, RETRY_AFTER_S, name_the_field, refusal_of, still_refused
 
 pytestmark = pytest.mark.fast
 NOW = datetime(2026, 11, 25, 12, 0, tzinfo=timezone.utc)

@@ -15,9 +15,9 @@ import sys
 import pytest
 import yaml
 
-from diloco_operator import certs
 from diloco_devcluster import testbed as testbed_mod
 from diloco_kube.labels import POOL_LABEL
+from diloco_operator.objects import certs
 from test_operator_autoscale_cluster import H100, Nodes, autoscaled_job, running_units, template  # helpers only
 from test_operator_cluster import condition, cpu_units, job, running, wait_job_ready  # helpers only
 

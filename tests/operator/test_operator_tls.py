@@ -11,8 +11,10 @@ import pydantic
 import pytest
 from cryptography import x509
 
-from diloco_operator import api, certs, jobplan, objects
-from diloco_operator import conditions as C
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
+from diloco_operator.objects import certs, builders as objects
+from diloco_operator.plan import jobplan
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 JOB = {"apiVersion": api.API_VERSION, "kind": "DilocoJob",

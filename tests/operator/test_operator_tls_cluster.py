@@ -19,8 +19,8 @@ from datetime import datetime, timezone
 import aiohttp
 import pytest
 
-from diloco_operator import certs
 from diloco_kube.labels import POOL_LABEL
+from diloco_operator.objects import certs
 
 from polling import wait_for
 from cluster_kit import PYTHONPATH

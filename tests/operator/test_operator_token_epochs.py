@@ -14,8 +14,8 @@ import urllib.request
 
 import pytest
 
-from diloco_operator import jobplan
-from diloco_operator import objects as O
+from diloco_operator.objects import builders as O
+from diloco_operator.plan import jobplan
 from diloco_trainer.protocol.tokens import learner_token
 
 from polling import wait_for

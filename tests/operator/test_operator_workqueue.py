@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from diloco_operator.workqueue import WorkQueue, backoff
+from diloco_operator.reconcile.workqueue import WorkQueue, backoff
 
 from polling import wait_for_async
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from diloco_operator import api
-from diloco_operator import conditions as C
-from diloco_operator import jobplan, objects, unitplan
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as objects
+from diloco_operator.plan import jobplan, unitplan
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 JOB = {"apiVersion": api.API_VERSION, "kind": "DilocoJob",

@@ -11,7 +11,7 @@ from diloco_trainer.protocol.messages import (FragmentQuery, HeartbeatRequest, M
 
 
 @pytest.mark.parametrize("module", ["diloco_trainer.protocol.messages", "diloco_trainer.goodput", "diloco_chaos.goodput",
-                                    "diloco_operator.syncer_status"])
+                                    "diloco_operator.reconcile.syncer_status"])
 def test_the_contracts_and_their_readers_import_without_torch(module):
     code = (f"import json, sys; import {module}; "
             "print(json.dumps(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))))")

@@ -9,7 +9,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
-{{/* The operator pods' selector; operator/diloco_operator/objects.py OPERATOR_POD_LABELS names it. */}}
+{{/* The operator pods' selector; operator/diloco_operator/objects/builders.py OPERATOR_POD_LABELS names it. */}}
 {{- define "diloco.selector" -}}
 app.kubernetes.io/name: diloco-operator
 {{- end -}}

@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from diloco_operator import api
-from diloco_operator import conditions as C
-from diloco_operator import objects as O
-from diloco_operator.unitplan import PodView, UnitPlan, carried_status
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as O
+from diloco_operator.plan.unitplan import PodView, UnitPlan, carried_status
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"  # on a DilocoJob: its units queue in this LocalQueue
 PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"  # on a DilocoJob: the WorkloadPriorityClass of its units

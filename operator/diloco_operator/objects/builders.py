@@ -12,9 +12,9 @@ import yaml
 
 from diloco_kube.labels import (LABEL_COMPONENT, LABEL_INCARNATION, LABEL_JOB, LABEL_RANK,  # noqa: F401
                                  LABEL_SHARD, LABEL_TEMPLATE, LABEL_UNIT)
-from diloco_operator import api
+from diloco_operator.api import models as api
+from diloco_operator.objects.podsecurity import harden
 from diloco_trainer.syncer.epochs import EPOCHS_KEY
-from diloco_operator.podsecurity import harden
 
 ANNOTATION_SPEC_HASH = "diloco.dev/spec-hash"
 MANAGED_BY = {"app.kubernetes.io/name": "diloco", "app.kubernetes.io/managed-by": "diloco-operator"}

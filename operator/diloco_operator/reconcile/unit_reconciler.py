@@ -13,16 +13,18 @@ from diloco_trainer.protocol.tokens import learner_token
 from diloco_kube.client import (CONFIGMAPS, LEARNERUNITS, NETWORKPOLICIES, PODS, PVCS, SECRETS, SERVICES, Kube,
                                   status_patch)
 from diloco_kube.labels import POOL_LABEL
-from diloco_operator import api, faultwork, jobplan, jobstatus, kueue, metrics, nodeloss, unitplan
-from diloco_operator import conditions as C
-from diloco_operator import objects as O
-from diloco_operator.cache import Cache
-from diloco_operator.job_remote import REMOTE_POLL_S, REMOTE_RETRY_S
-from diloco_operator.jobstate import JobStates
-from diloco_operator.kueue_gate import KueueGate
-from diloco_operator.remote import ClusterUnavailable, Remote, RemoteClusters, unreachable
-from diloco_operator.syncer_poller import SyncerPoller
-from diloco_operator.writes import Writer, bounded
+from diloco_operator import metrics
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as O
+from diloco_operator.plan import faultwork, jobplan, jobstatus, kueue, nodeloss, unitplan
+from diloco_operator.reconcile.cache import Cache
+from diloco_operator.reconcile.job_remote import REMOTE_POLL_S, REMOTE_RETRY_S
+from diloco_operator.reconcile.jobstate import JobStates
+from diloco_operator.reconcile.kueue_gate import KueueGate
+from diloco_operator.reconcile.syncer_poller import SyncerPoller
+from diloco_operator.reconcile.writes import Writer, bounded
+from diloco_operator.remote.clusters import ClusterUnavailable, Remote, RemoteClusters, unreachable
 
 
 @dataclass

@@ -18,15 +18,19 @@ from pydantic import ValidationError
 
 from diloco_kube.client import (CONFIGMAPS, DEPLOYMENTS, DILOCOJOBS, LEARNERUNITS, NETWORKPOLICIES, PVCS, SECRETS,
                                   SERVICES, Kube, status_patch)
-from diloco_operator import api, autoscale, certs, jobplan, jobstatus, metrics, refusal, syncer_status, unitplan
-from diloco_operator import conditions as C
-from diloco_operator import objects as O
-from diloco_operator.cache import Cache
-from diloco_operator.job_remote import FINALIZER, REMOTE_POLL_S, JobRemote
-from diloco_operator.jobstate import JobStates, SyncerTls, TlsRead
-from diloco_operator.remote import RemoteClusters
-from diloco_operator.syncer_poller import SyncerPoller
-from diloco_operator.writes import NotControlled, Writer, bounded, check_controller
+from diloco_operator import metrics
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as O
+from diloco_operator.objects import certs
+from diloco_operator.plan import autoscale, jobplan, jobstatus, refusal, unitplan
+from diloco_operator.reconcile import syncer_status
+from diloco_operator.reconcile.cache import Cache
+from diloco_operator.reconcile.job_remote import FINALIZER, REMOTE_POLL_S, JobRemote
+from diloco_operator.reconcile.jobstate import JobStates, SyncerTls, TlsRead
+from diloco_operator.reconcile.syncer_poller import SyncerPoller
+from diloco_operator.reconcile.writes import NotControlled, Writer, bounded, check_controller
+from diloco_operator.remote.clusters import RemoteClusters
 
 log = logging.getLogger("diloco_operator")
 NOT_CONTROLLED_RETRY_S = 10.0  # a job blocked by someone else's object looks again this often (it may be gone)

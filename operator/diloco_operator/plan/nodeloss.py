@@ -7,8 +7,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
-from diloco_operator import conditions as C
-from diloco_operator.unitplan import PodView
+from diloco_operator.api import conditions as C
+from diloco_operator.plan.unitplan import PodView
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from diloco_operator import api
-from diloco_operator import conditions as C
-from diloco_operator import objects as O
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as O
 
 Event = tuple[str, str, str]  # (Normal|Warning, reason, message)
 PARKED_HISTORY = 20  # how many parked units the status lists (the newest)

@@ -17,9 +17,9 @@ import yaml
 
 from diloco_kube.client import NAMESPACES, SECRETS, ApiError, Kube
 
-from diloco_operator import api
-from diloco_operator import conditions as C
-from diloco_operator.kubeconfig_policy import KubeconfigRefused, check_inline
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
+from diloco_operator.remote.kubeconfig_policy import KubeconfigRefused, check_inline
 
 REMOTE_TIMEOUT_S = 5.0  # a remote apiserver that does not answer within this is unreachable for this pass
 SECRET_TTL_S = 30.0  # the kubeconfig Secret is read again at most this often

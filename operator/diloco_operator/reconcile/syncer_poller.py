@@ -10,9 +10,10 @@ import time
 from collections.abc import Callable
 
 from diloco_kube.client import SECRETS, ApiError, Kube
-from diloco_operator import api, syncer_status
-from diloco_operator import objects as O
-from diloco_operator.jobstate import JobState, JobStates, SyncerTls
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as O
+from diloco_operator.reconcile import syncer_status
+from diloco_operator.reconcile.jobstate import JobState, JobStates, SyncerTls
 
 log = logging.getLogger("diloco_operator")
 

@@ -10,7 +10,7 @@ import time
 import aiohttp
 from diloco_trainer.protocol.messages import SyncerStatus
 
-from diloco_operator.jobstatus import SyncerReading
+from diloco_operator.plan.jobstatus import SyncerReading
 
 URL_ANNOTATION = "diloco.dev/syncer-url"  # overrides the in-cluster address (an operator outside the cluster)
 

@@ -9,10 +9,10 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 
 from diloco_kube.client import RESOURCEFLAVORS, WORKLOADPRIORITYCLASSES, WORKLOADS, Kube
-from diloco_operator import conditions as C
-from diloco_operator import kueue
-from diloco_operator import objects as O
-from diloco_operator.cache import Cache
+from diloco_operator.api import conditions as C
+from diloco_operator.objects import builders as O
+from diloco_operator.plan import kueue
+from diloco_operator.reconcile.cache import Cache
 
 CLUSTER_OBJECT_TTL_S = 30.0  # flavors and priority classes change rarely: read again at most this often
 

@@ -9,13 +9,14 @@ from collections.abc import Callable
 from pydantic import ValidationError
 
 from diloco_kube.client import CONFIGMAPS, DILOCOJOBS, NODES, PODS, PVCS, SECRETS, SERVICES, Kube, Resource
-from diloco_operator import api, autoscale
-from diloco_operator import conditions as C
-from diloco_operator import objects as O
-from diloco_operator.cache import Cache
-from diloco_operator.jobstate import JobStates
-from diloco_operator.remote import ClusterUnavailable, Remote, RemoteClusters, unreachable
-from diloco_operator.writes import Writer
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as O
+from diloco_operator.plan import autoscale
+from diloco_operator.reconcile.cache import Cache
+from diloco_operator.reconcile.jobstate import JobStates
+from diloco_operator.reconcile.writes import Writer
+from diloco_operator.remote.clusters import ClusterUnavailable, Remote, RemoteClusters, unreachable
 
 REMOTE_POLL_S = 5.0  # a unit in a remote cluster is looked at this often (its pods there are listed, not watched)
 REMOTE_RETRY_S = 10.0  # after a remote cluster did not answer

@@ -8,9 +8,9 @@ import logging
 import time
 
 from diloco_kube.client import ApiError, Kube, Resource
-from diloco_operator import objects as O
-from diloco_operator.cache import Cache
-from diloco_operator.remote import Remote
+from diloco_operator.objects import builders as O
+from diloco_operator.reconcile.cache import Cache
+from diloco_operator.remote.clusters import Remote
 
 log = logging.getLogger("diloco_operator")
 PARALLEL_WRITES = 16  # the client's thread pool: more in flight would only queue there

@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from diloco_operator import api
-from diloco_operator import conditions as C
-from diloco_operator import objects as O
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as O
 
 Event = tuple[str, str, str]  # (Normal|Warning, reason, message)
 TERMINAL_UNIT = ("Succeeded", "Failed")

@@ -3,7 +3,7 @@ syncer's per-life ledger (/v1/status learners[].incarnations). Pure: no I/O, no 
 
 from __future__ import annotations
 
-from diloco_operator import conditions as C
+from diloco_operator.api import conditions as C
 from diloco_trainer.protocol.messages import IncarnationWork, LearnerStatus
 
 

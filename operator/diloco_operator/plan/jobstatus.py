@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from diloco_operator import api
-from diloco_operator import conditions as C
-from diloco_operator import jobplan
-from diloco_operator import objects as O
-from diloco_operator.jobplan import Event, UnitView
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as O
+from diloco_operator.plan import jobplan
+from diloco_operator.plan.jobplan import Event, UnitView
 from diloco_trainer.goodput import Slot, goodput
 from diloco_trainer.protocol.messages import SyncerStatus
 from diloco_trainer.runtime.shards import merge_statuses

@@ -8,18 +8,18 @@ import logging
 from datetime import datetime, timezone
 
 from diloco_kube.client import ApiError, Kube
-from diloco_operator import nodeloss
-from diloco_operator import objects as O
-from diloco_operator.cache import Cache
-from diloco_operator.job_reconciler import JobReconciler
-from diloco_operator.job_remote import JobRemote
-from diloco_operator.jobstate import JobStates
-from diloco_operator.kueue_gate import KueueGate
-from diloco_operator.remote import RemoteClusters
-from diloco_operator.syncer_poller import SyncerPoller
-from diloco_operator.unit_reconciler import UnitReconciler
-from diloco_operator.workqueue import Key, WorkQueue
-from diloco_operator.writes import Writer
+from diloco_operator.objects import builders as O
+from diloco_operator.plan import nodeloss
+from diloco_operator.reconcile.cache import Cache
+from diloco_operator.reconcile.job_reconciler import JobReconciler
+from diloco_operator.reconcile.job_remote import JobRemote
+from diloco_operator.reconcile.jobstate import JobStates
+from diloco_operator.reconcile.kueue_gate import KueueGate
+from diloco_operator.reconcile.syncer_poller import SyncerPoller
+from diloco_operator.reconcile.unit_reconciler import UnitReconciler
+from diloco_operator.reconcile.workqueue import Key, WorkQueue
+from diloco_operator.reconcile.writes import Writer
+from diloco_operator.remote.clusters import RemoteClusters
 
 log = logging.getLogger("diloco_operator")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from datetime import datetime
 
-from diloco_operator import objects as O
+from diloco_operator.objects import builders as O
 from diloco_trainer.config import TrainConfig
 
 REFUSAL_EXIT_CODE = 2  # `diloco syncer` exits 2 on a run it cannot serve, and only then

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diloco_operator.jobstatus import SyncerReading
+from diloco_operator.plan.jobstatus import SyncerReading
 
 
 @dataclass

@@ -17,8 +17,8 @@ from diloco_chaos.metrics import ChaosMetrics
 from diloco_chaos.record import Record
 from diloco_chaos.runner import run_experiment
 from diloco_chaos.targets.kubernetes import KubernetesTarget
-from diloco_operator import conditions as C
 from diloco_kube.client import DILOCOJOBS, Kube
+from diloco_operator.api import conditions as C
 
 # {"startedAt": unix, "spec": hash of the spec.chaos it runs, "faults": injected so far, "ended": true once done}
 ANNOTATION_STARTED = "diloco.dev/chaos-started-at"

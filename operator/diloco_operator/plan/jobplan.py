@@ -7,9 +7,9 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from diloco_operator import api
-from diloco_operator import conditions as C
-from diloco_operator import objects as O
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as O
 from diloco_trainer.protocol.messages import SyncerStatus
 from diloco_trainer.protocol.shardmap import owned_fragments
 

@@ -1,0 +1,1 @@
+"""The DilocoJob and LearnerUnit API: the pydantic models, their conditions, and the CRDs generated from them."""

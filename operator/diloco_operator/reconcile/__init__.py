@@ -1,0 +1,1 @@
+"""The operator's I/O shell: the work queue, the job and unit reconcilers, writes, the watch cache, the syncer poller."""

@@ -1,0 +1,1 @@
+"""Remote clusters (spec.clusters): their clients and which kubeconfigs are accepted."""

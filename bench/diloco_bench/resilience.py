@@ -2,7 +2,7 @@
 of each method as a fraction of its own failure-free run (quality's seed-0 runs of the same length).
 
 Decoupled: `diloco chaos run` (an mtbf experiment) against the live `diloco local` run; its supervisor restarts the
-victim (on a warm spare). Synchronous baselines: the same seeded schedule (`diloco_chaos.schedule`) kills the
+victim (on a warm spare). Synchronous baselines: the same seeded schedule (`diloco_chaos.inject.schedule`) kills the
 same-named worker; the job restarts all its workers from its last checkpoint (`diloco baseline --max-restarts`,
 checkpoints every H steps, as torchrun would), so it loses the steps since that checkpoint plus a restart.
 
@@ -25,11 +25,11 @@ from pathlib import Path
 import yaml
 
 from diloco_chaos import goodput as chaos_goodput
-from diloco_chaos.experiment import parse_experiment
-from diloco_chaos.record import summarize
-from diloco_chaos.schedule import Schedule
-from diloco_trainer.protocol.messages import ProcessEntry, ProcessesDoc, SyncerSample
+from diloco_chaos.inject.experiment import parse_experiment
+from diloco_chaos.inject.record import summarize
+from diloco_chaos.inject.schedule import Schedule
 from diloco_trainer.protocol.chaos_record import read_record
+from diloco_trainer.protocol.messages import ProcessEntry, ProcessesDoc, SyncerSample
 from diloco_trainer.protocol.runfiles import read_events
 from diloco_trainer.runtime.rundir import metrics_records, read_jsonl
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 from diloco_trainer.protocol.chaos_record import ChaosEntry
 
-from .experiment import load_experiment, parse_duration
-from .metrics import ChaosMetrics
-from .record import Record
-from .runner import Progress, run_experiment
-from .schedule import preview
+from diloco_chaos.inject.experiment import load_experiment, parse_duration
+from diloco_chaos.inject.metrics import ChaosMetrics
+from diloco_chaos.inject.record import Record
+from diloco_chaos.inject.runner import Progress, run_experiment
+from diloco_chaos.inject.schedule import preview
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +81,7 @@ def _validate(args) -> int:
 
 
 def _goodput(args) -> int:
-    from . import goodput
+    from diloco_chaos import goodput
 
     if args.prometheus:
         if not args.fragments:
@@ -128,12 +128,12 @@ def _run(args) -> int:
             exp = exp.model_copy(update={"safety": exp.safety.model_copy(update={"max_duration": f"{limit:g}s"})})
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if args.run_dir:
-        from .targets.local import LocalTarget
+        from diloco_chaos.inject.targets.local import LocalTarget
 
         target = LocalTarget(args.run_dir)
         default_record = Path(args.run_dir) / "chaos" / f"{exp.name}-{stamp}.jsonl"
     else:
-        from .targets.kubernetes import KubernetesTarget
+        from diloco_chaos.inject.targets.kubernetes import KubernetesTarget
 
         namespace = args.namespace or exp.safety.namespace or "default"
         if exp.safety.namespace and namespace != exp.safety.namespace:
@@ -165,7 +165,7 @@ def _run(args) -> int:
         print(f"median time until the victim trained again {summary['trained_again_s_median']:.1f}s"
               + (f", until its contribution was merged again {merged:.1f}s" if merged is not None else ""))
     if args.run_dir:
-        from . import goodput
+        from diloco_chaos import goodput
 
         try:
             for line in goodput_lines(goodput.from_run_dir(args.run_dir)):
@@ -193,7 +193,7 @@ async def _main(exp, target, record, dry_run, display, metrics) -> dict:
         return await run_experiment(exp, target, record, dry_run=dry_run, stop=stop, on_progress=display.update,
                                     metrics=metrics)
     except asyncio.CancelledError:
-        from .record import summarize
+        from diloco_chaos.inject.record import summarize
 
         return summarize(record.entries)
     finally:
@@ -262,7 +262,7 @@ class Display:
         if self.run_dir is None or time.monotonic() - self.goodput_at < self.GOODPUT_EVERY_S:
             return
         self.goodput_at = time.monotonic()
-        from . import goodput
+        from diloco_chaos import goodput
 
         try:
             self.goodput = goodput.from_run_dir(self.run_dir)

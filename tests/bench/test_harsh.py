@@ -5,7 +5,7 @@ import json
 import pytest
 
 from diloco_bench import harsh, report, restart_state, runs
-from diloco_chaos.experiment import parse_experiment
+from diloco_chaos.inject.experiment import parse_experiment
 
 
 def test_the_harsh_schedule_is_a_valid_experiment_killing_each_learner_every_60_s_with_three_seeds(tmp_path):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from diloco_chaos.bandwidth import BandwidthInputs, required_bandwidth, ring_allreduce_factor, wire_bits
+from diloco_chaos.simulate.bandwidth import BandwidthInputs, required_bandwidth, ring_allreduce_factor, wire_bits
 from diloco_trainer.cli import main as diloco_main
 
 

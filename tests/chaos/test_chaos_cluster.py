@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from diloco_chaos.experiment import parse_experiment
-from diloco_chaos.record import Record, summarize
+from diloco_chaos.inject.experiment import parse_experiment
+from diloco_chaos.inject.record import Record, summarize
+from diloco_chaos.inject.runner import run_experiment
+from diloco_chaos.inject.targets.kubernetes import KubernetesTarget
 from diloco_trainer.protocol.chaos_record import read_record
-from diloco_chaos.runner import run_experiment
-from diloco_chaos.targets.kubernetes import KubernetesTarget
 from test_operator_cluster import cpu_units, events, job, unit_pods, wait_job_ready  # helpers only
 
 from polling import wait_for

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from diloco_chaos.experiment import parse_experiment
 from diloco_chaos.goodput import from_run_dir
-from diloco_chaos.metrics import ChaosMetrics
-from diloco_chaos.record import Record
-from diloco_chaos.runner import run_experiment
-from diloco_chaos.targets.local import LocalTarget
+from diloco_chaos.inject.experiment import parse_experiment
+from diloco_chaos.inject.metrics import ChaosMetrics
+from diloco_chaos.inject.record import Record
+from diloco_chaos.inject.runner import run_experiment
+from diloco_chaos.inject.targets.local import LocalTarget
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_chaos.experiment import load_experiment, parse_duration, parse_experiment
+from diloco_chaos.inject.experiment import load_experiment, parse_duration, parse_experiment
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "chaos" / "examples").glob("*.yaml"))
 
@@ -108,7 +108,7 @@ def test_a_mtbf_schedule_cannot_target_the_syncer_and_a_pause_takes_no_downtime(
 
 
 def test_a_jobs_spec_chaos_becomes_an_experiment_scoped_to_that_job():
-    from diloco_chaos.experiment import JobChaos
+    from diloco_chaos.inject.experiment import JobChaos
 
     chaos = JobChaos.model_validate({"schedule": {"every": "2m"}, "safety": {"minAliveUnits": 2}})
     exp = chaos.to_experiment("llm-7b", "team-a")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from diloco_chaos.experiment import parse_experiment
-from diloco_chaos.guards import Candidate, decide, in_scope, stop_reason, victims_wanted
-from diloco_chaos.schedule import Tick, preview
+from diloco_chaos.inject.experiment import parse_experiment
+from diloco_chaos.inject.guards import Candidate, decide, in_scope, stop_reason, victims_wanted
+from diloco_chaos.inject.schedule import Tick, preview
 
 T0 = 1_700_000_040.0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from diloco_chaos.record import Record, RecoveryTracker, UnitObservation, summarize
+from diloco_chaos.inject.record import Record, RecoveryTracker, UnitObservation, summarize
 from diloco_trainer.protocol.chaos_record import ChaosEntry, read_record
 
 

@@ -7,10 +7,10 @@ import statistics
 
 import pytest
 
-from diloco_chaos.experiment import ScheduleSpec
-from diloco_chaos.guards import Candidate, decide
-from diloco_chaos.experiment import parse_experiment
-from diloco_chaos.schedule import Schedule, preview
+from diloco_chaos.inject.experiment import ScheduleSpec
+from diloco_chaos.inject.experiment import parse_experiment
+from diloco_chaos.inject.guards import Candidate, decide
+from diloco_chaos.inject.schedule import Schedule, preview
 
 T0 = 1_700_000_040.0  # a whole even minute (UTC), so cron ticks land on round offsets
 

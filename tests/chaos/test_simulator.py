@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from diloco_chaos import simulate_cli
-from diloco_chaos.simulator import (HOUR, PAPER_CHIPS, PAPER_GOODPUT, YEAR, FailureModel, simulate)
+from diloco_chaos.simulate import cli as simulate_cli
+from diloco_chaos.simulate.simulator import (HOUR, PAPER_CHIPS, PAPER_GOODPUT, YEAR, FailureModel, simulate)
 
 NO_FAILURES = FailureModel(mtbi_years=1e12)
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from diloco_chaos.syncer_plan import (GIB, PROCESS_OVERHEAD_BYTES, Machine, SyncerPlanInputs, fit, merge_seconds,
+from diloco_chaos.simulate.syncer_plan import (GIB, PROCESS_OVERHEAD_BYTES, Machine, SyncerPlanInputs, fit, merge_seconds,
                                       shard_plan, valid_shard_counts)
 from diloco_trainer.cli import main as diloco_main
 

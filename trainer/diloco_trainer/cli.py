@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("diloco_operator.main", "run the Kubernetes operator (kopf)"),
     "devcluster": ("diloco_devcluster.cli", "a local Kubernetes control plane for trying the operator"),
     "chaos": ("diloco_chaos.cli", "run a chaos experiment against local learners or a DilocoJob"),
-    "simulate": ("diloco_chaos.simulate_cli", "goodput simulator and WAN bandwidth calculator"),
+    "simulate": ("diloco_chaos.simulate.cli", "goodput simulator and WAN bandwidth calculator"),
     "bench": ("diloco_bench.cli", "benchmarks: Decoupled DiLoCo vs DDP and synchronous DiLoCo"),
     "export": ("diloco_trainer.model.export", "write the global model of a checkpoint as a transformers directory"),
 }

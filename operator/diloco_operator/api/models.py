@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from diloco_chaos.experiment import JobChaos
+from diloco_chaos.inject.experiment import JobChaos
 from diloco_trainer.config import TrainConfig
 
 GROUP = "diloco.dev"

@@ -12,11 +12,11 @@ from typing import Callable
 
 from prometheus_client import REGISTRY
 
-from diloco_chaos.experiment import JobChaos
-from diloco_chaos.metrics import ChaosMetrics
-from diloco_chaos.record import Record
-from diloco_chaos.runner import run_experiment
-from diloco_chaos.targets.kubernetes import KubernetesTarget
+from diloco_chaos.inject.experiment import JobChaos
+from diloco_chaos.inject.metrics import ChaosMetrics
+from diloco_chaos.inject.record import Record
+from diloco_chaos.inject.runner import run_experiment
+from diloco_chaos.inject.targets.kubernetes import KubernetesTarget
 from diloco_kube.client import DILOCOJOBS, Kube
 from diloco_operator.api import conditions as C
 

@@ -9,8 +9,8 @@ import sys
 import time
 from dataclasses import asdict, fields
 
-from diloco_chaos.bandwidth import BandwidthInputs, required_bandwidth
-from diloco_chaos.simulator import PAPER_CHIPS, PAPER_GOODPUT, FailureModel, simulate
+from diloco_chaos.simulate.bandwidth import BandwidthInputs, required_bandwidth
+from diloco_chaos.simulate.simulator import PAPER_CHIPS, PAPER_GOODPUT, FailureModel, simulate
 
 PAPER_LEARNERS = (2, 4, 8, 16)
 PAPER_BANDWIDTH_GBPS = {"data-parallel": 198.0, "decoupled": 0.84, "sites": 8}
@@ -183,7 +183,7 @@ def _run_bandwidth(args: argparse.Namespace) -> int:
 
 
 def _run_syncer_memory(args: argparse.Namespace) -> int:
-    from .syncer_plan import GIB, Machine, SyncerPlanInputs, fit, shard_plan
+    from diloco_chaos.simulate.syncer_plan import GIB, Machine, SyncerPlanInputs, fit, shard_plan
 
     inputs = [SyncerPlanInputs(params=p, fragments=args.fragments, learners=args.learners, sync_every=args.sync_every,
                                step_time_s=args.step_time, versions_kept=args.versions_kept,

@@ -19,10 +19,10 @@ from diloco_kube.labels import LABEL_COMPONENT, LABEL_UNIT  # the same label key
 from diloco_trainer.fsutil import atomic_write_json
 from diloco_trainer.protocol.messages import MetricsRecord, ProcessEntry, ProcessesDoc, RestartHold, SyncerSample
 
-from ..experiment import Experiment
-from ..guards import Candidate
-from ..record import UnitObservation
-from . import Fault
+from diloco_chaos.inject.experiment import Experiment
+from diloco_chaos.inject.guards import Candidate
+from diloco_chaos.inject.record import UnitObservation
+from diloco_chaos.inject.targets import Fault
 
 # Signals whose default action ends a process: usable for `fail` (exit code 128 + signal).
 FATAL_SIGNALS = {s for s in signal.Signals if s not in (

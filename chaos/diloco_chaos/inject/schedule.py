@@ -10,7 +10,7 @@ from typing import Iterable
 
 from croniter import croniter
 
-from .experiment import ScheduleSpec
+from diloco_chaos.inject.experiment import ScheduleSpec
 
 
 @dataclass(frozen=True)

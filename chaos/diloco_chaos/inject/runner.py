@@ -13,12 +13,12 @@ from typing import Callable
 
 from diloco_trainer.protocol.chaos_record import ChaosEntry
 
-from .experiment import Experiment
-from .guards import Candidate, Decision, decide, in_scope, stop_reason
-from .metrics import ChaosMetrics
-from .record import Record, RecoveryTracker, summarize
-from .schedule import Schedule, Tick
-from .targets import Fault, Target
+from diloco_chaos.inject.experiment import Experiment
+from diloco_chaos.inject.guards import Candidate, Decision, decide, in_scope, stop_reason
+from diloco_chaos.inject.metrics import ChaosMetrics
+from diloco_chaos.inject.record import Record, RecoveryTracker, summarize
+from diloco_chaos.inject.schedule import Schedule, Tick
+from diloco_chaos.inject.targets import Fault, Target
 
 
 @dataclass

@@ -8,8 +8,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .experiment import Experiment, SafetySpec, TargetSpec
-from .schedule import Tick
+from diloco_chaos.inject.experiment import Experiment, SafetySpec, TargetSpec
+from diloco_chaos.inject.schedule import Tick
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..experiment import Experiment
-from ..guards import Candidate
-from ..record import UnitObservation
+from diloco_chaos.inject.experiment import Experiment
+from diloco_chaos.inject.guards import Candidate
+from diloco_chaos.inject.record import UnitObservation
 
 
 @dataclass(frozen=True)

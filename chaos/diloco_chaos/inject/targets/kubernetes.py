@@ -14,10 +14,10 @@ from diloco_kube.client import DILOCOJOBS, LEARNERUNITS, NODES, PODS, ApiError, 
 from diloco_kube.labels import (FAIL_POD_EXIT_CODE_ANNOTATION, FAIL_POD_LABEL, KWOK_ANNOTATION, LABEL_COMPONENT,
                                  LABEL_INCARNATION, LABEL_JOB, LABEL_SHARD, LABEL_UNIT)
 
-from ..experiment import Experiment
-from ..guards import Candidate
-from ..record import UnitObservation
-from . import Fault
+from diloco_chaos.inject.experiment import Experiment
+from diloco_chaos.inject.guards import Candidate
+from diloco_chaos.inject.record import UnitObservation
+from diloco_chaos.inject.targets import Fault
 
 SOURCE = "diloco-chaos"
 REASONS = {"kill": "ChaosPodKilled", "fail": "ChaosPodFailed"}

@@ -1,0 +1,1 @@
+"""Fault injection: an experiment's description, its schedule and safety guards, the runner, its record and metrics."""

@@ -453,7 +453,8 @@ def test_a_spec_the_models_reject_is_reported_on_the_job_with_the_field(kubectl,
     dj = wait_for(lambda: (d := kubectl.get("dj", "odd", ns=ns)) and condition(d, "Ready").get("reason") == "InvalidSpec"
                   and d, 30, "Ready=False/InvalidSpec", 0.2)
     assert "spec.config.model" in condition(dj, "Ready")["message"] and "divisible" in dj["status"]["message"]
-    assert kubectl.get("lu", ns=ns) == [] and events(kubectl, ns, "InvalidSpec")
+    assert kubectl.get("lu", ns=ns) == []
+    wait_for(lambda: events(kubectl, ns, "InvalidSpec"), 10, "the InvalidSpec Event", 0.2)  # after the status write
     kubectl.apply(job("fine", cpu_units(1)), "-n", ns)  # the operator goes on reconciling other jobs
     wait_job_ready(kubectl, ns, "fine", 1)
     assert condition(kubectl.get("dj", "odd", ns=ns), "Ready")["reason"] == "InvalidSpec"
@@ -474,7 +475,9 @@ def test_a_spec_only_the_syncer_can_refuse_stops_its_syncer_and_names_the_field(
                   and d, 30, "Ready=False/InvalidSpec from the syncer's exit", 0.2)
     assert condition(dj, "Ready")["message"].startswith("spec.config.outer.fragments (64) must not exceed")
     assert dj["status"]["syncerRefusal"]["generation"] == dj["metadata"]["generation"]
-    assert [e for e in events(kubectl, ns, "InvalidSpec") if "spec.config.outer.fragments" in e["message"]]
+    # the Event follows the status write of the same reconcile
+    wait_for(lambda: [e for e in events(kubectl, ns, "InvalidSpec") if "spec.config.outer.fragments" in e["message"]],
+             10, "the InvalidSpec Event naming the field", 0.2)
     # No crash loop: the syncer is scaled to zero and no syncer runs (kwok leaves its pod Failed, which a
     # ReplicaSet does not delete; a kubelet restarting the container would keep it Running, and scaling deletes it).
     wait_for(lambda: kubectl.get("deployment", "big-syncer", ns=ns)["spec"]["replicas"] == 0

@@ -225,10 +225,15 @@ class Kube:
 
 
 def status_patch(old: dict | None, new: dict) -> dict | None:
-    """A JSON merge patch turning status `old` into `new` (None when nothing changed); removed keys become null."""
+    """A JSON merge patch turning status `old` into `new` (None when nothing changed); removed keys become null, in
+    nested objects too (a merge patch merges objects: a key a new `lastFault` lacks would stay from the old one)."""
     old = old or {}
     if old == new:
         return None
-    patch = {k: v for k, v in new.items() if old.get(k) != v}
+    patch = {}
+    for key, value in new.items():
+        was = old.get(key)
+        if was != value:
+            patch[key] = status_patch(was, value) if isinstance(was, dict) and isinstance(value, dict) else value
     patch.update({k: None for k in old if k not in new})
     return patch

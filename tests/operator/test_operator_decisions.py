@@ -192,6 +192,35 @@ def test_status_patch_writes_only_changes_and_nulls_removed_keys():
     assert status_patch({"a": 1, "b": 2}, {"a": 3}) == {"a": 3, "b": None}
 
 
+def test_a_units_new_fault_replaces_every_figure_of_the_one_before_in_the_status_it_writes():
+    """A merge patch merges objects: the new lastFault's patch must null what the old one had and the new one has
+    not yet (its recovery and lost work), or a second fault would show the first one's figures."""
+    first = {"phase": "Running", "lastFault": {"time": "t1", "reason": "PodDeleted", "incarnation": 2,
+                                               "recoveredAt": "t1+5", "recoverySeconds": 5, "lostSteps": 0,
+                                               "lostTokens": 128}}
+    second = {"phase": "Restarting", "lastFault": {"time": "t2", "reason": "PodDeleted", "incarnation": 3}}
+    patch = status_patch(first, second)
+    assert patch == {"phase": "Restarting", "lastFault": {"time": "t2", "incarnation": 3, "recoveredAt": None,
+                                                          "recoverySeconds": None, "lostSteps": None,
+                                                          "lostTokens": None}}
+    assert merge_patched(first, patch) == second
+    assert status_patch({"o": {"a": 1}}, {"o": {}}) == {"o": {"a": None}}
+    assert status_patch({"o": 1}, {"o": {"a": 1}}) == {"o": {"a": 1}}
+
+
+def merge_patched(doc: dict, patch: dict) -> dict:
+    """RFC 7386, as the API server applies a merge patch."""
+    out = dict(doc)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict):
+            out[key] = merge_patched(out.get(key) if isinstance(out.get(key), dict) else {}, value)
+        else:
+            out[key] = value
+    return out
+
+
 def test_pods_are_placed_on_their_accelerator_pool_with_rendezvous_env():
     spec = job_spec()
     tmpl = spec.units[0]

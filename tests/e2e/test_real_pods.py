@@ -8,10 +8,10 @@ learner pod (deleted, or by spec.chaos) restarts its unit while the others train
 over its unsent work and loses none; a SIGKILLed syncer is replaced
 by the other container of its pod (spec.syncer.standby), which resumes from the checkpoint, spool and merge journal
 on the PVC losing no acknowledged update; a real Prometheus on the host scrapes the pods where their prometheus.io
-annotations say and has data for every query of the Grafana dashboard; a spec only the syncer can refuse (more
-fragments than the model has tensors) is reported without a crash loop; the job succeeds with a final model that
-beats the unigram baseline of its tokens, which `diloco export` turns into a directory transformers loads and
-generates from; deleting the job removes everything it owned.
+annotations say and has data for every query of the Grafana dashboard; given a step budget, the units finish it
+and the job succeeds with a final model that beats the unigram baseline of its tokens, which `diloco export` turns
+into a directory transformers loads and generates from; a spec only the syncer can refuse (more fragments than the
+model has tensors) is reported without a crash loop; deleting the job removes everything it owned.
 
 The tests run in file order on one job (each step builds on the one before, as a user's job would): one job serves
 every check, so the e2e tier pays for one set of containers starting and training."""
@@ -46,8 +46,11 @@ from e2e_kit import (SYNCER_PORT, container_id, container_of, job_namespace, lea
 pytestmark = [pytest.mark.e2e]
 
 JOB = "e2e"
-UNITS = 3
-STEPS = 500  # per incarnation: long enough to outlive the kills below, no longer (the job's finish is the tier's end)
+UNITS = 2
+# The units train until the last test that needs them training has passed, however fast or slow the machine lets
+# them: no step budget at first (as a user starts a run of unknown length), then the final test gives them one as a
+# user ends such a run (spec.units[].steps: their pods restart with it, finish it and the job succeeds).
+FINAL_STEPS = 16  # two rounds of the outer.sync_every=8 schedule in the incarnations that finish the job
 RECOVERY_TIMES: list[float] = []  # pod kill -> replacement container training again, seconds
 VOCAB = 384
 MOUNT = "/data"
@@ -82,6 +85,9 @@ def data(tmp_path_factory) -> Path:
 
 
 def job_manifest(image: str, name: str = JOB, fragments: int = 4, units: int = UNITS) -> dict:
+    unit = {"name": "cpu", "count": units, "accelerator": {"type": "cpu"},
+            "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "3Gi"}},
+            "stateVolume": {"size": "1Gi"}}
     return {
         "apiVersion": "diloco.dev/v1alpha1", "kind": "DilocoJob", "metadata": {"name": name},
         "spec": {
@@ -93,9 +99,7 @@ def job_manifest(image: str, name: str = JOB, fragments: int = 4, units: int = U
                        "outer": {"fragments": fragments, "sync_every": 8, "overlap": 2, "compression": "int4",
                                  "quorum": 1, "grace": 0.5, "lr": 1.0, "momentum": 0.0}},
             # No nodeSelector: CPU units must land on the real CPU node, never on the fake GPU/TPU pools.
-            "units": [{"name": "cpu", "count": units, "accelerator": {"type": "cpu"}, "steps": STEPS,
-                       "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "3Gi"}},
-                       "stateVolume": {"size": "1Gi"}}],
+            "units": [unit],
             "syncer": {"resources": {"requests": {"cpu": "100m", "memory": "256Mi"}}, "checkpoint": {"size": "1Gi"}},
             "restartPolicy": {"maxRestarts": 20, "backoffSeconds": 0, "maxBackoffSeconds": 5},
         },
@@ -351,7 +355,7 @@ def test_a_learner_killed_by_spec_chaos_restarts_its_unit(job, kubectl):
     def via_chaos(_pod):
         kubectl.run("patch", "dj", JOB, "-n", job.ns, "--type=merge", "-p", json.dumps({"spec": {"chaos": {
             "schedule": {"every": "5s"}, "target": {"kind": "learner", "units": [1]},
-            "action": {"type": "kill"}, "safety": {"minAliveUnits": 2, "maxFaults": 1, "maxDuration": "10m"}}}}))
+            "action": {"type": "kill"}, "safety": {"minAliveUnits": 1, "maxFaults": 1, "maxDuration": "10m"}}}}))
     # spec.chaos may hit only unit index 1, once.
     unit = f"{JOB}-cpu-1"
     kill_and_time_recovery(job, unit, via_chaos)
@@ -363,7 +367,7 @@ def test_an_evicted_learner_hands_over_its_unsent_work_exits_0_and_its_unit_show
     """`kubectl drain`'s way out for one pod (the Eviction API: a graceful delete, as a spot reclaim's is): the
     learner finishes its step, sends every step it trained that no acknowledged outer gradient covers, exits 0
     within its grace period, and its unit's lastFault says the fault lost no work (issue 19 items 3 and 5)."""
-    unit = f"{JOB}-cpu-2"
+    unit = f"{JOB}-cpu-0"
     victim = wait_for(lambda: job.unit_pod(unit), 300, f"unit {unit}'s pod running", 1.0)
     wait_for(lambda: (learner_step(victim) or 0) >= 1, 300, f"unit {unit} training", 0.5)
     name = victim["metadata"]["name"]
@@ -386,11 +390,14 @@ def test_an_evicted_learner_hands_over_its_unsent_work_exits_0_and_its_unit_show
     print(f"[e2e] {unit}: evicted -> container {'exit ' + str(end.get('exitCode')) if 'gone' not in end else 'gone'}"
           f" after {stopped_s:.1f}s (grace {grace}s)", file=sys.stderr)
     assert stopped_s < grace, f"the learner used its whole grace period ({stopped_s:.1f} s)"
+    # Its unit had a fault before (the pod deleted above): the figures must be this fault's, not that one's.
     lu = wait_for(lambda: (u := kubectl.get("lu", unit, ns=job.ns))["status"].get("lastFault", {}).get(
         "lostTokens") is not None and u, 240, f"unit {unit}'s last fault with the work it lost", 1.0)
     fault = lu["status"]["lastFault"]
     print(f"[e2e] {unit}: last fault {fault['reason']}, recovery {fault.get('recoverySeconds')}s, "
           f"lost {fault['lostSteps']} steps / {fault['lostTokens']} tokens", file=sys.stderr)
+    assert fault["incarnation"] == int(victim["metadata"]["labels"]["diloco.dev/incarnation"]) + 1, fault
+    assert fault.get("recoveredAt", fault["time"]) >= fault["time"], fault  # ISO times, whole seconds
     assert (fault["lostSteps"], fault["lostTokens"]) == (0, 0), fault
 
 
@@ -453,26 +460,6 @@ def incarnations(metrics_jsonl: Path) -> list[list[dict]]:
     return runs
 
 
-def test_a_spec_that_only_its_syncer_can_refuse_is_reported_without_a_crash_loop(job):
-    # Only building the model counts its tensors (2 layers: 21); the CRD admits the job, the syncer refuses it (exit
-    # 2, reason in the termination message the kubelet keeps), the operator reports it and stops the syncer.
-    manifest = job_manifest(job.kubectl.get("dj", JOB, ns=job.ns)["spec"]["image"], "too-split", fragments=64, units=1)
-    del manifest["spec"]["units"][0]["stateVolume"]
-    job.kubectl.apply(manifest, "-n", job.ns)
-    try:
-        def refused():
-            dj = job.kubectl.get("dj", "too-split", ns=job.ns) or {}
-            ready = next((c for c in (dj.get("status") or {}).get("conditions", []) if c["type"] == "Ready"), {})
-            return ready if ready.get("reason") == "InvalidSpec" else None
-        ready = wait_for(refused, 300, "the refused job Ready=False/InvalidSpec", 1.0)
-        assert ready["message"].startswith("spec.config.outer.fragments (64) must not exceed the model's"), ready
-        wait_for(lambda: job.kubectl.get("deployment", "too-split-syncer", ns=job.ns)["spec"]["replicas"] == 0
-                 and not job.kubectl.get("pod", ns=job.ns, selector="diloco.dev/job=too-split,diloco.dev/component=syncer"),
-                 120, "the refused syncer scaled to zero and gone", 1.0)
-    finally:
-        job.kubectl.run("delete", "dj", "too-split", "-n", job.ns, "--wait=false", check=False)
-
-
 @pytest.mark.timeout(1500)  # its own waits: up to 1200 s for the job, 120 s for the syncer to go, then evaluation
 def test_the_job_succeeds_and_its_final_model_beats_the_unigram_baseline_and_exports_to_transformers(
         job, kubectl, data, tmp_path):
@@ -485,6 +472,11 @@ def test_the_job_succeeds_and_its_final_model_beats_the_unigram_baseline_and_exp
     from diloco_trainer.runtime import report
     from diloco_trainer.syncer.store import read_checkpoint
 
+    # The user ends the run: a step budget for its units. Their pods restart with it (each learner hands over its
+    # unsent work on the way out, as on any graceful stop), train it to the end, and the job succeeds.
+    assert job.status().get("phase") == "Running", job.status()
+    kubectl.run("patch", "dj", JOB, "-n", job.ns, "--type=json", "-p", json.dumps(
+        [{"op": "add", "path": "/spec/units/0/steps", "value": FINAL_STEPS}]))
     wait_for(lambda: job.status().get("phase") in ("Succeeded", "Failed"), 1200, "the job finishing", 2.0)
     assert job.status()["phase"] == "Succeeded", job.status()
     # A finished job's syncer is scaled to zero: it wrote its final checkpoint to the PVC on SIGTERM.
@@ -513,6 +505,7 @@ def test_the_job_succeeds_and_its_final_model_beats_the_unigram_baseline_and_exp
         runs = incarnations(job.pv_dir(f"{unit}-state-0") / "metrics.jsonl")
         acked = sum(run[-1]["acked_tokens"] for run in runs)
         assert runs[-1][-1].get("final"), f"{unit}'s last incarnation did not finish cleanly"
+        assert runs[-1][-1]["step"] == FINAL_STEPS, f"{unit}'s last incarnation trained {runs[-1][-1]['step']} steps"
         assert merged[unit]["tokens_merged"] >= acked > 0, (unit, merged[unit], acked)
     # The final model leaves as a directory transformers loads, with the tokenizer, and generates from.
     out = tmp_path / "llama-hf"
@@ -529,8 +522,28 @@ def test_the_job_succeeds_and_its_final_model_beats_the_unigram_baseline_and_exp
     assert text.startswith("def main(")
 
 
+def test_a_spec_that_only_its_syncer_can_refuse_is_reported_without_a_crash_loop(job):
+    # Only building the model counts its tensors (2 layers: 21); the CRD admits the job, the syncer refuses it (exit
+    # 2, reason in the termination message the kubelet keeps), the operator reports it and stops the syncer.
+    manifest = job_manifest(job.kubectl.get("dj", JOB, ns=job.ns)["spec"]["image"], "too-split", fragments=64, units=1)
+    del manifest["spec"]["units"][0]["stateVolume"]
+    job.kubectl.apply(manifest, "-n", job.ns)
+    try:
+        def refused():
+            dj = job.kubectl.get("dj", "too-split", ns=job.ns) or {}
+            ready = next((c for c in (dj.get("status") or {}).get("conditions", []) if c["type"] == "Ready"), {})
+            return ready if ready.get("reason") == "InvalidSpec" else None
+        ready = wait_for(refused, 300, "the refused job Ready=False/InvalidSpec", 1.0)
+        assert ready["message"].startswith("spec.config.outer.fragments (64) must not exceed the model's"), ready
+        wait_for(lambda: job.kubectl.get("deployment", "too-split-syncer", ns=job.ns)["spec"]["replicas"] == 0
+                 and not job.kubectl.get("pod", ns=job.ns, selector="diloco.dev/job=too-split,diloco.dev/component=syncer"),
+                 120, "the refused syncer scaled to zero and gone", 1.0)
+    finally:
+        job.kubectl.run("delete", "dj", "too-split", "-n", job.ns, "--wait=false", check=False)
+
+
 def test_deleting_the_job_removes_every_owned_object_and_container(job, kubectl):
-    pod_uids = {p["metadata"]["uid"] for p in kubectl.get("pod", ns=job.ns)}
+    pod_uids = {p["metadata"]["uid"] for p in kubectl.get("pod", ns=job.ns, selector=f"diloco.dev/job={JOB}")}
     left: dict[str, list[str]] = {}
 
     def all_gone():

@@ -63,6 +63,7 @@ class InnerStep:
         self.model = model
         # Built on the parameters as the wrapping left them (FSDP2 replaces them with sharded DTensors).
         self.opt, self.lr_at = inner_optimizer(model, cfg)
+        devices.sync(self.device)  # XLA: the moments become data now, so the first step compiles the usual graph
         self.runner = torch.compile(runner) if inner.compile else runner
 
     def step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> float:

@@ -21,7 +21,14 @@ class AdamW:
         self.foreach = foreach  # None: `torch._foreach_*` only when every parameter of a group is on CUDA
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         self.param_groups = [{**defaults, **group, "params": list(group["params"])} for group in groups]
-        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        # Moments exist from the start, not from the first step as in torch: on XLA the first step then runs the
+        # graph every later step runs, instead of one of its own that also creates them (a second compilation).
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {p: self._fresh(p) for p in self._params()}
+
+    @staticmethod
+    def _fresh(p: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"step": torch.tensor(0.0, dtype=torch.float32),
+                **{m: torch.zeros_like(p, memory_format=torch.preserve_format) for m in MOMENTS}}
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -39,9 +46,8 @@ class AdamW:
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:
-                if p not in self.state:
-                    self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
-                                     **{m: torch.zeros_like(p, memory_format=torch.preserve_format) for m in MOMENTS}}
+                if p not in self.state:  # a loaded state that had none for it
+                    self.state[p] = self._fresh(p)
             if self.foreach if self.foreach is not None else params and all(p.device.type == "cuda" for p in params):
                 self._step_foreach(group, params)
             else:
@@ -80,7 +86,7 @@ class AdamW:
         torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
 
     def state_dict(self) -> dict:
-        """torch's layout: state by parameter index (only parameters that have stepped), groups with indices."""
+        """torch's layout: state by parameter index, groups with indices."""
         index = {p: i for i, p in enumerate(self._params())}
         groups, start = [], 0
         for group in self.param_groups:

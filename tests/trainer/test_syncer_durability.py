@@ -1,7 +1,10 @@
 """Syncer durability: spool before the 202, atomic checkpoints, restart = checkpoint + spool replay, exactly once."""
 
+import asyncio
 import json
 import shutil
+import threading
+import time
 
 import pytest
 import torch
@@ -207,3 +210,28 @@ async def test_merged_ids_past_the_idempotency_window_are_forgotten_and_a_late_r
     resumed = SyncerState(cfg, tmp_path)
     assert resumed.pending == [{}, {}] and _spooled(tmp_path) == []
     assert resumed.tokens_merged == 400 and resumed.versions[0] == 4
+
+
+async def test_a_stop_during_a_periodic_checkpoint_writes_its_final_one_only_after_that_write_is_done(tmp_path):
+    """stop() cancels the checkpoint loop mid-write; the write's thread runs on, so the final checkpoint must wait for
+    it: two writes of checkpoint.tmp at once left the final one failing (FileNotFoundError) on a SIGTERM."""
+    syncer = make_syncer(tmp_path, checkpoint_every_s=0.01)
+    real_write, spans, started = syncer.state.write, [], threading.Event()
+
+    def timed_write(job):  # a slow disk: the periodic write is still running when the stop comes
+        t0 = time.monotonic()
+        started.set()
+        time.sleep(0.5 if len(spans) == 0 else 0.0)
+        real_write(job)
+        spans.append((t0, time.monotonic()))
+
+    syncer.state.write = timed_write
+    syncer.state.dirty = True
+    await syncer.start()
+    assert await asyncio.to_thread(started.wait, 30), "the periodic checkpoint never started"
+    await syncer.stop()  # cancels the loop mid-write, then writes the final checkpoint
+    assert len(spans) == 2, spans
+    (_, first_end), (second_start, _) = sorted(spans)
+    assert second_start >= first_end, "the final checkpoint was written while the interrupted one still was"
+    saved = json.loads((tmp_path / "checkpoint" / "state.json").read_text())["versions"]
+    assert [saved[str(p)] for p in range(len(saved))] == syncer.state.versions

@@ -164,8 +164,17 @@ class Syncer:
         async with self._ckpt_lock:
             t0 = time.perf_counter()
             job = self.state.checkpoint_job()
+            write = asyncio.ensure_future(asyncio.to_thread(self.state.write, job))
             try:
-                await asyncio.to_thread(self.state.write, job)
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+                # stop() cancels the periodic checkpoint, but not its thread, which writes checkpoint.tmp on:
+                # hold the lock until that write is done, or the final checkpoint would write the same files beside it.
+                self.state.dirty = True
+                await asyncio.wait([write])
+                if not write.cancelled() and write.exception() is not None:
+                    log.warning("the checkpoint interrupted by the stop failed: %s", write.exception())
+                raise
             except BaseException:
                 self.state.dirty = True
                 raise

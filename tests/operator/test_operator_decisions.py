@@ -40,7 +40,7 @@ def test_a_new_unit_creates_all_its_pods_and_records_the_launch():
     spec, raw = unit_spec()
     plan = unitplan.plan_unit(spec, raw, None, [], T0)
     assert plan.create == [0, 1] and plan.delete == []
-    assert plan.status["launchedIncarnation"] == 0 and plan.status["phase"] == "Pending"
+    assert plan.status.launchedIncarnation == 0 and plan.status.phase == "Pending"
 
 
 def test_a_running_unit_is_left_alone():
@@ -48,8 +48,8 @@ def test_a_running_unit_is_left_alone():
     h = objects.pod_spec_hash(raw)
     status = {"incarnation": 0, "launchedIncarnation": 0, "phase": "Running", "restarts": 0}
     plan = unitplan.plan_unit(spec, raw, status, [pod(0, h=h), pod(1, h=h)], T0)
-    assert plan.create == [] and plan.delete == [] and plan.status["phase"] == "Running"
-    assert plan.status["podsReady"] == 2 and plan.events == []
+    assert plan.create == [] and plan.delete == [] and plan.status.phase == "Running"
+    assert plan.status.podsReady == 2 and plan.events == []
 
 
 def test_a_deleted_pod_restarts_the_whole_unit_with_backoff_and_counts_it():
@@ -58,21 +58,21 @@ def test_a_deleted_pod_restarts_the_whole_unit_with_backoff_and_counts_it():
     status = {"incarnation": 0, "launchedIncarnation": 0, "phase": "Running", "restarts": 0}
     plan = unitplan.plan_unit(spec, raw, status, [pod(0, h=h)], T0)  # rank 1 was deleted
     assert plan.delete == ["demo-gpu-0-0-0"], "the surviving rank is restarted with the group"
-    assert plan.create == [] and plan.status["incarnation"] == 1 and plan.status["restarts"] == 1
-    assert plan.status["phase"] == "Restarting" and plan.status["restartAfter"] == C.now_iso(T0 + timedelta(seconds=2))
+    assert plan.create == [] and plan.status.incarnation == 1 and plan.status.restarts == 1
+    assert plan.status.phase == "Restarting" and plan.status.restartAfter == C.now_iso(T0 + timedelta(seconds=2))
     assert plan.events[0][1] == C.Reason.POD_DELETED
     # Before the backoff ends nothing is created; afterwards the new incarnation's pods are.
     waiting = unitplan.plan_unit(spec, raw, plan.status, [], T0 + timedelta(seconds=1))
     assert waiting.create == [] and waiting.requeue_after == pytest.approx(1.0)
     later = unitplan.plan_unit(spec, raw, plan.status, [], T0 + timedelta(seconds=2))
-    assert later.create == [0, 1] and later.status["launchedIncarnation"] == 1
+    assert later.create == [0, 1] and later.status.launchedIncarnation == 1
 
 
 def test_a_failed_pod_is_a_counted_restart_and_backoff_doubles():
     spec, raw = unit_spec(maxRestarts=5)
     status = {"incarnation": 3, "launchedIncarnation": 3, "restarts": 2, "consecutiveFailures": 2}
     plan = unitplan.plan_unit(spec, raw, status, [pod(0, 3), pod(1, 3, "Failed", False, failure="exit code 137")], T0)
-    assert plan.status["restarts"] == 3 and plan.events[0][1] == C.Reason.POD_FAILED
+    assert plan.status.restarts == 3 and plan.events[0][1] == C.Reason.POD_FAILED
     assert "exit code 137" in plan.events[0][2]
     assert plan.requeue_after == pytest.approx(8.0)  # 2s * 2**(3-1)
 
@@ -81,23 +81,23 @@ def test_old_pods_must_be_gone_before_a_new_incarnation_starts():
     spec, raw = unit_spec()
     status = {"incarnation": 1, "launchedIncarnation": 0, "restarts": 1, "restartAfter": C.now_iso(T0)}
     plan = unitplan.plan_unit(spec, raw, status, [pod(0, 0, deleting=True)], T0 + timedelta(seconds=5))
-    assert plan.create == [] and plan.status["phase"] == "Restarting"
+    assert plan.create == [] and plan.status.phase == "Restarting"
 
 
 def test_the_restart_limit_makes_the_unit_failed_and_that_sticks():
     spec, raw = unit_spec(maxRestarts=1)
     status = {"incarnation": 1, "launchedIncarnation": 1, "restarts": 1}
     plan = unitplan.plan_unit(spec, raw, status, [pod(0, 1, "Failed", False)], T0)
-    assert plan.status["phase"] == "Failed" and plan.events[0][1] == C.Reason.BACKOFF_LIMIT_EXCEEDED
+    assert plan.status.phase == "Failed" and plan.events[0][1] == C.Reason.BACKOFF_LIMIT_EXCEEDED
     again = unitplan.plan_unit(spec, raw, plan.status, [], T0 + timedelta(hours=1))
-    assert again.status["phase"] == "Failed" and again.create == []
+    assert again.status.phase == "Failed" and again.create == []
 
 
 def test_a_changed_spec_recreates_the_pods_without_counting_a_restart():
     spec, raw = unit_spec()
     status = {"incarnation": 0, "launchedIncarnation": 0, "restarts": 0}
     plan = unitplan.plan_unit(spec, raw, status, [pod(0, h="old"), pod(1, h="old")], T0)
-    assert plan.status["restarts"] == 0 and plan.status["incarnation"] == 1
+    assert plan.status.restarts == 0 and plan.status.incarnation == 1
     assert plan.events[0][1] == C.Reason.SPEC_CHANGED and plan.requeue_after == pytest.approx(0.2)
 
 
@@ -106,7 +106,7 @@ def test_an_unschedulable_pod_sets_pods_scheduled_false_once():
     status = {"incarnation": 0, "launchedIncarnation": 0}
     p = pod(0, phase="Pending", ready=False, unschedulable="0/8 nodes: Insufficient nvidia.com/gpu")
     plan = unitplan.plan_unit(spec, raw, status, [p], T0)
-    cond = C.get_condition(plan.status["conditions"], C.PODS_SCHEDULED)
+    cond = C.get_condition(plan.status.condition_dicts(), C.PODS_SCHEDULED)
     assert cond["status"] == "False" and cond["reason"] == C.Reason.UNSCHEDULABLE
     assert [e[1] for e in plan.events] == [C.Reason.UNSCHEDULABLE]
     assert unitplan.plan_unit(spec, raw, plan.status, [p], T0).events == [], "the Event is posted on the flip only"
@@ -536,9 +536,9 @@ def test_a_unit_is_run_for_a_job_only_if_that_job_is_its_controller():
 def test_a_refused_unit_says_why_in_ready_false_and_warns_only_when_the_refusal_is_new():
     why = unitplan.not_controlled_by_job(_learner_unit(None, "stray"), JOB)
     status, events = unitplan.refused_status(None, why, T0, 1)
-    ready = C.get_condition(status["conditions"], C.READY)
+    ready = C.get_condition(status.condition_dicts(), C.READY)
     assert (ready["status"], ready["reason"], ready["message"]) == ("False", "NotControlledByJob", why)
-    assert status["message"] == why and events == [("Warning", "NotControlledByJob", why)]
+    assert status.message == why and events == [("Warning", "NotControlledByJob", why)]
     again, events = unitplan.refused_status(status, why, T0 + timedelta(minutes=1), 1)
     assert again == status and events == [], "looked at again: nothing new to write or tell"
 

@@ -11,7 +11,7 @@ from diloco_trainer.protocol.messages import IncarnationWork, LearnerStatus
 
 P = 4
 T_FAULT = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
-FAULT = {"time": "2026-01-01T12:00:00Z", "reason": "PodDeleted", "incarnation": 1}
+FAULT = api.UnitFault(time="2026-01-01T12:00:00Z", reason="PodDeleted", incarnation=1)
 
 
 def life(id_: str, first: float, steps: int, merged: int, discarded: int = 0, per_step: int = 256) -> IncarnationWork:
@@ -43,7 +43,7 @@ def test_a_life_first_heard_of_within_the_faults_whole_second_is_the_ended_one_a
     learner = LearnerStatus(incarnations=[life("a", +0.1, 4, 0), life("b", +1.6, 1, 0)])
     assert faultwork.ended_life(learner, T_FAULT.timestamp()).id == "a"
     told = faultwork.fault_work(FAULT, learner, P, unit_ended=False)
-    assert (told["lostSteps"], told["lostTokens"], told["trainingAgainSeconds"]) == (4, 4 * 256, 1.6)
+    assert (told.lostSteps, told.lostTokens, told.trainingAgainSeconds) == (4, 4 * 256, 1.6)
 
 
 def test_the_loss_is_told_once_the_next_life_trained_a_step_or_the_unit_ended():
@@ -52,12 +52,11 @@ def test_the_loss_is_told_once_the_next_life_trained_a_step_or_the_unit_ended():
     assert faultwork.fault_work(FAULT, waiting, P, unit_ended=False) == FAULT
     going = LearnerStatus(incarnations=[ended, life("c", +5, 1, 0)])
     told = faultwork.fault_work(FAULT, going, P, unit_ended=False)
-    assert (told["lostSteps"], told["lostTokens"], told["trainingAgainSeconds"]) == (7, 7 * 256, 5.0)
-    api.UnitFault.model_validate(told)  # what the LearnerUnit's status holds
+    assert (told.lostSteps, told.lostTokens, told.trainingAgainSeconds) == (7, 7 * 256, 5.0)
     alone = LearnerStatus(incarnations=[ended])
     assert faultwork.fault_work(FAULT, alone, P, unit_ended=False) == FAULT
     failed = faultwork.fault_work(FAULT, alone, P, unit_ended=True)
-    assert failed["lostSteps"] == 7 and "trainingAgainSeconds" not in failed, "a failed unit has no next life"
+    assert failed.lostSteps == 7 and failed.trainingAgainSeconds is None, "a failed unit has no next life"
 
 
 def test_without_the_syncers_ledger_nothing_is_claimed():

@@ -192,13 +192,13 @@ def test_a_restarted_unit_records_its_fault_and_when_its_pods_were_ready_again()
                                 ready=phase == "Running", node="n0", spec_hash=h, **kw)
     running = {"incarnation": 0, "launchedIncarnation": 0, "phase": "Running", "restarts": 0}
     failed = unitplan.plan_unit(spec_, raw, running, [pod(0, "Failed", failure="exit code 137")], T0)
-    fault = failed.status["lastFault"]
-    assert fault == {"time": "2026-01-01T00:00:00Z", "reason": jobplan.C.Reason.POD_FAILED,
-                     "message": fault["message"], "incarnation": 1} and "exit code 137" in fault["message"]
+    fault = failed.status.lastFault
+    assert (fault.time, fault.reason, fault.incarnation, fault.recoveredAt) == (
+        "2026-01-01T00:00:00Z", jobplan.C.Reason.POD_FAILED, 1, None) and "exit code 137" in fault.message
     relaunched = unitplan.plan_unit(spec_, raw, failed.status, [], T0 + timedelta(seconds=2))
-    assert relaunched.create == [0] and "recoveredAt" not in relaunched.status["lastFault"]
+    assert relaunched.create == [0] and relaunched.status.lastFault.recoveredAt is None
     back = unitplan.plan_unit(spec_, raw, relaunched.status, [pod(1)], T0 + timedelta(seconds=7))
-    assert back.status["phase"] == "Running" and back.status["lastFault"]["recoveredAt"] == "2026-01-01T00:00:07Z"
-    assert back.status["lastFault"]["recoverySeconds"] == 7.0, "the unit's own status says it too (kubectl get lu)"
-    view = jobplan.unit_view({"metadata": {"name": "demo-gpu-0"}, "spec": raw, "status": back.status})
+    assert back.status.phase == "Running" and back.status.lastFault.recoveredAt == "2026-01-01T00:00:07Z"
+    assert back.status.lastFault.recoverySeconds == 7.0, "the unit's own status says it too (kubectl get lu)"
+    view = jobplan.unit_view({"metadata": {"name": "demo-gpu-0"}, "spec": raw, "status": back.status.wire()})
     assert jobstatus.last_fault([view]).recoverySeconds == 7.0

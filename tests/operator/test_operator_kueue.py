@@ -99,23 +99,24 @@ def views(inc: int = 0, deleting: bool = False) -> list[unitplan.PodView]:
 def test_a_unit_waiting_for_admission_creates_no_pod():
     plan = kueue.plan_held(spec_of(unit()), None, [], kueue.Admission("pending", "waiting for quota"), T0, 1)
     assert plan.create == [] and plan.delete == [] and plan.events == []
-    assert plan.status["phase"] == "Pending" and plan.status["message"] == "waiting for quota"
-    admitted = C.get_condition(plan.status["conditions"], C.ADMITTED)
+    assert plan.status.phase == "Pending" and plan.status.message == "waiting for quota"
+    admitted = C.get_condition(plan.status.condition_dicts(), C.ADMITTED)
     assert admitted["status"] == "False" and admitted["reason"] == C.Reason.QUEUED_IN_KUEUE
 
 
 def test_an_evicted_unit_loses_its_pods_and_says_so_once_without_counting_a_restart():
     running = {"incarnation": 0, "launchedIncarnation": 0, "phase": "Running", "restarts": 1,
                "consecutiveFailures": 0, "conditions": []}
-    running = kueue.admitted_condition(running, kueue.Admission("admitted", "admitted by cq"), T0, 1)
+    running = kueue.admitted_condition(api.LearnerUnitStatus.read(running), kueue.Admission("admitted", "admitted by cq"),
+                                       T0, 1)
     evicted = kueue.Admission("evicted", "preempted by high", "Preempted")
     plan = kueue.plan_held(spec_of(unit()), running, views(), evicted, T0, 1)
     assert sorted(plan.delete) == ["demo-gpu-1-0-0", "demo-gpu-1-0-1"] and plan.create == []
     assert [e[1] for e in plan.events] == [C.Reason.EVICTED_BY_KUEUE] and "preempted by high" in plan.events[0][2]
-    assert plan.status["restarts"] == 1 and plan.status["incarnation"] == 1, "a new incarnation, not a restart"
-    assert C.get_condition(plan.status["conditions"], C.ADMITTED)["reason"] == C.Reason.EVICTED_BY_KUEUE
+    assert plan.status.restarts == 1 and plan.status.incarnation == 1, "a new incarnation, not a restart"
+    assert C.get_condition(plan.status.condition_dicts(), C.ADMITTED)["reason"] == C.Reason.EVICTED_BY_KUEUE
     again = kueue.plan_held(spec_of(unit()), plan.status, views(deleting=True), evicted, T0, 1)
-    assert again.events == [] and again.delete == [] and again.status["incarnation"] == 1
+    assert again.events == [] and again.delete == [] and again.status.incarnation == 1
 
 
 def test_a_held_unit_never_reads_as_unschedulable_so_the_autoscaler_does_not_park_it():
@@ -133,7 +134,7 @@ def test_readmitted_unit_launches_its_next_incarnation_once_old_pods_are_gone():
     held = kueue.plan_held(spec_of(lu), {"incarnation": 0, "launchedIncarnation": 0, "phase": "Running"}, [],
                            kueue.Admission("pending", "requeued"), T0, 1).status
     plan = unitplan.plan_unit(spec_of(lu), lu["spec"], held, [], T0, generation=1)
-    assert plan.create == [0, 1] and plan.status["launchedIncarnation"] == 1 and plan.status["restarts"] == 0
+    assert plan.create == [0, 1] and plan.status.launchedIncarnation == 1 and plan.status.restarts == 0
 
 
 def test_an_evicted_workloads_quota_is_handed_back_as_kueues_integrations_do():

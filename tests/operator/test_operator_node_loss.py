@@ -107,13 +107,13 @@ def test_a_unit_on_a_lost_node_is_force_deleted_and_relaunched_at_once_without_b
     why = "node dead not Ready (Ready=Unknown) for 21s"
     plan = unitplan.plan_unit(spec, raw, RUNNING, [pod(0, "dead", h=h)], T0, lost={"demo-cpu-0-0-0": why})
     assert plan.force_delete == ["demo-cpu-0-0-0"] and plan.delete == []
-    assert plan.create == [0] and plan.status["incarnation"] == 1 and plan.status["launchedIncarnation"] == 1, \
+    assert plan.create == [0] and plan.status.incarnation == 1 and plan.status.launchedIncarnation == 1, \
         "no backoff and no pod left to wait for: the new incarnation launches in the same pass"
-    assert plan.status["restarts"] == 1 and plan.status["consecutiveFailures"] == 0
+    assert plan.status.restarts == 1 and plan.status.consecutiveFailures == 0
     (type_, reason, message), = plan.events
     assert (type_, reason) == ("Warning", C.Reason.NODE_LOST)
     assert message.startswith(f"{why}: pod demo-cpu-0-0-0 force-deleted; restarting the whole unit as incarnation 1")
-    cond = C.get_condition(plan.status["conditions"], C.NODE_LOST)
+    cond = C.get_condition(plan.status.condition_dicts(), C.NODE_LOST)
     assert (cond["status"], cond["reason"]) == ("True", C.Reason.NODE_LOST) and why in cond["message"]
 
 
@@ -125,7 +125,7 @@ def test_a_multi_pod_unit_with_one_pod_on_a_lost_node_restarts_as_a_whole_after_
     assert plan.force_delete == ["demo-cpu-0-0-0"] and plan.delete == ["demo-cpu-0-0-1"], \
         "the healthy rank is deleted gracefully (it can run its shutdown)"
     assert plan.create == [] and plan.requeue_after == pytest.approx(0.2)
-    assert plan.status["phase"] == "Restarting" and plan.status["incarnation"] == 1
+    assert plan.status.phase == "Restarting" and plan.status.incarnation == 1
 
 
 def test_a_lost_node_neither_backs_off_nor_fails_a_unit_at_its_restart_limit():
@@ -133,8 +133,8 @@ def test_a_lost_node_neither_backs_off_nor_fails_a_unit_at_its_restart_limit():
     at_limit = {**RUNNING, "restarts": 2, "consecutiveFailures": 2}
     plan = unitplan.plan_unit(spec, raw, at_limit, [pod(0, "dead", h=objects.pod_spec_hash(raw))], T0,
                               lost={"demo-cpu-0-0-0": "node dead not Ready (Ready=Unknown) for 20s"})
-    assert plan.status["phase"] != "Failed" and plan.create == [0]
-    assert plan.status["restarts"] == 3
+    assert plan.status.phase != "Failed" and plan.create == [0]
+    assert plan.status.restarts == 3
 
 
 def test_a_gracefully_evicted_pod_on_a_lost_node_does_not_hold_the_restart_back():
@@ -144,13 +144,13 @@ def test_a_gracefully_evicted_pod_on_a_lost_node_does_not_hold_the_restart_back(
     restarting = {**RUNNING, "incarnation": 1, "restarts": 1, "phase": "Restarting"}
     old = pod(0, "dead", inc=0, deleting=True)
     waiting = unitplan.plan_unit(spec, raw, restarting, [old], T0)
-    assert waiting.create == [] and "waiting for 1 old pod" in waiting.status["message"]
+    assert waiting.create == [] and "waiting for 1 old pod" in waiting.status.message
     plan = unitplan.plan_unit(spec, raw, restarting, [old], T0, lost={old.name: "node dead lost"})
     assert plan.force_delete == [old.name] and plan.create == [0]
     assert [(r, m) for _, r, m in plan.events] == [
         (C.Reason.NODE_LOST, f"node dead lost: pod {old.name} force-deleted"),
         (C.Reason.PODS_CREATED, "created 1 pod(s) of incarnation 1 on cpu")]
-    assert C.is_true(plan.status["conditions"], C.NODE_LOST)
+    assert C.is_true(plan.status.condition_dicts(), C.NODE_LOST)
 
 
 def test_once_running_on_another_node_the_unit_says_where_and_keeps_what_happened():
@@ -160,8 +160,8 @@ def test_once_running_on_another_node_the_unit_says_where_and_keeps_what_happene
                               lost={"demo-cpu-0-0-0": "node dead not Ready (Ready=Unknown) for 21s"})
     later = T0 + timedelta(seconds=3)
     plan = unitplan.plan_unit(spec, raw, lost.status, [pod(0, "spare", inc=1, h=h)], later)
-    assert plan.status["phase"] == "Running" and plan.status["nodes"] == ["spare"]
-    cond = C.get_condition(plan.status["conditions"], C.NODE_LOST)
+    assert plan.status.phase == "Running" and plan.status.nodes == ["spare"]
+    cond = C.get_condition(plan.status.condition_dicts(), C.NODE_LOST)
     assert (cond["status"], cond["reason"]) == ("False", C.Reason.RUNNING_ELSEWHERE)
     assert cond["message"].startswith("running on spare (incarnation 1) after: node dead not Ready")
     assert cond["lastTransitionTime"] == C.now_iso(later)

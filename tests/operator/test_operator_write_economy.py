@@ -66,7 +66,7 @@ def test_a_single_pod_unit_needs_no_headless_service_and_meets_itself_on_localho
 def test_a_first_launch_posts_no_event_of_its_own():
     _, uspec, raw = unit(job_spec())
     plan = unitplan.plan_unit(uspec, raw, None, [], T0)
-    assert plan.create == [0] and plan.events == [] and plan.status["launchedIncarnation"] == 0
+    assert plan.create == [0] and plan.events == [] and plan.status.launchedIncarnation == 0
 
 
 def test_a_deleted_pod_without_backoff_is_replaced_in_the_same_pass_with_one_event():
@@ -74,8 +74,8 @@ def test_a_deleted_pod_without_backoff_is_replaced_in_the_same_pass_with_one_eve
     status = {"incarnation": 0, "launchedIncarnation": 0, "phase": "Running", "restarts": 0}
     plan = unitplan.plan_unit(uspec, raw, status, [], T0)  # the pod is gone
     assert plan.create == [0] and plan.delete == [] and plan.requeue_after is None
-    assert plan.status["incarnation"] == plan.status["launchedIncarnation"] == 1 and plan.status["restarts"] == 1
-    assert plan.status["phase"] == "Pending" and "restartAfter" not in plan.status
+    assert plan.status.incarnation == plan.status.launchedIncarnation == 1 and plan.status.restarts == 1
+    assert plan.status.phase == "Pending" and "restartAfter" not in plan.status
     assert [e[1] for e in plan.events] == [C.Reason.POD_DELETED]
 
 
@@ -83,10 +83,10 @@ def test_a_restart_still_waits_for_old_pods_or_a_backoff_and_then_tells_the_pods
     _, uspec, raw = unit(job_spec(backoff=0))
     spec_changed = {"incarnation": 0, "launchedIncarnation": 0, "phase": "Running", "restarts": 0}
     waiting = unitplan.plan_unit(uspec, raw, spec_changed, [running("scale-cpu-0-0-0", spec_hash="old")], T0)
-    assert waiting.create == [] and waiting.delete == ["scale-cpu-0-0-0"] and waiting.status["phase"] == "Restarting"
+    assert waiting.create == [] and waiting.delete == ["scale-cpu-0-0-0"] and waiting.status.phase == "Restarting"
     _, uspec, raw = unit(job_spec(backoff=2))
     plan = unitplan.plan_unit(uspec, raw, {**spec_changed, "incarnation": 0}, [], T0)
-    assert plan.create == [] and plan.status["phase"] == "Restarting"
+    assert plan.create == [] and plan.status.phase == "Restarting"
     later = unitplan.plan_unit(uspec, raw, plan.status, [], datetime(2026, 1, 1, 0, 0, 3, tzinfo=timezone.utc))
     assert later.create == [0] and [e[1] for e in later.events] == [C.Reason.PODS_CREATED]
 
@@ -100,8 +100,8 @@ def test_only_a_launch_still_starting_with_its_restart_on_record_may_wait_for_it
     refused = unitplan.PodView(name="scale-cpu-0-0-0", incarnation=0, rank=0, phase="Pending", unschedulable="no room")
     assert not unitplan.status_may_wait(unitplan.plan_unit(uspec, raw, launched, [refused], T0).status)
     assert not unitplan.status_may_wait(unitplan.plan_unit(uspec, raw, launched, [running("scale-cpu-0-0-0")], T0).status)
-    restarted = unitplan.plan_unit(uspec, raw, {**launched, "phase": "Running"}, [], T0).status
-    assert restarted["phase"] == "Pending" and not unitplan.status_may_wait(restarted, launched), \
+    restarted = unitplan.plan_unit(uspec, raw, launched.model_copy(update={"phase": "Running"}), [], T0).status
+    assert restarted.phase == "Pending" and not unitplan.status_may_wait(restarted, launched), \
         "a restart not on record yet is written at once"
-    on_record = {**restarted, "phase": "Restarting", "launchedIncarnation": 0}  # written when the old pod went
+    on_record = restarted.model_copy(update={"phase": "Restarting", "launchedIncarnation": 0})  # written when the old pod went
     assert unitplan.status_may_wait(restarted, on_record), "then its launch may wait for the Running status"

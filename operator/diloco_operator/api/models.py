@@ -5,7 +5,7 @@ from these (see schema.py), and the training config part is the trainer's own Tr
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -541,7 +541,32 @@ class JobFault(UnitFault):
     unit: str
 
 
-class DilocoJobStatus(_Api):
+class _Status(_Api):
+    """A status the operator builds as this model, in one place, and writes in its wire form (subclasses declare
+    `conditions`)."""
+
+    @classmethod
+    def read(cls, status: Self | dict | None) -> Self:
+        """The typed status as the API server returned it (its schema prunes fields it does not know), or as the
+        operator decided it (returned as is)."""
+        if isinstance(status, cls):
+            return status
+        return cls.model_validate({k: v for k, v in (status or {}).items() if k in cls.model_fields})
+
+    def wire(self) -> dict:
+        """The status as the API server stores it: camelCase, a field the operator does not know is absent."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+    def condition_dicts(self) -> list[dict]:
+        """The conditions as conditions.py edits them."""
+        return [c.model_dump(mode="json", exclude_none=True) for c in self.conditions]
+
+    def set_conditions(self, conds: list[dict]) -> None:
+        """Take back the conditions conditions.py edited."""
+        self.conditions = [Condition.model_validate(c) for c in conds]
+
+
+class DilocoJobStatus(_Status):
     """What the operator observed for a job: one typed model (jobstatus.observe), written once per reconcile."""
 
     phase: JobPhase | None = None
@@ -570,24 +595,10 @@ class DilocoJobStatus(_Api):
     autoscaling: AutoscalingStatus | None = None
     syncerRefusal: SyncerRefusal | None = None
 
-    @classmethod
-    def read(cls, status: DilocoJobStatus | dict | None) -> DilocoJobStatus:
-        """The typed status of a job as the API server returned it (its schema prunes fields it does not know)."""
-        if isinstance(status, DilocoJobStatus):
-            return status
-        return cls.model_validate({k: v for k, v in (status or {}).items() if k in cls.model_fields})
 
-    def wire(self) -> dict:
-        """The status as the API server stores it: camelCase, a field the operator does not know is absent."""
-        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
-
-    def condition_dicts(self) -> list[dict]:
-        """The conditions as conditions.py edits them."""
-        return [c.model_dump(mode="json", exclude_none=True) for c in self.conditions]
-
-
-class LearnerUnitStatus(_Api):
-    """What the operator observed for one unit."""
+class LearnerUnitStatus(_Status):
+    """What the operator observed for one unit: one typed model (unitplan.plan_unit, kueue.plan_held), written once
+    per reconcile."""
 
     phase: UnitPhase | None = None
     conditions: list[Condition] = Field(default_factory=list)

@@ -43,15 +43,16 @@ class Decision:
 
 def unit_state(lu: dict) -> UnitState:
     """Read a LearnerUnit into what the autoscaler needs."""
-    spec, status = lu.get("spec") or {}, lu.get("status") or {}
-    sched = C.get_condition(status.get("conditions"), C.PODS_SCHEDULED)
+    spec, status = lu.get("spec") or {}, api.LearnerUnitStatus.read(lu.get("status"))
+    conds = status.condition_dicts()
+    sched = C.get_condition(conds, C.PODS_SCHEDULED)
     stuck = sched is not None and sched.get("status") == "False"
     return UnitState(name=lu["metadata"]["name"], template=spec.get("template", ""), index=int(spec.get("index", -1)),
-                     running=status.get("phase") == "Running",
+                     running=status.phase == "Running",
                      unschedulable_since=C.parse_time(sched.get("lastTransitionTime")) if stuck else None,
                      unschedulable_message=(sched or {}).get("message", "") if stuck else "",
-                     finished=status.get("phase") in ("Succeeded", "Failed"),
-                     queued=(C.get_condition(status.get("conditions"), C.ADMITTED) or {}).get("status") == "False")
+                     finished=status.phase in ("Succeeded", "Failed"),
+                     queued=(C.get_condition(conds, C.ADMITTED) or {}).get("status") == "False")
 
 
 def accelerator_usage(pods: list[dict]) -> dict[str, float]:

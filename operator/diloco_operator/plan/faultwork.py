@@ -4,6 +4,7 @@ syncer's per-life ledger (/v1/status learners[].incarnations). Pure: no I/O, no 
 from __future__ import annotations
 
 from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
 from diloco_trainer.protocol.messages import IncarnationWork, LearnerStatus
 
 
@@ -26,14 +27,15 @@ def work_lost(life: IncarnationWork, fragments: int) -> tuple[int, int]:
     return max(0, round(life.steps - covered_steps)), max(0, round(life.tokens - covered_tokens))
 
 
-def fault_work(fault: dict, learner: LearnerStatus | None, fragments: int, unit_ended: bool) -> dict:
+def fault_work(fault: api.UnitFault, learner: LearnerStatus | None, fragments: int,
+               unit_ended: bool) -> api.UnitFault:
     """`fault` (a LearnerUnit's status.lastFault) with lostSteps and lostTokens (and trainingAgainSeconds, from the
     fault to the syncer first hearing of the next life, which it does once that life trained a step; the fault's
     time is in whole seconds, so up to 1 s more), once the syncer can tell: a later
     life has trained a step (so its start-up resend of the ended life's snapshot went out), or none will follow
     (`unit_ended`: a failed unit). Recomputed while the figures move (a resend merged late lowers them); `fault`
     as it was otherwise."""
-    if learner is None or fragments < 1 or (at := C.parse_time(fault.get("time"))) is None:
+    if learner is None or fragments < 1 or (at := C.parse_time(fault.time)) is None:
         return fault
     life = ended_life(learner, at.timestamp())
     if life is None:
@@ -42,8 +44,8 @@ def fault_work(fault: dict, learner: LearnerStatus | None, fragments: int, unit_
     if not (after or unit_ended):
         return fault
     steps, tokens = work_lost(life, fragments)
-    told = {**fault, "lostSteps": steps, "lostTokens": tokens}
+    told = {"lostSteps": steps, "lostTokens": tokens}
     if after:  # the next life reports once it trained a step: heard of within a heartbeat of training again
         told["trainingAgainSeconds"] = round(min(i.first_seen for i in after) - at.timestamp(), 1)
-    return told
+    return fault.model_copy(update=told)
 

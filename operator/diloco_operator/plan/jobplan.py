@@ -38,16 +38,16 @@ class UnitView:
 
 
 def unit_view(lu: dict) -> UnitView:
-    spec, status = lu.get("spec", {}), lu.get("status", {})
+    spec, status = lu.get("spec", {}), api.LearnerUnitStatus.read(lu.get("status"))
+    conds = status.condition_dicts()
     return UnitView(
         name=lu["metadata"]["name"], template=spec.get("template", ""), index=int(spec.get("index", -1)),
-        unit_index=int(spec.get("unitIndex", -1)), phase=status.get("phase"), pods_ready=status.get("podsReady", 0),
-        pods_desired=status.get("podsDesired", spec.get("podsPerUnit", 1)), restarts=status.get("restarts", 0),
-        unschedulable=not C.is_true(status.get("conditions"), C.PODS_SCHEDULED)
-        and C.get_condition(status.get("conditions"), C.PODS_SCHEDULED) is not None,
+        unit_index=int(spec.get("unitIndex", -1)), phase=status.phase, pods_ready=status.podsReady or 0,
+        pods_desired=status.podsDesired if status.podsDesired is not None else spec.get("podsPerUnit", 1),
+        restarts=status.restarts or 0,
+        unschedulable=not C.is_true(conds, C.PODS_SCHEDULED) and C.get_condition(conds, C.PODS_SCHEDULED) is not None,
         deleting=bool(lu["metadata"].get("deletionTimestamp")), spec=spec, token_epoch=O.token_epoch(lu),
-        created=lu["metadata"].get("creationTimestamp"),
-        last_fault=api.UnitFault.model_validate(status["lastFault"]) if status.get("lastFault") else None,
+        created=lu["metadata"].get("creationTimestamp"), last_fault=status.lastFault,
     )
 
 
@@ -160,50 +160,75 @@ def shard_statuses(name: str, spec: api.DilocoJobSpec, ready: list[bool],
     return out
 
 
+@dataclass(frozen=True)
+class _Units:
+    """The job's units that exist (not being deleted), grouped as its conditions count them."""
+
+    live: list[UnitView]
+    ready: list[UnitView]
+    failed: list[UnitView]
+    succeeded: list[UnitView]
+    restarting: list[UnitView]
+    unschedulable: list[UnitView]
+
+    @classmethod
+    def of(cls, units: list[UnitView]) -> _Units:
+        live = [u for u in units if not u.deleting]
+        return cls(live, [u for u in live if u.phase == "Running"], [u for u in live if u.phase == "Failed"],
+                   [u for u in live if u.phase == "Succeeded"], [u for u in live if u.phase == "Restarting"],
+                   [u for u in live if u.unschedulable])
+
+
 def job_status(name: str, spec: api.DilocoJobSpec, generation: int | None, units: list[UnitView],
                syncer_ready: bool, old: api.DilocoJobStatus | dict | None, now: datetime,
                syncer: SyncerStatus | None = None, desired: int | None = None,
                shards_down: list[str] = ()) -> tuple[api.DilocoJobStatus, list[Event]]:
     """The job's phase, unit counts and conditions from its units and syncer, and the Events its changes deserve
     (jobstatus.observe adds the rest); `syncer`: what the syncer shards reported, combined (its merges, versions
-    and last checkpoint are shown; kept from `old` while it does not answer). `units` are the units that exist after this reconcile's changes; `desired`
-    the units wanted (default: the templates' distribution; the autoscaler's when it decides); `shards_down` the
-    syncer shards not ready (by name). Succeeded and Failed stick."""
+    and last checkpoint are shown; kept from `old` while it does not answer). `units` are the units that exist
+    after this reconcile's changes; `desired` the units wanted (default: the templates' distribution; the
+    autoscaler's when it decides); `shards_down` the syncer shards not ready (by name). Succeeded and Failed stick."""
     old = api.DilocoJobStatus.read(old)
     if old.phase in TERMINAL_JOB:
         return old, []
     if desired is None:
         desired = sum(distribute(spec.units, spec.total_units()).values())
-    quorum = spec.config.outer.quorum
-    live = [u for u in units if not u.deleting]
-    ready = [u for u in live if u.phase == "Running"]
-    failed = [u for u in live if u.phase == "Failed"]
-    succeeded = [u for u in live if u.phase == "Succeeded"]
-    restarting = [u for u in live if u.phase == "Restarting"]
-    unschedulable = [u for u in live if u.unschedulable]
+    u = _Units.of(units)
     st = old.model_copy(update=dict(
-        observedGeneration=generation, replicas=len(live), unitsReady=len(ready), unitsDesired=desired,
+        observedGeneration=generation, replicas=len(u.live), unitsReady=len(u.ready), unitsDesired=desired,
         selector=f"{O.LABEL_JOB}={name},{O.LABEL_COMPONENT}=learner", syncerReady=syncer_ready,
-        restarts=sum(u.restarts for u in live)))
+        restarts=sum(x.restarts for x in u.live)))
     if syncer is not None:
         st.outerSteps, st.version = syncer.outer_steps, sum(syncer.versions.values())
         if syncer.last_checkpoint:
             st.lastCheckpoint = C.now_iso(datetime.fromtimestamp(syncer.last_checkpoint, timezone.utc))
+    conds, events = _phase(st, old, u, desired, spec.config.outer.quorum, now, generation)
+    conds = _health(conds, st, u, desired, spec.config.outer.quorum, syncer_ready, shards_down, now, generation)
+    events += _flip_events(old.condition_dicts(), conds)
+    order = [C.READY, C.PROGRESSING, C.DEGRADED, C.QUORUM_AVAILABLE, C.SUCCEEDED, C.FAILED]
+    conds = sorted(conds, key=lambda c: order.index(c["type"]) if c["type"] in order else len(order))
+    st.set_conditions(conds)
+    st.message = _summary(st, conds)
+    return st, events
+
+
+def _phase(st: api.DilocoJobStatus, old: api.DilocoJobStatus, u: _Units, desired: int, quorum: int, now: datetime,
+           g: int | None) -> tuple[list[dict], list[Event]]:
+    """The job's phase (into `st`, with its start and completion times), its Succeeded and Failed conditions, and
+    the Event of a job that just finished."""
     conds = old.condition_dicts()
     events: list[Event] = []
-    g = generation
-
-    if desired and desired - len(failed) < quorum:
+    if desired and desired - len(u.failed) < quorum:
         st.phase = "Failed"
-        msg = f"only {desired - len(failed)} of {desired} units can still run, fewer than the quorum K={quorum}"
+        msg = f"only {desired - len(u.failed)} of {desired} units can still run, fewer than the quorum K={quorum}"
         conds = C.set_condition(conds, C.FAILED, True, C.Reason.TOO_FEW_UNITS, msg, now, g)
-    elif desired and len(succeeded) == desired:
+    elif desired and len(u.succeeded) == desired:
         st.phase = "Succeeded"
         conds = C.set_condition(conds, C.SUCCEEDED, True, C.Reason.ALL_UNITS_SUCCEEDED, "all units completed", now, g)
     else:
         conds = C.set_condition(conds, C.SUCCEEDED, False, C.Reason.NOT_FINISHED, "", now, g)
         conds = C.set_condition(conds, C.FAILED, False, C.Reason.NOT_FINISHED, "", now, g)
-        st.phase = "Running" if ready or old.phase == "Running" else "Pending"
+        st.phase = "Running" if u.ready or old.phase == "Running" else "Pending"
     if st.phase in TERMINAL_JOB:
         st.completionTime = C.now_iso(now)
         events.append(("Normal" if st.phase == "Succeeded" else "Warning",
@@ -211,8 +236,13 @@ def job_status(name: str, spec: api.DilocoJobSpec, generation: int | None, units
                        C.get_condition(conds, st.phase)["message"]))
     if st.phase == "Running" and not st.startTime:
         st.startTime = C.now_iso(now)
+    return conds, events
 
-    all_ready = syncer_ready and len(ready) == desired and len(live) == desired
+
+def _health(conds: list[dict], st: api.DilocoJobStatus, u: _Units, desired: int, quorum: int, syncer_ready: bool,
+            shards_down: list[str], now: datetime, g: int | None) -> list[dict]:
+    """The Ready, Progressing, Degraded and QuorumAvailable conditions."""
+    all_ready = syncer_ready and len(u.ready) == desired and len(u.live) == desired
     if all_ready:
         conds = C.set_condition(conds, C.READY, True, C.Reason.ALL_UNITS_READY, f"{desired} units ready", now, g)
     elif not syncer_ready:
@@ -221,46 +251,46 @@ def job_status(name: str, spec: api.DilocoJobSpec, generation: int | None, units
                                 now, g)
     else:
         conds = C.set_condition(conds, C.READY, False, C.Reason.UNITS_NOT_READY,
-                                f"{len(ready)}/{desired} units ready", now, g)
-    if len(live) != desired:
-        conds = C.set_condition(conds, C.PROGRESSING, True, C.Reason.SCALING, f"{len(live)} -> {desired} units", now, g)
-    elif restarting:
-        conds = C.set_condition(conds, C.PROGRESSING, True, C.Reason.RESTARTING_UNITS,
-                                "restarting: " + ", ".join(u.name for u in restarting), now, g)
+                                f"{len(u.ready)}/{desired} units ready", now, g)
+    restarting = ", ".join(x.name for x in u.restarting)
+    if len(u.live) != desired:
+        conds = C.set_condition(conds, C.PROGRESSING, True, C.Reason.SCALING, f"{len(u.live)} -> {desired} units",
+                                now, g)
+    elif u.restarting:
+        conds = C.set_condition(conds, C.PROGRESSING, True, C.Reason.RESTARTING_UNITS, "restarting: " + restarting,
+                                now, g)
     elif not all_ready and st.phase not in TERMINAL_JOB:
         conds = C.set_condition(conds, C.PROGRESSING, True, C.Reason.CREATING, "waiting for units and syncer", now, g)
     else:
         conds = C.set_condition(conds, C.PROGRESSING, False, C.Reason.STABLE, "", now, g)
-    if unschedulable:
+    if u.unschedulable:
         conds = C.set_condition(conds, C.DEGRADED, True, C.Reason.UNITS_UNSCHEDULABLE,
-                                "cannot place: " + ", ".join(u.name for u in unschedulable), now, g)
-    elif failed:
+                                "cannot place: " + ", ".join(x.name for x in u.unschedulable), now, g)
+    elif u.failed:
         conds = C.set_condition(conds, C.DEGRADED, True, C.Reason.UNITS_FAILED,
-                                "failed for good: " + ", ".join(u.name for u in failed), now, g)
-    elif restarting:
-        conds = C.set_condition(conds, C.DEGRADED, True, C.Reason.RESTARTING_UNITS,
-                                "restarting: " + ", ".join(u.name for u in restarting), now, g)
+                                "failed for good: " + ", ".join(x.name for x in u.failed), now, g)
+    elif u.restarting:
+        conds = C.set_condition(conds, C.DEGRADED, True, C.Reason.RESTARTING_UNITS, "restarting: " + restarting,
+                                now, g)
     else:
         conds = C.set_condition(conds, C.DEGRADED, False, C.Reason.HEALTHY, "", now, g)
-    if syncer_ready and len(ready) >= quorum:
-        conds = C.set_condition(conds, C.QUORUM_AVAILABLE, True, C.Reason.QUORUM_MET,
-                                f"{len(ready)} ready units >= K={quorum}", now, g)
-    else:
-        conds = C.set_condition(conds, C.QUORUM_AVAILABLE, False, C.Reason.QUORUM_LOST,
-                                f"{len(ready)} ready units, K={quorum}" + ("" if syncer_ready else ", syncer down"),
-                                now, g)
-    before_conds = old.condition_dicts()
+    if syncer_ready and len(u.ready) >= quorum:
+        return C.set_condition(conds, C.QUORUM_AVAILABLE, True, C.Reason.QUORUM_MET,
+                               f"{len(u.ready)} ready units >= K={quorum}", now, g)
+    return C.set_condition(conds, C.QUORUM_AVAILABLE, False, C.Reason.QUORUM_LOST,
+                           f"{len(u.ready)} ready units, K={quorum}" + ("" if syncer_ready else ", syncer down"), now, g)
+
+
+def _flip_events(before_conds: list[dict], conds: list[dict]) -> list[Event]:
+    """On the first reconcile only a Degraded job is news; afterwards every flip of Degraded, QuorumAvailable and
+    Ready is."""
+    events: list[Event] = []
     for ctype in (C.DEGRADED, C.QUORUM_AVAILABLE, C.READY):
         before, after = C.get_condition(before_conds, ctype), C.get_condition(conds, ctype)
         bad = (ctype == C.DEGRADED) == (after["status"] == "True")
-        # On the first reconcile only a Degraded job is news; afterwards every flip is.
         if (before is None and ctype == C.DEGRADED and bad) or (before and before["status"] != after["status"]):
             events.append(("Warning" if bad else "Normal", after["reason"], after["message"] or ctype))
-    order = [C.READY, C.PROGRESSING, C.DEGRADED, C.QUORUM_AVAILABLE, C.SUCCEEDED, C.FAILED]
-    conds = sorted(conds, key=lambda c: order.index(c["type"]) if c["type"] in order else len(order))
-    st.conditions = [api.Condition.model_validate(c) for c in conds]
-    st.message = _summary(st, conds)
-    return st, events
+    return events
 
 
 def _summary(st: api.DilocoJobStatus, conds: list[dict]) -> str:

@@ -116,24 +116,27 @@ def place(pod: dict, admission: Admission, flavors: list[dict]) -> dict:
     return {**pod, "spec": spec}
 
 
-def admitted_condition(status: dict, admission: Admission, now: datetime, generation: int | None) -> dict:
+def admitted_condition(status: api.LearnerUnitStatus, admission: Admission, now: datetime,
+                       generation: int | None) -> api.LearnerUnitStatus:
     """The unit's status with Admitted=True (Kueue admitted its Workload)."""
-    conds = C.set_condition(status.get("conditions", []), C.ADMITTED, True, C.Reason.ADMITTED_BY_KUEUE,
-                            admission.message, now, generation)
-    return {**status, "conditions": conds}
+    out = status.model_copy(deep=True)
+    out.set_conditions(C.set_condition(status.condition_dicts(), C.ADMITTED, True, C.Reason.ADMITTED_BY_KUEUE,
+                                       admission.message, now, generation))
+    return out
 
 
-def plan_held(spec: api.LearnerUnitSpec, status: dict | None, pods: list[PodView], admission: Admission,
-              now: datetime, generation: int | None = None) -> UnitPlan:
+def plan_held(spec: api.LearnerUnitSpec, status: api.LearnerUnitStatus | dict | None, pods: list[PodView],
+              admission: Admission, now: datetime, generation: int | None = None) -> UnitPlan:
     """A unit Kueue has not admitted, or is evicting: no pod is created, every pod goes. A unit that was running
     starts its next admission as a new incarnation (not a restart: preemption is not the unit's failure, so
     restarts and backoff stay as they were). Events tell an eviction once."""
     old, st = carried_status(spec, status, generation)
     plan = UnitPlan(status=st, delete=[p.name for p in pods if not p.deleting])
-    if st.get("launchedIncarnation") == st["incarnation"]:
-        st["incarnation"] += 1
+    if st.launchedIncarnation == st.incarnation:
+        st.incarnation += 1
     evicted = admission.state == "evicted"
-    before = C.get_condition(old.get("conditions"), C.ADMITTED) or {}
+    old_conds = old.condition_dicts()
+    before = C.get_condition(old_conds, C.ADMITTED) or {}
     reason = C.Reason.EVICTED_BY_KUEUE if evicted else (admission.reason or C.Reason.QUEUED_IN_KUEUE)
     if evicted:
         message = f"evicted by Kueue ({admission.reason}): {admission.message}; its pods are removed"
@@ -141,14 +144,13 @@ def plan_held(spec: api.LearnerUnitSpec, status: dict | None, pods: list[PodView
             plan.events.append(("Warning", C.Reason.EVICTED_BY_KUEUE, message))
     else:
         message = admission.message
-    st["phase"], st["message"] = "Pending", message
-    st["podsReady"], st["nodes"] = 0, []
-    st.pop("nodePool", None)
+    st.phase, st.message = "Pending", message
+    st.podsReady, st.nodes, st.nodePool = 0, [], None
     # No pod to place: a PodsScheduled=False from before would read as a unit stuck for want of room (and the
     # autoscaler would park it); Kueue, not the nodes, decides when it runs.
-    conds = [c for c in old.get("conditions", []) if c.get("type") != C.PODS_SCHEDULED]
+    conds = [c for c in old_conds if c.get("type") != C.PODS_SCHEDULED]
     conds = C.set_condition(conds, C.ADMITTED, False, reason, message, now, generation)
-    st["conditions"] = C.set_condition(conds, C.READY, False, reason, message, now, generation)
+    st.set_conditions(C.set_condition(conds, C.READY, False, reason, message, now, generation))
     return plan
 
 

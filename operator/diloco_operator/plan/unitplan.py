@@ -63,9 +63,9 @@ def pod_view(pod: dict) -> PodView:
 @dataclass
 class UnitPlan:
     """What to do for a unit, in order: delete pods (force_delete: at once, grace 0), create ranks (of
-    status['incarnation']), write status."""
+    status.incarnation), write status."""
 
-    status: dict
+    status: api.LearnerUnitStatus
     create: list[int] = field(default_factory=list)
     delete: list[str] = field(default_factory=list)
     force_delete: list[str] = field(default_factory=list)  # pods on lost nodes: they cannot run their shutdown
@@ -110,130 +110,186 @@ def _failure_cause(spec: api.LearnerUnitSpec, current: list[PodView], want_hash:
     return None
 
 
-def carried_status(spec: api.LearnerUnitSpec, status: dict | None, generation: int | None) -> tuple[dict, dict]:
+def carried_status(spec: api.LearnerUnitSpec, status: api.LearnerUnitStatus | dict | None,
+                   generation: int | None) -> tuple[api.LearnerUnitStatus, api.LearnerUnitStatus]:
     """The unit's status as it was, and the copy a reconcile decides on: counters defaulted, the desired pod count
     and the observed generation set."""
-    old = dict(status or {})
-    st = {**old}
-    st.setdefault("restarts", 0)
-    st.setdefault("consecutiveFailures", 0)
-    st.setdefault("incarnation", 0)
-    st["podsDesired"] = spec.podsPerUnit
-    st["observedGeneration"] = generation
+    old = api.LearnerUnitStatus.read(status)
+    st = old.model_copy(deep=True)
+    st.restarts = st.restarts or 0
+    st.consecutiveFailures = st.consecutiveFailures or 0
+    st.incarnation = st.incarnation or 0
+    st.podsDesired = spec.podsPerUnit
+    st.observedGeneration = generation
     return old, st
 
 
-def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: dict | None, pods: list[PodView],
-              now: datetime, *, generation: int | None = None, node_pools: dict[str, str] | None = None,
-              job_finished: bool = False, lost: Mapping[str, str] | None = None) -> UnitPlan:
+@dataclass
+class _Pass:
+    """One reconcile of a unit while plan_unit decides it: the status being built, its conditions (as dicts, the
+    form conditions.py edits), the pods of the current incarnation and of older ones."""
+
+    spec: api.LearnerUnitSpec
+    plan: UnitPlan
+    conds: list[dict]
+    now: datetime
+    lost: Mapping[str, str]
+    pods: list[PodView]
+    current: list[PodView]
+    stale: list[PodView]
+
+    @property
+    def st(self) -> api.LearnerUnitStatus:
+        return self.plan.status
+
+
+def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: api.LearnerUnitStatus | dict | None,
+              pods: list[PodView], now: datetime, *, generation: int | None = None,
+              node_pools: dict[str, str] | None = None, job_finished: bool = False,
+              lost: Mapping[str, str] | None = None) -> UnitPlan:
     """Decide one reconcile of a unit. Terminal phases (Succeeded, Failed) stick. `lost`: pods on lost nodes (name ->
     why, nodeloss.lost_pods): force-deleted, and a launched unit with one restarts without backoff."""
     lost = lost or {}
     old, st = carried_status(spec, status, generation)
-    conds = list(old.get("conditions", []))
-    plan = UnitPlan(status=st, force_delete=[p.name for p in pods if p.name in lost])
-    inc = st["incarnation"]
-    launched = st.get("launchedIncarnation") == inc
-    current = [p for p in pods if p.incarnation == inc]
-    stale = [p for p in pods if p.incarnation != inc]
-    for p in stale:  # an old incarnation's pod left on a lost node (e.g. evicted gracefully there): told here
-        if p.name in lost:  # (a current one is the restart's cause, told by its Event below)
-            plan.events.append(("Warning", C.Reason.NODE_LOST, f"{lost[p.name]}: pod {p.name} force-deleted"))
-            conds = C.set_condition(conds, C.NODE_LOST, True, C.Reason.NODE_LOST, f"{lost[p.name]}: pod {p.name} "
-                                    "force-deleted", now, generation)
-    told = len(plan.events)  # Events before any of the restart's own
-    plan.delete += [p.name for p in stale if not p.deleting and p.name not in lost]
+    inc = st.incarnation
+    u = _Pass(spec, UnitPlan(status=st, force_delete=[p.name for p in pods if p.name in lost]),
+              old.condition_dicts(), now, lost, pods, current=[p for p in pods if p.incarnation == inc],
+              stale=[p for p in pods if p.incarnation != inc])
+    _tell_stale_on_lost_nodes(u)
+    told = len(u.plan.events)  # Events before any of the restart's own
+    u.plan.delete += [p.name for p in u.stale if not p.deleting and p.name not in lost]
 
-    if old.get("phase") in TERMINAL_UNIT or job_finished:
-        if old.get("phase") != "Succeeded":  # a failed unit, or any unit of a finished job, holds no accelerators
-            plan.delete += [p.name for p in current if not p.deleting and not p.terminal and p.name not in lost]
-        if old.get("phase") not in TERMINAL_UNIT:
-            st["phase"], st["message"] = "Failed", "the job finished; unit stopped"
-            plan.events.append(("Normal", C.Reason.JOB_FINISHED, st["message"]))
-        return _finish(plan, st, conds, current, now, node_pools)
-
-    want_hash = O.pod_spec_hash(unit_spec_raw)
-    cause = _failure_cause(spec, current, want_hash, lost) if launched else None
-    if launched and not cause and len(current) == spec.podsPerUnit and all(p.phase == "Succeeded" for p in current):
-        st["phase"], st["message"] = "Succeeded", "all pods completed"
-        plan.events.append(("Normal", C.Reason.COMPLETED, f"unit completed (incarnation {inc})"))
-        return _finish(plan, st, conds, current, now, node_pools)
+    if old.phase in TERMINAL_UNIT or job_finished:
+        _stop(u, old.phase)
+        return _finish(u, u.current, node_pools)
+    launched = st.launchedIncarnation == inc
+    cause = _failure_cause(spec, u.current, O.pod_spec_hash(unit_spec_raw), lost) if launched else None
+    if launched and not cause and len(u.current) == spec.podsPerUnit and all(p.phase == "Succeeded" for p in u.current):
+        st.phase, st.message = "Succeeded", "all pods completed"
+        u.plan.events.append(("Normal", C.Reason.COMPLETED, f"unit completed (incarnation {inc})"))
+        return _finish(u, u.current, node_pools)
     if cause:
-        plan.delete += [p.name for p in current if not p.deleting and p.name not in lost]
-        if cause.counted:  # status.lastFault: what the job's status reports, with the time to recover
-            st["lastFault"] = {"time": C.now_iso(now), "reason": cause.reason, "message": cause.message[:1000],
-                               "incarnation": inc + 1}
-        if cause.failure and st["restarts"] >= spec.restartPolicy.maxRestarts:
-            if cause.counted:  # no new incarnation: the unit stops here
-                st["lastFault"]["incarnation"] = inc
-            st["phase"] = "Failed"
-            st["message"] = f"{cause.message}; restart limit {spec.restartPolicy.maxRestarts} reached"
-            plan.events.append(("Warning", C.Reason.BACKOFF_LIMIT_EXCEEDED, st["message"]))
-            return _finish(plan, st, conds, [], now, node_pools)
-        delay = 0.0
-        if cause.counted:
-            st["restarts"] += 1
-        if cause.failure:
-            st["consecutiveFailures"] += 1
-            delay = backoff_seconds(spec.restartPolicy, st["consecutiveFailures"])
-        st["incarnation"] = inc = inc + 1
-        st["restartAfter"] = C.now_iso(now + timedelta(seconds=delay))
-        st["phase"], st["message"] = "Restarting", cause.message
-        detail = ""
-        if cause.failure:
-            detail = f" (restart {st['restarts']}/{spec.restartPolicy.maxRestarts}, backoff {delay:g}s)"
-        elif cause.counted:
-            detail = f" (restart {st['restarts']}, no backoff: not the unit's failure)"
-        plan.events.append(("Warning" if cause.counted else "Normal", cause.reason,
-                            f"{cause.message}; restarting the whole unit as incarnation {inc}{detail}"))
-        if cause.reason == C.Reason.NODE_LOST:
-            conds = C.set_condition(conds, C.NODE_LOST, True, C.Reason.NODE_LOST, cause.message, now,
-                                    st["observedGeneration"])
-        # A backoff to wait, or old pods to see gone first (a clean slate; force-deleted ones are gone at once).
-        if delay > 0 or any(p.name not in lost for p in pods):
-            plan.requeue_after = max(delay, 0.2)
-            return _finish(plan, st, conds, [], now, node_pools)
+        if not _restart(u, cause):
+            return _finish(u, [], node_pools)
         # No backoff and no pod left: the new incarnation starts in this same pass (one status write, not two).
-        launched, current, stale = False, [], []
-
+        launched, u.current, u.stale = False, [], []
     if not launched:
-        restart_after = C.parse_time(st.get("restartAfter"))
-        if restart_after and now < restart_after:
-            st["phase"] = "Restarting"
-            st["message"] = f"backing off until {st['restartAfter']}"
-            plan.requeue_after = (restart_after - now).total_seconds()
-            return _finish(plan, st, conds, current, now, node_pools, backoff=True)
-        going = [p for p in stale if p.name not in lost]  # force-deleted ones are gone at once
-        if going:  # a unit restarts on a clean slate: old pods release their accelerators and DNS names first
-            st["phase"], st["message"] = "Restarting", f"waiting for {len(going)} old pod(s) to go"
-            plan.requeue_after = 0.5
-            return _finish(plan, st, conds, current, now, node_pools)
-        have = {p.rank for p in current}
-        plan.create = [r for r in range(spec.podsPerUnit) if r not in have]
-        st["launchedIncarnation"] = inc
-        st.pop("restartAfter", None)
-        # The first launch is told by the job's UnitCreated Event, a restart by its own Event: only pods created
-        # in a later pass of a restart (after a backoff or old pods going) get an Event of their own.
-        if plan.create and inc > 0 and len(plan.events) == told:
-            plan.events.append(("Normal", C.Reason.PODS_CREATED,
-                                f"created {len(plan.create)} pod(s) of incarnation {inc} on {spec.accelerator.type}"))
-    ready = sum(1 for p in current if p.phase == "Running" and p.ready and not p.deleting)
-    if ready == spec.podsPerUnit:
-        st["phase"], st["message"], st["consecutiveFailures"] = "Running", "all pods ready", 0
-        fault = st.get("lastFault")
-        if fault and fault.get("incarnation") == inc and not fault.get("recoveredAt"):
-            at = C.now_iso(now)  # whole seconds, as the job's lastFault computes it from the same two times
-            recovery = (C.parse_time(at) - C.parse_time(fault["time"])).total_seconds()
-            st["lastFault"] = {**fault, "recoveredAt": at, "recoverySeconds": recovery}
-        if C.is_true(conds, C.NODE_LOST):  # moved off the lost node: say where it runs now, keep what happened
-            was = C.get_condition(conds, C.NODE_LOST)["message"]
-            nodes = ", ".join(sorted({p.node for p in current if p.node}))
-            conds = C.set_condition(conds, C.NODE_LOST, False, C.Reason.RUNNING_ELSEWHERE,
-                                    f"running on {nodes} (incarnation {inc}) after: {was}", now, st["observedGeneration"])
-    else:
-        st["phase"] = "Pending"
-        st["message"] = f"{ready}/{spec.podsPerUnit} pods ready"
-    return _finish(plan, st, conds, current, now, node_pools)
+        if (waiting := _launch(u, told)) is not None:
+            return _finish(u, u.current, node_pools, backoff=waiting)
+    _running_or_pending(u)
+    return _finish(u, u.current, node_pools)
+
+
+def _tell_stale_on_lost_nodes(u: _Pass) -> None:
+    """An old incarnation's pod left on a lost node (e.g. evicted gracefully there) is told here; a current one is
+    the restart's cause, told by its Event."""
+    for p in u.stale:
+        if p.name in u.lost:
+            why = f"{u.lost[p.name]}: pod {p.name} force-deleted"
+            u.plan.events.append(("Warning", C.Reason.NODE_LOST, why))
+            u.conds = C.set_condition(u.conds, C.NODE_LOST, True, C.Reason.NODE_LOST, why, u.now,
+                                      u.st.observedGeneration)
+
+
+def _stop(u: _Pass, phase: str | None) -> None:
+    """A unit that ended, or any unit of a finished job: a failed one holds no accelerators."""
+    if phase != "Succeeded":
+        u.plan.delete += [p.name for p in u.current if not p.deleting and not p.terminal and p.name not in u.lost]
+    if phase not in TERMINAL_UNIT:
+        u.st.phase, u.st.message = "Failed", "the job finished; unit stopped"
+        u.plan.events.append(("Normal", C.Reason.JOB_FINISHED, u.st.message))
+
+
+def _restart(u: _Pass, cause: Cause) -> bool:
+    """The launched pod group cannot run on (`cause`): its pods go, and the unit fails at its restart limit or
+    restarts as the next incarnation. True when that incarnation may start in this same pass (no backoff, and no
+    pod left to see gone first)."""
+    spec, st, plan = u.spec, u.st, u.plan
+    inc = st.incarnation
+    plan.delete += [p.name for p in u.current if not p.deleting and p.name not in u.lost]
+    if cause.counted:  # status.lastFault: what the job's status reports, with the time to recover
+        st.lastFault = api.UnitFault(time=C.now_iso(u.now), reason=cause.reason, message=cause.message[:1000],
+                                     incarnation=inc + 1)
+    if cause.failure and st.restarts >= spec.restartPolicy.maxRestarts:
+        if cause.counted:  # no new incarnation: the unit stops here
+            st.lastFault.incarnation = inc
+        st.phase = "Failed"
+        st.message = f"{cause.message}; restart limit {spec.restartPolicy.maxRestarts} reached"
+        plan.events.append(("Warning", C.Reason.BACKOFF_LIMIT_EXCEEDED, st.message))
+        return False
+    delay = 0.0
+    if cause.counted:
+        st.restarts += 1
+    if cause.failure:
+        st.consecutiveFailures += 1
+        delay = backoff_seconds(spec.restartPolicy, st.consecutiveFailures)
+    st.incarnation = inc = inc + 1
+    st.restartAfter = C.now_iso(u.now + timedelta(seconds=delay))
+    st.phase, st.message = "Restarting", cause.message
+    detail = ""
+    if cause.failure:
+        detail = f" (restart {st.restarts}/{spec.restartPolicy.maxRestarts}, backoff {delay:g}s)"
+    elif cause.counted:
+        detail = f" (restart {st.restarts}, no backoff: not the unit's failure)"
+    plan.events.append(("Warning" if cause.counted else "Normal", cause.reason,
+                        f"{cause.message}; restarting the whole unit as incarnation {inc}{detail}"))
+    if cause.reason == C.Reason.NODE_LOST:
+        u.conds = C.set_condition(u.conds, C.NODE_LOST, True, C.Reason.NODE_LOST, cause.message, u.now,
+                                  st.observedGeneration)
+    # A backoff to wait, or old pods to see gone first (a clean slate; force-deleted ones are gone at once).
+    if delay > 0 or any(p.name not in u.lost for p in u.pods):
+        plan.requeue_after = max(delay, 0.2)
+        return False
+    return True
+
+
+def _launch(u: _Pass, told: int) -> bool | None:
+    """Create the current incarnation's missing pods, once its backoff is over and older pods are gone. None when
+    it launched; otherwise whether it waits for its backoff (True) or for old pods to go (False)."""
+    st, plan = u.st, u.plan
+    restart_after = C.parse_time(st.restartAfter)
+    if restart_after and u.now < restart_after:
+        st.phase = "Restarting"
+        st.message = f"backing off until {st.restartAfter}"
+        plan.requeue_after = (restart_after - u.now).total_seconds()
+        return True
+    going = [p for p in u.stale if p.name not in u.lost]  # force-deleted ones are gone at once
+    if going:  # a unit restarts on a clean slate: old pods release their accelerators and DNS names first
+        st.phase, st.message = "Restarting", f"waiting for {len(going)} old pod(s) to go"
+        plan.requeue_after = 0.5
+        return False
+    have = {p.rank for p in u.current}
+    plan.create = [r for r in range(u.spec.podsPerUnit) if r not in have]
+    st.launchedIncarnation = st.incarnation
+    st.restartAfter = None
+    # The first launch is told by the job's UnitCreated Event, a restart by its own Event: only pods created in a
+    # later pass of a restart (after a backoff or old pods going) get an Event of their own.
+    if plan.create and st.incarnation > 0 and len(plan.events) == told:
+        plan.events.append(("Normal", C.Reason.PODS_CREATED, f"created {len(plan.create)} pod(s) of incarnation "
+                                                             f"{st.incarnation} on {u.spec.accelerator.type}"))
+    return None
+
+
+def _running_or_pending(u: _Pass) -> None:
+    """Running once every pod of the current incarnation is ready (the last fault's recovery and a lost node's
+    move told then), Pending before."""
+    st, inc = u.st, u.st.incarnation
+    ready = sum(1 for p in u.current if p.phase == "Running" and p.ready and not p.deleting)
+    if ready != u.spec.podsPerUnit:
+        st.phase = "Pending"
+        st.message = f"{ready}/{u.spec.podsPerUnit} pods ready"
+        return
+    st.phase, st.message, st.consecutiveFailures = "Running", "all pods ready", 0
+    fault = st.lastFault
+    if fault and fault.incarnation == inc and not fault.recoveredAt:
+        at = C.now_iso(u.now)  # whole seconds, as the job's lastFault computes it from the same two times
+        recovery = (C.parse_time(at) - C.parse_time(fault.time)).total_seconds()
+        st.lastFault = fault.model_copy(update={"recoveredAt": at, "recoverySeconds": recovery})
+    if C.is_true(u.conds, C.NODE_LOST):  # moved off the lost node: say where it runs now, keep what happened
+        was = C.get_condition(u.conds, C.NODE_LOST)["message"]
+        nodes = ", ".join(sorted({p.node for p in u.current if p.node}))
+        u.conds = C.set_condition(u.conds, C.NODE_LOST, False, C.Reason.RUNNING_ELSEWHERE,
+                                  f"running on {nodes} (incarnation {inc}) after: {was}", u.now, st.observedGeneration)
 
 
 def _controller_ref(unit: dict) -> dict | None:
@@ -262,58 +318,58 @@ def not_controlled_by_job(unit: dict, job: dict) -> str | None:
             "makes no token for it. Units are created by their DilocoJob; scale the job instead")
 
 
-def refused_status(status: dict | None, why: str, now: datetime, generation: int | None) -> tuple[dict, list[Event]]:
+def refused_status(status: api.LearnerUnitStatus | dict | None, why: str, now: datetime,
+                   generation: int | None) -> tuple[api.LearnerUnitStatus, list[Event]]:
     """The status of a unit refused for `why` (not_controlled_by_job): Ready=False / NotControlledByJob, and a
     Warning Event only when that refusal is new (not on every look)."""
-    old = dict(status or {})
-    before = C.get_condition(old.get("conditions"), C.READY) or {}
-    conds = C.set_condition(old.get("conditions", []), C.READY, False, C.Reason.NOT_CONTROLLED_BY_JOB, why, now,
-                            generation)
-    new = {**old, "conditions": conds, "message": why}
+    new = api.LearnerUnitStatus.read(status).model_copy(deep=True)
+    conds = new.condition_dicts()
+    before = C.get_condition(conds, C.READY) or {}
+    new.set_conditions(C.set_condition(conds, C.READY, False, C.Reason.NOT_CONTROLLED_BY_JOB, why, now, generation))
+    new.message = why
     fresh = before.get("reason") != C.Reason.NOT_CONTROLLED_BY_JOB or before.get("message") != why
     return new, [("Warning", C.Reason.NOT_CONTROLLED_BY_JOB, why)] if fresh else []
 
 
-def status_may_wait(status: dict, written: dict | None = None) -> bool:
+def status_may_wait(status: api.LearnerUnitStatus, written: api.LearnerUnitStatus | dict | None = None) -> bool:
     """A launch whose pods are there but not yet ready (nor refused by the scheduler), and whose restart, if any, is
     already on record in the `written` status: nothing in `status` needs writing at once, so its write may wait a
     moment and usually become the Running one (one write, not two)."""
-    written = written or {}
-    conds = status.get("conditions", [])
+    written = api.LearnerUnitStatus.read(written)
+    conds = status.condition_dicts()
     refused = C.get_condition(conds, C.PODS_SCHEDULED) and not C.is_true(conds, C.PODS_SCHEDULED)
-    return (status.get("phase") == "Pending" and not refused
-            and status.get("incarnation") == status.get("launchedIncarnation") == written.get("incarnation", 0)
-            and status.get("restarts", 0) == written.get("restarts", 0))
+    return (status.phase == "Pending" and not refused
+            and status.incarnation == status.launchedIncarnation == (written.incarnation or 0)
+            and (status.restarts or 0) == (written.restarts or 0))
 
 
-def _finish(plan: UnitPlan, st: dict, conds: list[dict], current: list[PodView], now: datetime,
-            node_pools: dict[str, str] | None, backoff: bool = False) -> UnitPlan:
+def _finish(u: _Pass, current: list[PodView], node_pools: dict[str, str] | None, backoff: bool = False) -> UnitPlan:
+    """The pods and nodes of what runs on, and the Ready and PodsScheduled conditions, into the status."""
+    plan, st, conds, now = u.plan, u.st, u.conds, u.now
     live = [p for p in current if not p.deleting and p.name not in plan.delete and p.name not in plan.force_delete]
-    ready = sum(1 for p in live if p.phase == "Running" and p.ready)
-    st["podsReady"] = ready
-    st["nodes"] = sorted({p.node for p in live if p.node})
-    pools = sorted({(node_pools or {}).get(n, "") for n in st["nodes"]} - {""})
+    st.podsReady = sum(1 for p in live if p.phase == "Running" and p.ready)
+    st.nodes = sorted({p.node for p in live if p.node})
+    pools = sorted({(node_pools or {}).get(n, "") for n in st.nodes} - {""})
     if pools:
-        st["nodePool"] = ",".join(pools)
-    gen = st.get("observedGeneration")
-    all_ready = st["phase"] == "Running"
-    if st["phase"] == "Succeeded":
+        st.nodePool = ",".join(pools)
+    gen = st.observedGeneration
+    if st.phase == "Succeeded":
         conds = C.set_condition(conds, C.READY, False, C.Reason.COMPLETED, "unit completed", now, gen)
-    elif all_ready:
-        conds = C.set_condition(conds, C.READY, True, C.Reason.PODS_READY, st["message"], now, gen)
+    elif st.phase == "Running":
+        conds = C.set_condition(conds, C.READY, True, C.Reason.PODS_READY, st.message, now, gen)
     else:
         reason = C.Reason.BACKOFF if backoff else C.Reason.PODS_NOT_READY
-        conds = C.set_condition(conds, C.READY, False, reason, st.get("message") or "", now, gen)
+        conds = C.set_condition(conds, C.READY, False, reason, st.message or "", now, gen)
     unsched = next((p for p in live if p.unschedulable), None)
     was_unschedulable = C.get_condition(conds, C.PODS_SCHEDULED) and not C.is_true(conds, C.PODS_SCHEDULED)
     if unsched:
         conds = C.set_condition(conds, C.PODS_SCHEDULED, False, C.Reason.UNSCHEDULABLE,
                                 f"{unsched.name}: {unsched.unschedulable}", now, gen)
-        st["message"] = f"unschedulable: {unsched.unschedulable}"
+        st.message = f"unschedulable: {unsched.unschedulable}"
         if not was_unschedulable:
             plan.events.append(("Warning", C.Reason.UNSCHEDULABLE, f"pod {unsched.name} cannot be placed: "
                                                                   f"{unsched.unschedulable}"))
     elif live and all(p.node for p in live):
         conds = C.set_condition(conds, C.PODS_SCHEDULED, True, C.Reason.SCHEDULED, "all pods placed", now, gen)
-    st["conditions"] = conds
+    st.set_conditions(conds)
     return plan

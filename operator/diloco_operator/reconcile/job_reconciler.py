@@ -112,7 +112,8 @@ class JobReconciler:
         await self._publish(job, old_status, finished, status, syncer, units, status_events)
         if (reading := jobstatus.combine([r for r in readings.values() if r is not None])) is not None:
             # units show when the syncer last heard from them
-            seen = {lu["metadata"]["name"]: (lu.get("status") or {}).get("lastContribution") for lu in units.lus}
+            seen = {lu["metadata"]["name"]: api.LearnerUnitStatus.read(lu.get("status")).lastContribution
+                    for lu in units.lus}
             for unit, last in reading.learners_seen.items():
                 if unit in seen and seen[unit] != last:
                     self.enqueue(("unit", ns, unit))

@@ -56,7 +56,7 @@ class UnitReconciler:
         self.forget = forget
         # (ns, unit) -> (uid, status decided but not written yet, write it by): a launch's Pending status waits up
         # to first_launch_wait_s for its pods (unitplan.status_may_wait), so it is usually written once, as Running.
-        self.unwritten: dict[tuple[str, str], tuple[str, dict, float]] = {}
+        self.unwritten: dict[tuple[str, str], tuple[str, api.LearnerUnitStatus, float]] = {}
         self.first_launch_wait_s = first_launch_wait_s
         # node -> when this operator first saw it not Ready (nodeloss.not_ready); dropped once it is Ready
         self.node_down_since: dict[str, datetime] = {}
@@ -119,12 +119,12 @@ class UnitReconciler:
         may well be training), an Event on the change, the job follows, and it is looked at again soon."""
         ns, name = unit["metadata"]["namespace"], unit["metadata"]["name"]
         written = unit.get("status") or {}
-        before = C.get_condition(written.get("conditions", []), C.CLUSTER_REACHABLE)
-        conds = C.set_condition(written.get("conditions", []), C.CLUSTER_REACHABLE, False,
-                                reason, why, datetime.now(timezone.utc),
-                                unit["metadata"].get("generation"))
-        new = {**written, "conditions": conds, "message": why}
-        if (patch := status_patch(written, new)) is not None:
+        new = api.LearnerUnitStatus.read(written).model_copy(deep=True)
+        before = C.get_condition(new.condition_dicts(), C.CLUSTER_REACHABLE)
+        new.set_conditions(C.set_condition(new.condition_dicts(), C.CLUSTER_REACHABLE, False, reason, why,
+                                           datetime.now(timezone.utc), unit["metadata"].get("generation")))
+        new.message = why
+        if (patch := status_patch(written, new.wire())) is not None:
             self.cache.wrote(LEARNERUNITS.plural,
                              await self.kube.merge_patch(LEARNERUNITS, ns, name, {"status": patch}, "status"))
         if (before or {}).get("status") != "False":
@@ -139,7 +139,7 @@ class UnitReconciler:
         written = unit.get("status") or {}
         status, events = unitplan.refused_status(written, why, datetime.now(timezone.utc),
                                                  unit["metadata"].get("generation"))
-        if (patch := status_patch(written, status)) is not None:
+        if (patch := status_patch(written, status.wire())) is not None:
             self.cache.wrote(LEARNERUNITS.plural,
                              await self.kube.merge_patch(LEARNERUNITS, ns, name, {"status": patch}, "status"))
         await self.writer.events(unit, events)
@@ -183,13 +183,14 @@ class UnitReconciler:
         held = self.unwritten.get((ns, name))
         if held is not None and held[0] != unit["metadata"].get("uid"):
             held = None  # a new unit of the same name
-        old_status = held[1] if held else written  # what this operator decided last, written or not
+        # what this operator decided last, written or not
+        old_status = held[1] if held else api.LearnerUnitStatus.read(written)
         decided = await self._decide(unit, spec, job, old_status, pod_objs, remote)
         if not await self._apply(unit, spec, job, decided, pod_objs, remote):
             return
         await self._record(unit, spec, job, decided, written, held, old_status)
 
-    async def _decide(self, unit: dict, spec: api.LearnerUnitSpec, job: dict, old_status: dict,
+    async def _decide(self, unit: dict, spec: api.LearnerUnitSpec, job: dict, old_status: api.LearnerUnitStatus,
                       pod_objs: dict[str, dict], remote: Remote | None) -> _Decided:
         """The unit's plan (pods to delete and create, its status and Events): unitplan's, or kueue's while its
         Workload waits; with what the syncer says of it (last contribution, the work its last fault lost)."""
@@ -201,7 +202,7 @@ class UnitReconciler:
         # A job queued in Kueue: the unit runs only while its Workload is admitted (units in remote clusters and
         # units that ended are not gated; an ended unit's Workload is marked Finished below).
         queue = kueue.queue_name(job) if remote is None else None
-        ended = job_finished or old_status.get("phase") in unitplan.TERMINAL_UNIT
+        ended = job_finished or old_status.phase in unitplan.TERMINAL_UNIT
         admission = await self.kueue.admission(unit, job, queue) if queue and not ended else None
         if admission is not None and admission.state != "admitted":
             plan = kueue.plan_held(spec, old_status, pods, admission, now, unit["metadata"].get("generation"))
@@ -214,18 +215,19 @@ class UnitReconciler:
         job_state = self.jobs.get(job["metadata"].get("uid") or "")
         shard_readings = list(job_state.syncer_readings.values()) if job_state else []
         last_seen = max((info.learners_seen.get(name) or "" for info in shard_readings), default="") or None
+        status = plan.status
         if last_seen:
-            plan.status["lastContribution"] = last_seen
-        if plan.status.get("lastFault") and (reading := jobstatus.combine(shard_readings)) is not None:
+            status.lastContribution = last_seen
+        if status.lastFault and (reading := jobstatus.combine(shard_readings)) is not None:
             # the work the restart's ended learner life took with it, once the syncer can tell (faultwork.py)
-            plan.status["lastFault"] = faultwork.fault_work(
-                plan.status["lastFault"], reading.status.learners.get(name), reading.status.fragments,
-                unit_ended=plan.status.get("phase") in unitplan.TERMINAL_UNIT)
+            status.lastFault = faultwork.fault_work(status.lastFault, reading.status.learners.get(name),
+                                                    reading.status.fragments,
+                                                    unit_ended=status.phase in unitplan.TERMINAL_UNIT)
         if remote is not None:
-            plan.status["conditions"] = C.set_condition(
-                plan.status.get("conditions", []), C.CLUSTER_REACHABLE, True, C.Reason.CLUSTER_REACHABLE,
+            status.set_conditions(C.set_condition(
+                status.condition_dicts(), C.CLUSTER_REACHABLE, True, C.Reason.CLUSTER_REACHABLE,
                 f"cluster {spec.cluster} answers (namespace {remote.namespace})", datetime.now(timezone.utc),
-                unit["metadata"].get("generation"))
+                unit["metadata"].get("generation")))
             plan.requeue_after = min(plan.requeue_after or REMOTE_POLL_S, REMOTE_POLL_S)
         return _Decided(plan, pods, queue, admission, lost_wait)
 
@@ -246,7 +248,7 @@ class UnitReconciler:
         async def create(rank: int) -> None:
             if (pvc := O.unit_state_pvc(unit, rank)) is not None:
                 await self.writer.ensure(PVCS, pvc, update=False, remote=remote)
-            pod = O.unit_pod(unit, plan.status["incarnation"], rank)
+            pod = O.unit_pod(unit, plan.status.incarnation, rank)
             if admission is not None:  # on the flavor Kueue chose
                 pod = kueue.place(pod, admission, flavors)
             if remote is not None:
@@ -275,15 +277,15 @@ class UnitReconciler:
         return True
 
     async def _record(self, unit: dict, spec: api.LearnerUnitSpec, job: dict, decided: _Decided, written: dict,
-                      held: tuple | None, old_status: dict) -> None:
+                      held: tuple | None, old_status: api.LearnerUnitStatus) -> None:
         """Kueue's Workload told (quota back, finished), the status written (a launch's may wait a moment, so one
         write carries both the launch and the pods running), metrics, Events and the next looks."""
         ns, name = unit["metadata"]["namespace"], unit["metadata"]["name"]
         plan, admission = decided.plan, decided.admission
         if admission is not None and admission.state == "evicted" and not decided.pods:  # pods gone: quota back
             await self.kueue.release(ns, name)
-        if decided.queue and plan.status.get("phase") in unitplan.TERMINAL_UNIT:
-            await self.kueue.finish(ns, name, plan.status["phase"], plan.status.get("message") or "")
+        if decided.queue and plan.status.phase in unitplan.TERMINAL_UNIT:
+            await self.kueue.finish(ns, name, plan.status.phase, plan.status.message or "")
         patch = None
         now_s = time.monotonic()
         if (plan.create or held) and unitplan.status_may_wait(plan.status, written) and (not held or now_s < held[2]):
@@ -293,10 +295,10 @@ class UnitReconciler:
                 self.enqueue(("unit", ns, name), self.first_launch_wait_s + 0.1)  # after write_by
         else:
             self.unwritten.pop((ns, name), None)
-            if (patch := status_patch(written, plan.status)) is not None:
+            if (patch := status_patch(written, plan.status.wire())) is not None:
                 self.cache.wrote(LEARNERUNITS.plural,
                                  await self.kube.merge_patch(LEARNERUNITS, ns, name, {"status": patch}, "status"))
-        if plan.status.get("restarts", 0) > old_status.get("restarts", 0):
+        if (plan.status.restarts or 0) > (old_status.restarts or 0):
             metrics.UNIT_RESTARTS.labels(ns, spec.jobName).inc()
         await self.writer.events(unit, plan.events)
         if plan.force_delete:

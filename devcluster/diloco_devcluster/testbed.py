@@ -250,18 +250,12 @@ def start(testbed_dir: Path | None = None, workdir: Path | None = None, *, pools
     started = time.monotonic()
     log("generating certificates")
     _make_pki(work / "pki")
-    tokens = {who: base64.urlsafe_b64encode(os.urandom(24)).decode().rstrip("=") for who in ("admin", "node", "proxy")}
-    token = tokens["admin"]
-    users = [f"{token},admin,admin-uid,system:masters"]
-    if real_node:
-        users += [f"{tokens['node']},system:node:{realnode.NODE_NAME},node-uid,system:nodes",
-                  f"{tokens['proxy']},system:kube-proxy,kube-proxy-uid"]
-    (work / "tokens.csv").write_text("\n".join(users) + "\n")
+    tokens = _write_tokens(work, real_node)
     etcd_port, peer_port, api_port, kwok_port = (_free_port() for _ in range(4))
     server = f"https://127.0.0.1:{api_port}"
-    tb = Testbed(str(work), str(work / "kubeconfig"), server, token, etcd_dir=str(etcd_dir), bin_dir=str(bin_dir),
-                 real_node=real_node)
-    Path(tb.kubeconfig).write_text(yaml.safe_dump(_kubeconfig(server, work / "pki" / "ca.crt", token)))
+    tb = Testbed(str(work), str(work / "kubeconfig"), server, tokens["admin"], etcd_dir=str(etcd_dir),
+                 bin_dir=str(bin_dir), real_node=real_node)
+    Path(tb.kubeconfig).write_text(yaml.safe_dump(_kubeconfig(server, work / "pki" / "ca.crt", tokens["admin"])))
     pki = work / "pki"
 
     def spawn(name: str, args: list[str]) -> None:
@@ -283,55 +277,15 @@ def start(testbed_dir: Path | None = None, workdir: Path | None = None, *, pools
             realnode.setup_network()
             realnode.pki_extras(pki, _openssl)
         log(f"starting etcd on 127.0.0.1:{etcd_port}")
-        spawn("etcd", [
-            "--name=testbed", f"--data-dir={etcd_dir}", "--unsafe-no-fsync",
-            f"--listen-client-urls=http://127.0.0.1:{etcd_port}", f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
-            f"--listen-peer-urls=http://127.0.0.1:{peer_port}", f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
-            f"--initial-cluster=testbed=http://127.0.0.1:{peer_port}", "--quota-backend-bytes=2147483648",
-            "--log-level=warn",
-        ])
+        spawn("etcd", _etcd_args(etcd_dir, etcd_port, peer_port))
         log(f"starting kube-apiserver on {server}")
-        spawn("kube-apiserver", [
-            f"--etcd-servers=http://127.0.0.1:{etcd_port}", f"--secure-port={api_port}",
-            f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
-            f"--token-auth-file={work / 'tokens.csv'}",
-            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-            f"--service-account-key-file={pki / 'sa.pub'}", f"--service-account-signing-key-file={pki / 'sa.key'}",
-            f"--service-cluster-ip-range={realnode.SERVICE_CIDR}",
-            "--allow-privileged=true", "--enable-priority-and-fairness=false", "--v=1",
-            *(realnode.apiserver_flags(pki) if real_node else [
-                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--endpoint-reconciler-type=none",
-                "--authorization-mode=RBAC"]),
-        ])
+        spawn("kube-apiserver", _apiserver_args(work, etcd_port, api_port, real_node))
         _wait_ready(tb, deadline=started + timeout_s, log=log)
         log(f"control plane API ready after {time.monotonic() - started:.1f}s; starting controllers and kwok")
-        spawn("kube-controller-manager", [
-            f"--kubeconfig={tb.kubeconfig}", "--leader-elect=false", "--secure-port=0",
-            f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
-            "--kube-api-qps=200", "--kube-api-burst=400", "--node-monitor-grace-period=60s", "--v=1",
-        ])
-        spawn("kube-scheduler", [
-            f"--kubeconfig={tb.kubeconfig}", "--leader-elect=false", "--secure-port=0",
-            "--kube-api-qps=200", "--kube-api-burst=400", "--v=1",
-        ])
-        stages = testbed_dir / "stages"
-        # With a real node, volumes are real (static local PVs): kwok's fake volume stages stay out.
-        kwok_stages = [s for s in STAGES if not (real_node and s.startswith("volume/"))]
-        (work / "kwok.yaml").write_text("\n---\n".join((stages / s).read_text() for s in kwok_stages))
-        spawn("kwok", [
-            f"--kubeconfig={tb.kubeconfig}", f"--config={work / 'kwok.yaml'}", "--manage-all-nodes=false",
-            f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
-            f"--server-address=127.0.0.1:{kwok_port}", "--node-ip=10.244.0.1", "--cidr=10.244.0.0/16",
-            "--node-lease-duration-seconds=40",
-        ])
-        if real_node:
-            for path, obj in realnode.storage_objects(work):
-                tb.create(path, obj)
-        else:
-            sc = yaml.safe_load((stages / "volume" / "fast" / "storage-class.yaml").read_text())
-            tb.create("/apis/storage.k8s.io/v1/storageclasses", sc)
-        for node in node_objects(pools):
-            tb.create("/api/v1/nodes", node)
+        for name, args in _controller_args(tb.kubeconfig, pki).items():
+            spawn(name, args)
+        spawn("kwok", _kwok_args(tb.kubeconfig, work, testbed_dir / "stages", kwok_port, real_node))
+        _create_storage_and_nodes(tb, work, testbed_dir / "stages", pools, real_node)
         if real_node:
             log(f"starting the real node {realnode.NODE_NAME}: kubelet, kube-proxy, coredns")
             ca = pki / "ca.crt"
@@ -346,6 +300,81 @@ def start(testbed_dir: Path | None = None, workdir: Path | None = None, *, pools
         if not workdir:  # a temporary dir is ours to remove; a user's dir keeps its logs
             tb.stop()
         raise
+
+
+def _write_tokens(work: Path, real_node: bool) -> dict[str, str]:
+    """The apiserver's static tokens (tokens.csv): the admin's, and with a real node its kubelet's and kube-proxy's."""
+    tokens = {who: base64.urlsafe_b64encode(os.urandom(24)).decode().rstrip("=") for who in ("admin", "node", "proxy")}
+    users = [f"{tokens['admin']},admin,admin-uid,system:masters"]
+    if real_node:
+        users += [f"{tokens['node']},system:node:{realnode.NODE_NAME},node-uid,system:nodes",
+                  f"{tokens['proxy']},system:kube-proxy,kube-proxy-uid"]
+    (work / "tokens.csv").write_text("\n".join(users) + "\n")
+    return tokens
+
+
+def _etcd_args(etcd_dir: Path, etcd_port: int, peer_port: int) -> list[str]:
+    return [
+        "--name=testbed", f"--data-dir={etcd_dir}", "--unsafe-no-fsync",
+        f"--listen-client-urls=http://127.0.0.1:{etcd_port}", f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
+        f"--listen-peer-urls=http://127.0.0.1:{peer_port}", f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
+        f"--initial-cluster=testbed=http://127.0.0.1:{peer_port}", "--quota-backend-bytes=2147483648",
+        "--log-level=warn",
+    ]
+
+
+def _apiserver_args(work: Path, etcd_port: int, api_port: int, real_node: bool) -> list[str]:
+    pki = work / "pki"
+    return [
+        f"--etcd-servers=http://127.0.0.1:{etcd_port}", f"--secure-port={api_port}",
+        f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
+        f"--token-auth-file={work / 'tokens.csv'}",
+        "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+        f"--service-account-key-file={pki / 'sa.pub'}", f"--service-account-signing-key-file={pki / 'sa.key'}",
+        f"--service-cluster-ip-range={realnode.SERVICE_CIDR}",
+        "--allow-privileged=true", "--enable-priority-and-fairness=false", "--v=1",
+        *(realnode.apiserver_flags(pki) if real_node else [
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--endpoint-reconciler-type=none",
+            "--authorization-mode=RBAC"]),
+    ]
+
+
+def _controller_args(kubeconfig: str, pki: Path) -> dict[str, list[str]]:
+    return {
+        "kube-controller-manager": [
+            f"--kubeconfig={kubeconfig}", "--leader-elect=false", "--secure-port=0",
+            f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
+            "--kube-api-qps=200", "--kube-api-burst=400", "--node-monitor-grace-period=60s", "--v=1",
+        ],
+        "kube-scheduler": [
+            f"--kubeconfig={kubeconfig}", "--leader-elect=false", "--secure-port=0",
+            "--kube-api-qps=200", "--kube-api-burst=400", "--v=1",
+        ],
+    }
+
+
+def _kwok_args(kubeconfig: str, work: Path, stages: Path, kwok_port: int, real_node: bool) -> list[str]:
+    """kwok for the fake nodes, with its stages; with a real node, volumes are real (static local PVs), so kwok's
+    fake volume stages stay out."""
+    kwok_stages = [s for s in STAGES if not (real_node and s.startswith("volume/"))]
+    (work / "kwok.yaml").write_text("\n---\n".join((stages / s).read_text() for s in kwok_stages))
+    return [
+        f"--kubeconfig={kubeconfig}", f"--config={work / 'kwok.yaml'}", "--manage-all-nodes=false",
+        f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
+        f"--server-address=127.0.0.1:{kwok_port}", "--node-ip=10.244.0.1", "--cidr=10.244.0.0/16",
+        "--node-lease-duration-seconds=40",
+    ]
+
+
+def _create_storage_and_nodes(tb: Testbed, work: Path, stages: Path, pools, real_node: bool) -> None:
+    if real_node:
+        for path, obj in realnode.storage_objects(work):
+            tb.create(path, obj)
+    else:
+        sc = yaml.safe_load((stages / "volume" / "fast" / "storage-class.yaml").read_text())
+        tb.create("/apis/storage.k8s.io/v1/storageclasses", sc)
+    for node in node_objects(pools):
+        tb.create("/api/v1/nodes", node)
 
 
 def _tail_logs(work: Path, lines: int = 15) -> str:

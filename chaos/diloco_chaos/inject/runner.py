@@ -76,8 +76,7 @@ async def run_experiment(exp: Experiment, target: Target, record: Record, *, dry
         return entry
 
     run = _Run(exp, target, sched, random.Random(exp.schedule.seed), tracker, note, dry_run, on_fault)
-    active, counts = run.active, run.counts
-
+    counts = run.counts
     try:
         while True:
             now = clock()
@@ -85,14 +84,7 @@ async def run_experiment(exp: Experiment, target: Target, record: Record, *, dry
                 counts["recovered"] += bool(rec["recovered"])
                 note("recovery", **rec)
             gone = await target.ended()
-            for f in list(active.values()):
-                if now >= f.back_at or gone:
-                    note("released", fault=f.id, unit=f.unit, **(await target.release(f) or {}))
-                    del active[f.id]
-                elif f.action != "pause":
-                    held = await target.hold(f)
-                    if held:
-                        note("held", fault=f.id, unit=f.unit, until=f.back_at, **held)
+            await _release_or_hold(run, now, gone)
             if ending is None:
                 ending = gone or stop_reason(now - start, counts["faults"], exp.safety) or (
                     "stop requested" if stop is not None and stop.is_set() else None)
@@ -101,37 +93,62 @@ async def run_experiment(exp: Experiment, target: Target, record: Record, *, dry
                     note("ending", reason=ending)
             if ending is None:
                 await _fire_due(run, now)
-            if ending is not None and (gone or not active and not tracker.faults or now - ending_at > timeout_s):
+            if ending is not None and (gone or not run.active and not tracker.faults or now - ending_at > timeout_s):
                 break
             if metrics is not None:
                 metrics.down.labels(exp.name).set(len(tracker.down()))
             if on_progress is not None:
-                nxt = sched.next_at()
-                on_progress(Progress(exp.name, dry_run, now - start, exp.safety.max_duration_s,
-                                     None if nxt is None or ending else max(0.0, nxt - now), counts["faults"],
-                                     counts["skipped"], sorted(tracker.down()), counts["recovered"], ending,
-                                     record.entries[-6:]))
+                on_progress(_progress(run, record, now - start, now, ending))
             nxt = sched.next_at()
-            delay = poll_s if nxt is None or ending else min(poll_s, max(0.0, nxt - clock()))
-            if stop is not None:
-                try:
-                    await asyncio.wait_for(stop.wait(), timeout=max(0.01, delay))
-                except asyncio.TimeoutError:
-                    pass
-            else:
-                await asyncio.sleep(delay)
+            await _pause(stop, poll_s if nxt is None or ending else min(poll_s, max(0.0, nxt - clock())))
     finally:
-        for f in list(active.values()):  # never leave a victim stopped or held behind
-            try:
-                note("released", fault=f.id, unit=f.unit, **(await target.release(f) or {}))
-            except Exception as exc:  # report and go on releasing the others
-                note("error", fault=f.id, unit=f.unit, error=f"release failed: {exc}")
-        await target.close()
-        for rec in tracker.close():
-            note("recovery", **rec)
+        await _wind_down(run)
         summary = summarize(record.entries)
         record.write("end", reason=ending or "interrupted", elapsed_s=clock() - start, summary=summary)
     return summary
+
+
+async def _release_or_hold(run: _Run, now: float, gone: str | None) -> None:
+    """Faults whose time is up (or whose run ended) are released; the others held (e.g. a deleted pod kept away)."""
+    for f in list(run.active.values()):
+        if now >= f.back_at or gone:
+            run.note("released", fault=f.id, unit=f.unit, **(await run.target.release(f) or {}))
+            del run.active[f.id]
+        elif f.action != "pause":
+            held = await run.target.hold(f)
+            if held:
+                run.note("held", fault=f.id, unit=f.unit, until=f.back_at, **held)
+
+
+def _progress(run: _Run, record: Record, elapsed: float, now: float, ending: str | None) -> Progress:
+    nxt = run.sched.next_at()
+    return Progress(run.exp.name, run.dry_run, elapsed, run.exp.safety.max_duration_s,
+                    None if nxt is None or ending else max(0.0, nxt - now), run.counts["faults"],
+                    run.counts["skipped"], sorted(run.tracker.down()), run.counts["recovered"], ending,
+                    record.entries[-6:])
+
+
+async def _pause(stop: asyncio.Event | None, delay: float) -> None:
+    """Sleep `delay`, or less when a stop is requested meanwhile."""
+    if stop is None:
+        await asyncio.sleep(delay)
+        return
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=max(0.01, delay))
+    except asyncio.TimeoutError:
+        pass
+
+
+async def _wind_down(run: _Run) -> None:
+    """Never leave a victim stopped or held behind; then close the target and the recoveries still open."""
+    for f in list(run.active.values()):
+        try:
+            run.note("released", fault=f.id, unit=f.unit, **(await run.target.release(f) or {}))
+        except Exception as exc:  # report and go on releasing the others
+            run.note("error", fault=f.id, unit=f.unit, error=f"release failed: {exc}")
+    await run.target.close()
+    for rec in run.tracker.close():
+        run.note("recovery", **rec)
 
 
 @dataclass

@@ -55,6 +55,34 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
     params = count_parameters(build_model(cfg.model, cfg.seed))
     if params < 5_000_000:  # small matmuls gain nothing from threads, and lose a lot on a busy machine
         torch.set_num_threads(1)
+    per_learner, curves, final_lines = _per_learner(run_dir, events, starts, t0)
+    steps = sum(v["step"] for v in per_learner.values())
+    tokens = sum(v["tokens"] for v in per_learner.values())
+    evals, val_loss = _global_evals(run_dir, cfg, val_tokens, eval_batches, t0, wall_time_s, tokens)
+    summary: dict = {
+        "mode": mode, "run_dir": str(run_dir), "learners": n_learners, "params": params,
+        "stop_reason": stop_reason, "wall_time_s": wall_time_s, "val_loss": val_loss, "unigram_loss": unigram,
+        "loss_unit": f"nats/{cfg.data.token_unit}",
+        "steps_trained": steps, "tokens_trained": tokens,
+        "restarts": {n: len(s) - 1 for n, s in starts.items() if len(s) > 1},
+        "per_learner": per_learner,
+        "global_evals": [{"time_s": t, "tokens": n, "val_loss": v} for t, n, v in evals],
+    }
+    if mode == "decoupled":
+        slots = _merge_figures(summary, run_dir, cfg)
+    else:
+        summary.update(sync_job_figures(events, final_lines, cfg.inner.batch_size * cfg.model.seq_len))
+        slots = learner_slots(run_dir, None)
+    figures = goodput(slots.values())  # the project's one definition: see goodput.py
+    summary["goodput"], summary["merged_fraction"] = figures["goodput"], figures["merged_fraction"]
+    summary["bytes"] = _bytes(cfg, mode, n_learners, params, steps, per_learner, outer_gradient_bytes)
+    return summary, curves, evals
+
+
+def _per_learner(run_dir: Path, events: list[RunEvent], starts: dict, t0: float
+                 ) -> tuple[dict[str, dict], list[Curve], dict[str, MetricsRecord]]:
+    """Per learner: its totals (steps, tokens, bytes, final loss and parameter hash), its loss curve, its last
+    metrics line."""
     per_learner, curves, final_lines = {}, [], {}
     for d in sorted((run_dir / "learners").iterdir()) if (run_dir / "learners").exists() else []:
         records = metrics_records(d / "metrics.jsonl")
@@ -69,12 +97,15 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
             per_learner[d.name]["param_sha256"] = records[-1].param_sha256
         deaths = [e.time for e in events if e.name == d.name and e.event == "exit" and e.code != 0]
         curves.append(learner_curve(d.name, records, starts.get(d.name, []), t0, deaths))
-    steps = sum(v["step"] for v in per_learner.values())
-    tokens = sum(v["tokens"] for v in per_learner.values())
+    return per_learner, curves, final_lines
 
+
+def _global_evals(run_dir: Path, cfg: TrainConfig, val_tokens, eval_batches: int, t0: float, wall_time_s: float,
+                  tokens: int) -> tuple[list[tuple[float, float, float]], float | None]:
+    """The global model's validation loss at each snapshot (a quarter of the final evaluation's batches is plenty
+    for a plot point) and at the end: (points, final loss)."""
     evals: list[tuple[float, float, float]] = []
-    index = read_jsonl(run_dir / "snapshots" / "index.jsonl")
-    for snap in index:  # points for the plot: a quarter of the final evaluation's batches is plenty
+    for snap in read_jsonl(run_dir / "snapshots" / "index.jsonl"):
         theta = report.load_theta(run_dir / "snapshots" / snap["file"])
         loss = report.evaluate_theta(cfg, theta, val_tokens, max(1, eval_batches // 4), cfg.inner.batch_size)
         evals.append((float(snap["time"]) - t0, float(snap.get("tokens", 0)), loss))
@@ -84,33 +115,27 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
         val_loss = report.evaluate_theta(cfg, report.load_theta(final), val_tokens, eval_batches,
                                          cfg.inner.batch_size)
         evals.append((wall_time_s, float(tokens), val_loss))
+    return evals, val_loss
 
-    summary: dict = {
-        "mode": mode, "run_dir": str(run_dir), "learners": n_learners, "params": params,
-        "stop_reason": stop_reason, "wall_time_s": wall_time_s, "val_loss": val_loss, "unigram_loss": unigram,
-        "loss_unit": f"nats/{cfg.data.token_unit}",
-        "steps_trained": steps, "tokens_trained": tokens,
-        "restarts": {n: len(s) - 1 for n, s in starts.items() if len(s) > 1},
-        "per_learner": per_learner,
-        "global_evals": [{"time_s": t, "tokens": n, "val_loss": v} for t, n, v in evals],
-    }
+
+def _merge_figures(summary: dict, run_dir: Path, cfg: TrainConfig) -> dict:
+    """A decoupled run's syncer figures into `summary` (outer steps, what was merged of each learner); returns the
+    learners' goodput slots."""
     state = read_final_state(run_dir)
-    if mode == "decoupled":
-        merged = merged_by_learner(state)
-        summary["syncer"] = ({"outer_steps": state.outer_steps, "versions": state.versions}
-                             if isinstance(state, SyncerFinalState) else {})
-        summary["syncer"]["shards"] = cfg.syncer.shards
-        summary["merged"] = merged
-        summary["tokens_merged"] = sum(m["tokens_merged"] for m in merged.values())  # summed over the fragments
-        summary["fragments"] = cfg.outer.fragments
-        summary["tokens_merged_per_fragment"] = summary["tokens_merged"] / cfg.outer.fragments  # vs tokens_trained
-        slots = learner_slots(run_dir, {lid: m["steps_merged"] for lid, m in merged.items()}, cfg.outer.fragments)
-    else:
-        summary.update(sync_job_figures(events, final_lines, cfg.inner.batch_size * cfg.model.seq_len))
-        slots = learner_slots(run_dir, None)
-    figures = goodput(slots.values())  # the project's one definition: see goodput.py
-    summary["goodput"], summary["merged_fraction"] = figures["goodput"], figures["merged_fraction"]
+    merged = merged_by_learner(state)
+    summary["syncer"] = ({"outer_steps": state.outer_steps, "versions": state.versions}
+                         if isinstance(state, SyncerFinalState) else {})
+    summary["syncer"]["shards"] = cfg.syncer.shards
+    summary["merged"] = merged
+    summary["tokens_merged"] = sum(m["tokens_merged"] for m in merged.values())  # summed over the fragments
+    summary["fragments"] = cfg.outer.fragments
+    summary["tokens_merged_per_fragment"] = summary["tokens_merged"] / cfg.outer.fragments  # vs tokens_trained
+    return learner_slots(run_dir, {lid: m["steps_merged"] for lid, m in merged.items()}, cfg.outer.fragments)
 
+
+def _bytes(cfg: TrainConfig, mode: str, n_learners: int, params: int, steps: int, per_learner: dict[str, dict],
+           outer_gradient_bytes: float | None) -> dict:
+    """Bytes sent and received per learner step, beside what DDP's ring all-reduce would send."""
     measured = sum(v["bytes_up"] for v in per_learner.values())
     received = sum(v["bytes_down"] for v in per_learner.values())
     if mode == "decoupled":
@@ -119,7 +144,7 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
     else:
         source, sent = f"ring all-reduce formula, N={n_learners}", measured
     ddp = report.ddp_bytes_per_step(params, n_learners)
-    summary["bytes"] = {
+    return {
         "sent_per_learner_step": sent / steps if sent and steps else None,
         "received_per_learner_step": received / steps if received and steps else None,
         "received_over_sent": received / sent if received and sent else None,
@@ -131,7 +156,6 @@ def build_summary(run_dir: Path, cfg: TrainConfig, mode: str, n_learners: int, v
         "wire_estimate_per_learner_step": report.wire_bytes_estimate(
             params, cfg.outer.compression, cfg.outer.block_size, cfg.outer.sync_every),
     }
-    return summary, curves, evals
 
 
 def sync_job_figures(events: list[RunEvent], final_lines: dict[str, MetricsRecord], tokens_per_step: int) -> dict:

@@ -1,11 +1,13 @@
-"""AdamW with decoupled weight decay, step for step the arithmetic of `torch.optim.AdamW`, without its import cost:
-every `torch.optim` optimizer imports `torch._dynamo` on first use (3.5 CPU-s, as much again as `import torch`)."""
+"""AdamW as `torch.optim.AdamW` computes it (its functional `torch.optim.adamw.adamw`), without that class's import
+cost: every `torch.optim` optimizer imports `torch._dynamo` on its first step (3.5 CPU-s, as much again as
+`import torch`), the functional form does not."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 import torch
+from torch.optim.adamw import adamw
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -13,8 +15,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 class AdamW:
     """The subset of `torch.optim.AdamW` the trainers use: `param_groups` (lr, betas, eps, weight_decay), `state`,
     `step`, `zero_grad`, `state_dict` / `load_state_dict` in torch's layout (so snapshots stay interchangeable).
-    Per tensor (torch's path on CPU and XLA), or with `torch._foreach_*` (torch's default on CUDA); both equal
-    torch's result bit for bit."""
+    `foreach` as torch's (None: torch's own default, `torch._foreach_*` on CUDA, per tensor on CPU and XLA)."""
 
     def __init__(self, groups: Iterable[dict], lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, foreach: bool | None = None):
@@ -43,47 +44,21 @@ class AdamW:
 
     @torch.no_grad()
     def step(self) -> None:
+        """One step of every group: torch's own functional AdamW (`torch.optim.adamw.adamw`, the arithmetic
+        `torch.optim.AdamW.step` runs), on the state this optimizer keeps."""
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
             for p in params:
                 if p not in self.state:  # a loaded state that had none for it
                     self.state[p] = self._fresh(p)
-            if self.foreach if self.foreach is not None else params and all(p.device.type == "cuda" for p in params):
-                self._step_foreach(group, params)
-            else:
-                for p in params:
-                    self._step_one(group, p)
-
-    def _step_one(self, group: dict, p: torch.Tensor) -> None:
-        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        state, grad = self.state[p], p.grad
-        state["step"] += 1
-        if wd != 0:
-            p.mul_(1 - lr * wd)
-        state["exp_avg"].lerp_(grad, 1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        step = state["step"].item()
-        bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
-        denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(eps)
-        p.addcdiv_(state["exp_avg"], denom, value=-(lr / (1 - beta1 ** step)))
-
-    def _step_foreach(self, group: dict, params: list[torch.Tensor]) -> None:
-        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        grads = [p.grad for p in params]
-        steps = [self.state[p]["step"] for p in params]
-        exp_avgs, exp_avg_sqs = ([self.state[p][m] for p in params] for m in MOMENTS)
-        torch._foreach_add_(steps, torch.tensor(1.0), alpha=1.0)
-        if wd != 0:
-            torch._foreach_mul_(params, 1 - lr * wd)
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-        step_size = [(lr / (1 - beta1 ** s.item())) * -1 for s in steps]
-        bias_correction2_sqrt = [(1 - beta2 ** s.item()) ** 0.5 for s in steps]
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, bias_correction2_sqrt)
-        torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
+            beta1, beta2 = group["betas"]
+            adamw(params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
+                  [self.state[p]["exp_avg_sq"] for p in params], [], [self.state[p]["step"] for p in params],
+                  foreach=self.foreach, has_complex=any(torch.is_complex(p) for p in params), amsgrad=False,
+                  beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                  maximize=False)
 
     def state_dict(self) -> dict:
         """torch's layout: state by parameter index, groups with indices."""

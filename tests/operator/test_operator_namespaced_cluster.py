@@ -13,7 +13,7 @@ from test_operator_cluster import cpu_units, job, wait_job_ready  # helpers only
 
 from polling import wait_for
 from cluster_kit import ROOT, Kubectl
-from conftest import OperatorProcess
+from operator_kit import OperatorProcess
 
 pytestmark = pytest.mark.cluster
 

@@ -190,16 +190,29 @@ class SafetySpec(_Spec):
         return parse_duration(self.recovery_timeout)
 
 
-class Experiment(_Spec):
-    """One chaos experiment. `dry_run` prints and records what would happen and touches nothing."""
+class _Chaos(_Spec):
+    """What an experiment does, wherever it runs: its schedule, whom it hits, how, and its safety limits."""
 
-    name: str = Field(..., max_length=63)
     description: str = ""
     schedule: ScheduleSpec
     target: TargetSpec = Field(default_factory=TargetSpec)
     action: ActionSpec = Field(default_factory=ActionSpec)
     safety: SafetySpec = Field(default_factory=SafetySpec)
     dry_run: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "_Chaos":
+        if self.target.kind == "syncer" and self.schedule.kind == "mtbf":
+            raise ValueError("schedule.mtbf is per learner unit; use every or cron for a syncer target")
+        if self.action.type == "pause" and self.schedule.downtime_s:
+            raise ValueError("schedule.downtime applies to kill and fail; a pause already has action.duration")
+        return self
+
+
+class Experiment(_Chaos):
+    """One chaos experiment. `dry_run` prints and records what would happen and touches nothing."""
+
+    name: str = Field(..., max_length=63)
 
     @field_validator("name")
     @classmethod
@@ -208,33 +221,9 @@ class Experiment(_Spec):
             raise ValueError(f"must be lowercase letters, digits and '-' (a DNS label, used in Event names), got {v!r}")
         return v
 
-    @model_validator(mode="after")
-    def _consistent(self) -> "Experiment":
-        _check_consistent(self)
-        return self
 
-
-def _check_consistent(exp: "Experiment | JobChaos") -> None:
-    if exp.target.kind == "syncer" and exp.schedule.kind == "mtbf":
-        raise ValueError("schedule.mtbf is per learner unit; use every or cron for a syncer target")
-    if exp.action.type == "pause" and exp.schedule.downtime_s:
-        raise ValueError("schedule.downtime applies to kill and fail; a pause already has action.duration")
-
-
-class JobChaos(_Spec):
+class JobChaos(_Chaos):
     """A DilocoJob's `spec.chaos`: an experiment on that job's own units (name and namespace come from the job)."""
-
-    description: str = ""
-    schedule: ScheduleSpec
-    target: TargetSpec = Field(default_factory=TargetSpec)
-    action: ActionSpec = Field(default_factory=ActionSpec)
-    safety: SafetySpec = Field(default_factory=SafetySpec)
-    dry_run: bool = False
-
-    @model_validator(mode="after")
-    def _consistent(self) -> "JobChaos":
-        _check_consistent(self)
-        return self
 
     def to_experiment(self, job: str, namespace: str) -> Experiment:
         """The experiment the operator runs for job `namespace/job` (its own namespace, whatever safety says)."""

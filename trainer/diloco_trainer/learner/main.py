@@ -120,7 +120,8 @@ TINY_HF = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermed
 def _warm_up(config: str | None = None, hf: bool = False) -> None:
     """What a learner start spends most of its time on, done ahead: importing torch and our modules, and the lazy
     initialisation of a first forward, backward and AdamW step (measured on a busy 2-core machine: 13 s of imports,
-    5 s for the first AdamW, 1.3 s for the first step). With the run's `config` (a YAML file), that step is taken
+    5 s for the first AdamW, 1.3 s for the first step; the first AdamW's share, torch.optim importing torch._dynamo,
+    is gone since model/adamw.py). With the run's `config` (a YAML file), that step is taken
     by a throw-away model of the run's own size and batch, so the learner's first real step finds every buffer
     size it needs already allocated once, and the corpus is loaded ahead (`data.preload`); without it, a tiny
     model."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 # name -> (module, one-line help). Each module defines `configure(parser)` and `run(args) -> int`.
@@ -37,7 +39,17 @@ def _top_level_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def stop_on_sigterm_as_pid_1() -> None:
+    """As a container's PID 1 (a syncer pod's `diloco syncer`, a learner pod's `diloco pod-learner`), SIGTERM ends
+    the process until its command installs a handler of its own. The kernel drops every signal PID 1 has no handler
+    for, so a pod deleted while its command was still importing waited out its whole grace period to be SIGKILLed
+    (a refused job's restarted syncer held its pod's deletion 32 s). Anywhere else SIGTERM's default stays."""
+    if os.getpid() == 1 and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm_as_pid_1()
     argv = list(sys.argv[1:] if argv is None else argv)
     top = _top_level_parser()
     if not argv or argv[0] in ("-h", "--help"):

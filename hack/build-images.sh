@@ -41,7 +41,9 @@ ctr_name() {
   elif [ "$first" != "$1" ]; then echo "docker.io/$1"
   else echo "docker.io/library/$1"; fi
 }
-in_k8s_io() { ctr -n k8s.io images ls -q 2>/dev/null | grep -qxF "$(ctr_name "$1")"; }
+# grep reads the whole list (no -q): a grep that exits at its match makes ctr's next line's write fail (SIGPIPE), and
+# under pipefail the image then counted as missing (3 of 40 checks): 4-5 min of importing 6.4 GB again for nothing.
+in_k8s_io() { ctr -n k8s.io images ls -q 2>/dev/null | grep -xF "$(ctr_name "$1")" >/dev/null; }
 
 [ "$(id -u)" = 0 ] || die "run as root (debootstrap, the container engine)"
 

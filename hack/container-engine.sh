@@ -171,7 +171,7 @@ start_containerd() {
     else
       rm -f "$STATE/containerd.pid"
       log "containerd already running (not started by this script: used as it is, never stopped by down)"
-      ctr_ plugins ls 2>/dev/null | grep -q 'io.containerd.grpc.v1 *cri .*ok' \
+      ctr_ plugins ls 2>/dev/null | grep 'io.containerd.grpc.v1 *cri .*ok' >/dev/null \
         || log "WARNING: that containerd's CRI plugin is not ok (a kubelet needs it; see: ctr plugins ls)"
     fi
     return
@@ -184,7 +184,7 @@ start_containerd() {
   fi
   wait_for containerd containerd_answers 60
   log "containerd answers ($(ctr_ version 2>/dev/null | awk '/Server/{s=1} s&&/Version/{print $2; exit}'))"
-  ctr_ plugins ls 2>/dev/null | grep -q 'io.containerd.grpc.v1 *cri .*ok' \
+  ctr_ plugins ls 2>/dev/null | grep 'io.containerd.grpc.v1 *cri .*ok' >/dev/null \
     || log "WARNING: containerd's CRI plugin is not ok (ctr plugins ls; log $STATE/containerd.log)"
 }
 
@@ -209,7 +209,8 @@ start_dockerd() {
 
 # ------------------------------------------------------------------------------------------- pause image
 ensure_pause_image() {
-  if ctr_ -n k8s.io images ls -q 2>/dev/null | grep -qxF "$PAUSE_IMAGE"; then return; fi
+  # no grep -q: exiting at the match would SIGPIPE ctr, and pipefail would count the image missing (build-images.sh)
+  if ctr_ -n k8s.io images ls -q 2>/dev/null | grep -xF "$PAUSE_IMAGE" >/dev/null; then return; fi
   if ! docker image inspect "$PAUSE_IMAGE" >/dev/null 2>&1; then
     log "building $PAUSE_IMAGE from hack/pause.c"
     local work

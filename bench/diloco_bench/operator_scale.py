@@ -1,5 +1,6 @@
-"""Operator scale benchmark on the local control plane (kwok): N single-pod CPU learner units from `kubectl apply`
-to all Running; K learner pods deleted at once, until every one is replaced; API requests per periodic resync.
+"""Operator scale benchmark on the local control plane (kwok): N single-pod CPU learner units (in templates of at
+most 1,000) from `kubectl apply` to all Running; K learner pods deleted at once, until every one is replaced; API
+requests per periodic resync.
 
     python -m diloco_bench.operator_scale --units 1000 --kill 20 [--resync-seconds 5] [--workers 4]
 
@@ -38,10 +39,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _templates(units: int) -> list[dict]:
+    """`units` spread over as few templates as the CRD allows (api.MAX_UNITS_PER_TEMPLATE each)."""
+    cap = api.MAX_UNITS_PER_TEMPLATE
+    return [{"name": f"cpu{i}", "count": min(cap, units - start),
+             "nodeSelector": {"cloud.google.com/gke-nodepool": POOL}}
+            for i, start in enumerate(range(0, units, cap))]
+
+
 def _job(units: int) -> dict:
     return {"apiVersion": api.API_VERSION, "kind": "DilocoJob", "metadata": {"name": "scale", "namespace": "default"},
-            "spec": {"image": "diloco-trainer:bench", "units": [{"name": "cpu", "count": units,
-                                                                  "nodeSelector": {"cloud.google.com/gke-nodepool": POOL}}],
+            "spec": {"image": "diloco-trainer:bench", "units": _templates(units),
                      "syncer": {"nodeSelector": {"cloud.google.com/gke-nodepool": "cpu"}},
                      "restartPolicy": {"backoffSeconds": 0, "maxRestarts": 100}}}
 

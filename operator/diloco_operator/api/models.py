@@ -89,6 +89,9 @@ class Accelerator(_Api):
         return self
 
 
+MAX_UNITS_PER_TEMPLATE = 1000  # a larger job spreads its units over several templates
+
+
 class UnitTemplate(_Api):
     """A kind of learner unit: how many, how many pods each, on which accelerators and node pool."""
 
@@ -96,9 +99,9 @@ class UnitTemplate(_Api):
     image: str | None = Field(None, min_length=1, max_length=1024,
                               description="The learner image of these units (default: spec.image), e.g. a TPU image "
                                           "with torch_xla beside a CUDA one in a mixed job.")
-    count: int = Field(1, ge=0, le=1000)
-    minCount: int = Field(0, ge=0, le=1000)
-    maxCount: int | None = Field(None, ge=0, le=1000)
+    count: int = Field(1, ge=0, le=MAX_UNITS_PER_TEMPLATE)
+    minCount: int = Field(0, ge=0, le=MAX_UNITS_PER_TEMPLATE)
+    maxCount: int | None = Field(None, ge=0, le=MAX_UNITS_PER_TEMPLATE)
     podsPerUnit: int = Field(1, ge=1, le=64)
     accelerator: Accelerator = Field(default_factory=Accelerator)
     nodeSelector: dict[str, str] = Field(default_factory=dict)

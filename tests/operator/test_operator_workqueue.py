@@ -1,5 +1,6 @@
 """The reconcile work queue on its own (no cluster): duplicates coalesce, a key added during its own pass runs once
-more after it, a failed pass is retried with backoff, an error it gives up on forgets the key."""
+more after it, a failed pass is retried with backoff, an error it gives up on forgets the key, and a key something
+happened to goes ahead of a resync's keys."""
 
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ def test_keys_added_before_a_worker_runs_are_processed_once_each():
     async def body(queue: WorkQueue) -> None:
         for key in (A, B, A, A, B):
             queue.add(key)
-        assert queue.queue.qsize() == 2  # no worker has run yet: the duplicates coalesced
+        assert queue.depth() == 2  # no worker has run yet: the duplicates coalesced
         await wait_for_async(lambda: len(seen) >= 2 and not queue.active, 5, "both keys processed")
-        assert sorted(seen) == sorted([A, B]) and queue.queue.empty()
+        assert sorted(seen) == sorted([A, B]) and queue.depth() == 0
     run_queue(process, body)
 
 
@@ -81,3 +82,32 @@ def test_a_failed_pass_is_retried_with_backoff_and_a_given_up_key_is_forgotten()
         assert calls.count(B) == 1 and B not in queue.known  # given up on: never retried or resynced
     run_queue(process, body, gives_up=lambda key, exc: isinstance(exc, LookupError))
     assert [backoff(n) for n in (1, 2, 3, 8, 20)] == [0.5, 1.0, 2.0, 30.0, 30.0]
+
+
+def test_a_key_something_happened_to_goes_ahead_of_a_resyncs_thousand_keys_and_each_key_runs_once():
+    seen: list = []
+    routine = [("unit", "ns", f"u{i}") for i in range(1000)]
+    hurt, new = ("unit", "ns", "u700"), ("job", "ns", "new")  # u700 waits in the resync's lane when its pod is deleted
+
+    async def process(key):
+        seen.append(key)
+        await asyncio.sleep(0)
+
+    async def go() -> None:
+        queue = WorkQueue(process, workers=1, resync_s=3600)
+        for key in routine:
+            queue.add(key, urgent=False)  # as the resync adds them
+        queue.add(hurt)
+        queue.add(new)
+        queue.add(routine[0], urgent=False)  # a resync's duplicate coalesces
+        assert queue.depth() == 1001
+        runner = asyncio.create_task(queue.run())  # one worker: the order it takes keys in is the queue's alone
+        try:
+            await wait_for_async(lambda: len(seen) >= 1001 and not queue.active, 10, "every key processed")
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+        assert seen[:2] == [hurt, new], seen[:5]
+        assert seen[2:] == [k for k in routine if k != hurt], "each key once, the resync's in the order added"
+        assert queue.depth() == 0 and not queue.lanes[True] and not queue.lanes[False]
+    asyncio.run(go())

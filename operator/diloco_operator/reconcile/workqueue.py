@@ -1,12 +1,13 @@
 """A keyed work queue for reconciles (no Kubernetes in it): one pass per key at a time, duplicates coalesce, a key
 added during its own pass runs once more after it, a failed pass is retried with backoff, every known key is
-re-run each resync."""
+re-run each resync, and a key something happened to goes ahead of the resync's."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 from diloco_operator import metrics
@@ -24,7 +25,12 @@ def backoff(failures: int) -> float:
 
 class WorkQueue:
     """Runs `process(key)` for queued keys on `workers` tasks. `gives_up(key, exc)`: an error after which the key is
-    forgotten rather than retried. `on_resync()` runs before each resync re-queues every known key."""
+    forgotten rather than retried. `on_resync()` runs before each resync re-queues every known key.
+
+    Two lanes: keys added for a reason (a watch event, a requeue, a retry) are urgent and taken first; the resync's
+    are routine. At thousands of units a resync queues every one of them, and a deleted pod's unit must not wait
+    behind passes that find nothing to do (issue 19: healing at 5,000 units). An urgent add of a key waiting in
+    the routine lane moves it to the urgent one."""
 
     def __init__(self, process: Callable[[Key], Awaitable[None]], workers: int = 4, resync_s: float = 30.0,
                  gives_up: Callable[[Key, Exception], bool] = lambda key, exc: False,
@@ -32,25 +38,42 @@ class WorkQueue:
         self.process, self.gives_up, self.on_resync = process, gives_up, on_resync
         self.workers = workers
         self.resync_s = resync_s
-        self.queue: asyncio.Queue[Key] = asyncio.Queue()
-        self.queued: set[Key] = set()  # waiting in `queue`
+        self.lanes: dict[bool, deque[Key]] = {True: deque(), False: deque()}  # urgent?; may hold stale entries
+        self.entries = asyncio.Semaphore(0)  # one per entry in the lanes, stale ones included
+        self.queued: dict[Key, bool] = {}  # waiting, and in which lane (True: urgent)
         self.active: set[Key] = set()  # being processed
         self.dirty: set[Key] = set()  # added while being processed: run again once that pass ends
         self.known: set[Key] = set()  # re-queued by every resync until forgotten
         self.failures: dict[Key, int] = {}  # failed passes in a row
 
-    def add(self, key: Key, delay: float = 0.0) -> None:
-        """Ask for a pass over `key` (now or after `delay` seconds); duplicates coalesce."""
+    def add(self, key: Key, delay: float = 0.0, urgent: bool = True) -> None:
+        """Ask for a pass over `key` (now or after `delay` seconds); duplicates coalesce. `urgent`: something
+        happened to it (the resync's own adds are not)."""
         self.known.add(key)
         if delay > 0:
             asyncio.get_running_loop().call_later(delay, self.add, key)
             return
         if key in self.active:
             self.dirty.add(key)  # re-run once the current pass ends: it may have read stale state
-        elif key not in self.queued:
-            self.queued.add(key)
-            self.queue.put_nowait(key)
-        metrics.QUEUE_DEPTH.set(self.queue.qsize())
+        elif key not in self.queued or (urgent and not self.queued[key]):
+            self.queued[key] = urgent  # a routine entry left behind by a move to the urgent lane is skipped
+            self.lanes[urgent].append(key)
+            self.entries.release()
+        metrics.QUEUE_DEPTH.set(len(self.queued))
+
+    def depth(self) -> int:
+        """Keys waiting for a pass."""
+        return len(self.queued)
+
+    async def _next(self) -> Key:
+        """The next key to process: urgent ones first, each in the order added."""
+        while True:
+            await self.entries.acquire()
+            urgent = bool(self.lanes[True])
+            key = self.lanes[urgent].popleft()
+            if self.queued.get(key) is urgent:
+                del self.queued[key]
+                return key
 
     def forget(self, key: Key) -> None:
         """No more resyncs of `key` (until it is added again)."""
@@ -76,13 +99,12 @@ class WorkQueue:
             metrics.RESYNCS.inc()
             self.on_resync()
             for key in list(self.known):
-                self.add(key)
+                self.add(key, urgent=False)
 
     async def _worker(self) -> None:
         while True:
-            key = await self.queue.get()
-            metrics.QUEUE_DEPTH.set(self.queue.qsize())  # it stayed at the last add's size until the next one
-            self.queued.discard(key)
+            key = await self._next()
+            metrics.QUEUE_DEPTH.set(len(self.queued))  # it stayed at the last add's size until the next one
             self.active.add(key)
             started = time.monotonic()
             try:

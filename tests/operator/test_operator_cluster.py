@@ -75,6 +75,12 @@ def events(kubectl, ns: str, reason: str) -> list[dict]:
     return [e for e in kubectl.get("events", ns=ns) if e.get("reason") == reason]
 
 
+def wait_events(kubectl, ns: str, reason: str, match=lambda e: True, timeout: float = 15) -> list[dict]:
+    """The `reason` Events that `match`, once there is one: a reconcile posts its Events after its other writes, so
+    a test that has just seen those writes may look before the Events are there."""
+    return wait_for(lambda: [e for e in events(kubectl, ns, reason) if match(e)], timeout, f"a {reason} Event", 0.2)
+
+
 def serving_pair(kubectl, ns: str, job_name: str, where) -> list[str]:
     """--tls-cert/--tls-key for a syncer run here with the certificate the operator issued for the job (Auto TLS):
     the operator reads a TLS job's syncer only over https, verified against the job's CA."""
@@ -274,7 +280,7 @@ def test_kubectl_scale_adds_and_removes_units_without_touching_the_others(kubect
     wait_for(lambda: len(pods(kubectl, ns, "diloco.dev/job=elastic,diloco.dev/component=learner")) == 1, 30, "removed units' pods garbage-collected", 0.2)
     assert kubectl.get("lu", "elastic-cpu-0", ns=ns)["metadata"]["uid"] == lu0
     assert {p["metadata"]["uid"] for p in pods(kubectl, ns, "diloco.dev/unit=elastic-cpu-0")} == keep
-    assert events(kubectl, ns, "UnitRemoved")
+    wait_events(kubectl, ns, "UnitRemoved")
 
 
 def test_restart_limit_fails_the_unit_and_the_job_for_good(kubectl, operator, ns):
@@ -454,7 +460,7 @@ def test_a_spec_the_models_reject_is_reported_on_the_job_with_the_field(kubectl,
                   and d, 30, "Ready=False/InvalidSpec", 0.2)
     assert "spec.config.model" in condition(dj, "Ready")["message"] and "divisible" in dj["status"]["message"]
     assert kubectl.get("lu", ns=ns) == []
-    wait_for(lambda: events(kubectl, ns, "InvalidSpec"), 10, "the InvalidSpec Event", 0.2)  # after the status write
+    wait_events(kubectl, ns, "InvalidSpec")
     kubectl.apply(job("fine", cpu_units(1)), "-n", ns)  # the operator goes on reconciling other jobs
     wait_job_ready(kubectl, ns, "fine", 1)
     assert condition(kubectl.get("dj", "odd", ns=ns), "Ready")["reason"] == "InvalidSpec"
@@ -476,8 +482,7 @@ def test_a_spec_only_the_syncer_can_refuse_stops_its_syncer_and_names_the_field(
     assert condition(dj, "Ready")["message"].startswith("spec.config.outer.fragments (64) must not exceed")
     assert dj["status"]["syncerRefusal"]["generation"] == dj["metadata"]["generation"]
     # the Event follows the status write of the same reconcile
-    wait_for(lambda: [e for e in events(kubectl, ns, "InvalidSpec") if "spec.config.outer.fragments" in e["message"]],
-             10, "the InvalidSpec Event naming the field", 0.2)
+    wait_events(kubectl, ns, "InvalidSpec", lambda e: "spec.config.outer.fragments" in e["message"])
     # No crash loop: the syncer is scaled to zero and no syncer runs (kwok leaves its pod Failed, which a
     # ReplicaSet does not delete; a kubelet restarting the container would keep it Running, and scaling deletes it).
     wait_for(lambda: kubectl.get("deployment", "big-syncer", ns=ns)["spec"]["replicas"] == 0
@@ -501,7 +506,8 @@ def test_a_changed_image_recreates_the_pods_without_counting_restarts(kubectl, o
     for p in wait_for(rolled, 30, "pods on the new image", 0.2):
         assert p["metadata"]["labels"]["diloco.dev/incarnation"] == "1"
     wait_job_ready(kubectl, ns, "roll", 2, restarts=0)
-    assert events(kubectl, ns, "UnitUpdated") and events(kubectl, ns, "SpecChanged")
+    wait_events(kubectl, ns, "UnitUpdated")
+    wait_events(kubectl, ns, "SpecChanged")
 
 
 def test_a_job_whose_units_all_complete_succeeds_and_stays_succeeded(kubectl, operator, ns):

@@ -16,7 +16,7 @@ from diloco_operator.plan import kueue
 from kueue_kit import KUEUE_API, Kueue, cluster_queue, local_queue, priority_class, resource_flavor
 from polling import wait_for
 from test_operator_autoscale_cluster import GPU_TAINT, H100, POOL, Nodes, autoscaled_job, autoscaling, template
-from test_operator_cluster import condition, events, job, running, unit_pods
+from test_operator_cluster import condition, events, job, running, unit_pods, wait_events
 
 pytestmark = pytest.mark.cluster
 GPUS = "nvidia.com/gpu"
@@ -143,7 +143,7 @@ def test_a_higher_priority_workload_preempts_one_unit_and_the_others_keep_runnin
         wait_for(lambda: unit_pods(kubectl, ns, victim) == [], 30, f"{victim}'s pods gone", 0.2)
         cond = condition(kubectl.get("lu", victim, ns=ns), C.ADMITTED)
         assert cond["status"] == "False" and cond["reason"] in (C.Reason.EVICTED_BY_KUEUE, C.Reason.QUEUED_IN_KUEUE)
-        assert [e for e in events(kubectl, ns, C.Reason.EVICTED_BY_KUEUE) if e["involvedObject"]["name"] == victim]
+        wait_events(kubectl, ns, C.Reason.EVICTED_BY_KUEUE, lambda e: e["involvedObject"]["name"] == victim)
         wl = workload(kubectl, ns, victim)
         assert condition(wl, "Requeued").get("status") == "True" and not wl["status"].get("admission"), wl["status"]
         # The other unit was never touched: the same pod, still running.

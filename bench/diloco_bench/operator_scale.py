@@ -10,6 +10,7 @@ Prints one JSON line of figures. Needs the testbed binaries (hack/build-testbed.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import random
@@ -19,6 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -107,13 +109,28 @@ def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
 
 
 def _units_running(tb: testbed.Testbed) -> int:
-    items = tb.request("GET", "/apis/diloco.dev/v1alpha1/namespaces/default/learnerunits", timeout=30)["items"]
+    """Units whose phase is Running, from one list served by the apiserver's watch cache (resourceVersion=0): at
+    thousands of units a list read from etcd on every poll took a share of the 2 cores the run measures."""
+    items = tb.request("GET", "/apis/diloco.dev/v1alpha1/namespaces/default/learnerunits?resourceVersion=0",
+                       timeout=120)["items"]
     return sum(1 for u in items if (u.get("status") or {}).get("phase") == "Running")
 
 
+def _units_ready(tb: testbed.Testbed) -> int:
+    """The job's own count of ready units (status.unitsReady): one small object per poll."""
+    job = tb.request("GET", "/apis/diloco.dev/v1alpha1/namespaces/default/dilocojobs/scale")
+    return (job.get("status") or {}).get("unitsReady") or 0
+
+
+def _pods_of_units(tb: testbed.Testbed, units: set[str]) -> list[dict]:
+    """The learner pods of these units only (a label selector: not every pod of the job on each poll)."""
+    selector = urllib.parse.quote(f"diloco.dev/unit in ({','.join(sorted(units))})")
+    return tb.request("GET", f"/api/v1/namespaces/default/pods?labelSelector={selector}", timeout=60)["items"]
+
+
 def _learner_pods(tb: testbed.Testbed) -> list[dict]:
-    path = "/api/v1/namespaces/default/pods?labelSelector=diloco.dev%2Fcomponent%3Dlearner"
-    return [p for p in tb.request("GET", path, timeout=30)["items"] if not p["metadata"].get("deletionTimestamp")]
+    path = "/api/v1/namespaces/default/pods?labelSelector=diloco.dev%2Fcomponent%3Dlearner&resourceVersion=0"
+    return [p for p in tb.request("GET", path, timeout=120)["items"] if not p["metadata"].get("deletionTimestamp")]
 
 
 def _wait(what: str, predicate, timeout: float, interval: float = 0.25) -> float:
@@ -125,6 +142,8 @@ def _wait(what: str, predicate, timeout: float, interval: float = 0.25) -> float
         except urllib.error.HTTPError as exc:  # 429 while a watch cache initializes
             if exc.code != 429:
                 raise
+        except (http.client.IncompleteRead, TimeoutError) as exc:  # a large list cut short on a loaded machine
+            print(f"[bench] {what}: poll failed ({exc!r}), retrying", file=sys.stderr, flush=True)
         time.sleep(interval)
     raise TimeoutError(f"{what}: not within {timeout:.0f}s")
 
@@ -154,12 +173,20 @@ def run(units: int, kill: int, resync_s: float, workers: int, timeout: float) ->
                        check=True, capture_output=True)
         milestones: dict[str, float] = {}  # when the operator had sent N unit creates, N pod creates, ...
 
+        shown = [0.0]
+
         def all_up() -> bool:
             m = _metrics(port)
             for what in ("POST learnerunits", "POST pods", "POST secrets"):
                 if what not in milestones and m.get(what, 0) >= units:
                     milestones[what] = round(time.monotonic() - applied, 1)
-            return _units_running(tb) == units
+            ready = _units_ready(tb)
+            if time.monotonic() - shown[0] >= 10:  # progress, on stderr: the figures are the one JSON line
+                shown[0] = time.monotonic()
+                print(f"[bench] {time.monotonic() - applied:6.1f} s: {ready}/{units} units ready; sent "
+                      + ", ".join(f"{int(m.get(w, 0))} {w}" for w in ("POST learnerunits", "POST secrets", "POST pods")),
+                      file=sys.stderr, flush=True)
+            return ready == units and _units_running(tb) == units  # the job's count, then every unit's own phase
         all_running = _wait(f"{units} units Running", all_up, timeout, 1.0)
         up = _metrics(port)
         cpu_up = _cpu_seconds(pids)
@@ -184,8 +211,8 @@ def run(units: int, kill: int, resync_s: float, workers: int, timeout: float) ->
         victim_units = {p["metadata"]["labels"]["diloco.dev/unit"] for p in victims}
 
         def replaced() -> bool:
-            now = {p["metadata"]["labels"]["diloco.dev/unit"]: p for p in _learner_pods(tb)
-                   if p["metadata"]["labels"]["diloco.dev/unit"] in victim_units}
+            now = {p["metadata"]["labels"]["diloco.dev/unit"]: p for p in _pods_of_units(tb, victim_units)
+                   if not p["metadata"].get("deletionTimestamp")}
             return len(now) == len(victim_units) and all(
                 p["metadata"]["uid"] not in gone and p["status"].get("phase") == "Running" for p in now.values())
         _wait(f"{kill} pods replaced", replaced, timeout, 0.2)

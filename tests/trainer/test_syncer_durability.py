@@ -128,6 +128,33 @@ async def test_spool_files_are_deleted_only_once_a_checkpoint_covers_them(aiohtt
     assert _spooled(tmp_path) == [left] and resumed.tokens_merged == 2048
 
 
+async def test_a_clean_stop_merges_acknowledged_contributions_still_waiting_for_their_quorum(aiohttp_client, tmp_path):
+    """A finished job's final checkpoint is its model (`diloco export`) and its syncer never starts again to replay
+    the spool: what was acknowledged must be merged into it, quorum reached or not."""
+    cfg = tiny_config(quorum=2)
+    syncer = make_syncer(tmp_path, cfg)
+    client = await start(aiohttp_client, syncer)
+    st = syncer.state
+    for lid in ("a", "b"):
+        await client.post("/v1/register", json=register_body(lid), headers=AUTH)
+    theta0 = st.fragment(1)
+    d = deltas_for(st, 1, seed=2)
+    r = await client.post("/v1/fragments/1/outer-gradient",
+                          data=body(st, 1, d, learner="a", sid="a-last", c_tokens=512), headers=AUTH)
+    assert r.status == 202
+    assert st.versions == [0, 0] and list(st.pending[1]) == ["a-last"], "one of a quorum of 2: waiting"
+
+    await client.close()  # the path of SIGTERM: Syncer.stop, then the final checkpoint
+    state = json.loads((tmp_path / "checkpoint" / "state.json").read_text())
+    assert state["versions"] == {"0": 0, "1": 1} and list(state["merged_ids"]) == ["a-last"]
+    assert _spooled(tmp_path) == [], "merged and checkpointed: nothing left to replay"
+    resumed = SyncerState(cfg, tmp_path)
+    assert resumed.pending == [{}, {}] and resumed.tokens_merged == 512
+    for n in resumed.plan[1]:
+        want = first_outer_step(theta0[n], d[n], cfg.outer.lr, cfg.outer.momentum)
+        torch.testing.assert_close(resumed.theta[n], want, rtol=1e-5, atol=1e-6)
+
+
 async def test_checkpoints_and_spool_hold_only_safetensors_and_json(aiohttp_client, tmp_path):
     syncer = make_syncer(tmp_path, tiny_config(quorum=1))
     client = await start(aiohttp_client, syncer)

@@ -33,6 +33,7 @@ DOWNLINK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 log = logging.getLogger(__name__)
 
 MAX_JSON_BODY = 64 * 1024  # register and heartbeat documents are a few hundred bytes
+STOP_FLUSH_S = 10.0  # a clean stop's merge of what is pending (Syncer.stop): within the syncer pod's grace period
 
 
 @dataclass
@@ -89,15 +90,36 @@ class Syncer:
         self._tasks.append(asyncio.create_task(self._checkpoint_loop(), name="checkpoint"))
 
     async def stop(self) -> None:
-        """Stop merging, then write a final checkpoint. An interrupted merge is simply not committed: its
-        contributions stay pending and spooled, so the next start merges them."""
+        """Stop merging, merge what is acknowledged and still pending, then write a final checkpoint.
+
+        The flush: the checkpoint a clean stop writes is also a finished job's final model (`diloco export`), and a
+        finished job never starts its syncer again to replay the spool; so contributions waiting for their quorum
+        or grace window are merged now, below the quorum if need be, within STOP_FLUSH_S. A merge that fails or
+        is cut short is simply not committed: its contributions stay pending and spooled, and a next start
+        merges them, as after a crash."""
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        await self._flush_pending()
         await self.checkpoint()
         # Every published version is in that checkpoint: a clean restart needs no jump in version ids.
         await asyncio.to_thread(self.state.reservation.release, list(self.state.versions))
+
+    async def _flush_pending(self) -> None:
+        deadline = time.monotonic() + STOP_FLUSH_S
+        for p, pending in enumerate(self.state.pending):
+            if not pending:
+                continue
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                version = await asyncio.wait_for(self.merge(p), left)
+                log.info("stopping: fragment %d's pending contributions merged -> version %d", p, version)
+            except Exception as exc:  # noqa: BLE001 - they stay spooled: the next start merges them
+                log.warning("stopping: fragment %d's %d pending contribution(s) left to the next start (%r)", p,
+                            len(pending), exc)
 
     async def _fragment_loop(self, p: int) -> None:
         kick = self._kicks[p]

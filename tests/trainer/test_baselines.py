@@ -94,29 +94,37 @@ def _assert_resumed_from_the_checkpoint(run_dir: Path, summary: dict, steps: int
     return resume
 
 
-def test_ddp_replicas_stay_identical_and_the_loss_decreases(tmp_path):
-    summary = _baseline("ddp", tmp_path / "run", "--steps", "24")
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> tuple[Path, dict]:
+    """One finished 24-step DDP baseline (run directory, summary), read by the tests below: each process start
+    costs seconds of CPU, and what they check of a run does not depend on which one it is."""
+    run_dir = tmp_path_factory.mktemp("ddp") / "run"
+    return run_dir, _baseline("ddp", run_dir, "--steps", "24")
+
+
+def test_ddp_replicas_stay_identical_and_the_loss_decreases(ddp_run):
+    run_dir, summary = ddp_run
     digests = {v["param_sha256"] for v in summary["per_learner"].values()}
     assert len(digests) == 1, "DDP replicas diverged"
     for name in ("learner-0", "learner-1"):
-        losses = [r["loss"] for r in read_jsonl(tmp_path / "run" / "learners" / name / "metrics.jsonl")]
+        losses = [r["loss"] for r in read_jsonl(run_dir / "learners" / name / "metrics.jsonl")]
         assert len(losses) >= 10 and losses[-1] < losses[0] - 0.5
     evals = summary["global_evals"]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 1.0  # vs Θ₀ (≈ ln 256)
     assert summary["steps_trained"] == 48 and summary["merged_fraction"] == 1.0
     # DDP sends what its own formula says, every step.
     assert summary["bytes"]["sent_per_learner_step"] == pytest.approx(summary["bytes"]["ddp_per_learner_step"])
-    assert (tmp_path / "run" / "plot.png").stat().st_size > 10_000
+    assert (run_dir / "plot.png").stat().st_size > 10_000
 
 
-def test_chaos_goodput_of_a_baseline_run_is_the_goodput_its_summary_reports(tmp_path):
-    summary = _baseline("ddp", tmp_path / "run", "--steps", "8")
-    out = subprocess.run([sys.executable, "-m", "diloco_trainer.cli", "chaos", "goodput", str(tmp_path / "run"),
+def test_chaos_goodput_of_a_baseline_run_is_the_goodput_its_summary_reports(ddp_run):
+    run_dir, summary = ddp_run
+    out = subprocess.run([sys.executable, "-m", "diloco_trainer.cli", "chaos", "goodput", str(run_dir),
                           "--json"], env=child_env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     g = json.loads(out.stdout)
     assert g["goodput"] == pytest.approx(summary["goodput"]) and g["merged_fraction"] == 1.0
-    assert {n: v["steps"] for n, v in g["learners"].items()} == {"learner-0": 8, "learner-1": 8}
+    assert {n: v["steps"] for n, v in g["learners"].items()} == {"learner-0": 24, "learner-1": 24}
 
 
 def test_sync_diloco_workers_share_theta_after_each_outer_step_and_wait_for_the_slowest(tmp_path):

@@ -207,6 +207,54 @@ def test_a_restarted_learner_resumes_its_adamw_state_and_learning_rate_instead_o
     assert afresh[0]["lr"] == pytest.approx(lr / 5), "without the snapshot: step 1 of a 5-step warm-up"
 
 
+def _kill_mid_snapshot_interval(state, proc):
+    """SIGKILL the learner once it has logged a step whose last digit is 4 to 6 (the old 10-step snapshots were
+    then 4 to 6 steps behind); its last logged step. Its steps are slowed so that the kill lands within a step."""
+    try:
+        wait_for(lambda: (m := metrics(state)) and m[-1]["step"] >= 14 and m[-1]["step"] % 10 in (4, 5, 6), 180,
+                 "a step 4 to 6 steps past a multiple of 10", interval=0.02)
+    finally:
+        proc.kill()
+        proc.wait()
+    return metrics(state)[-1]["step"]
+
+
+def test_a_sigkilled_learner_loses_at_most_its_last_step_and_resumes_its_data_right_after_the_work_it_resends(
+        tmp_path, syncer):
+    syncer.start()
+    state, log = tmp_path / "l0", tmp_path / "l0.log"
+    first = start_learner(syncer.url, "l0", state, 1_000_000, "--log-every", "1", "--slowdown", "4", log_path=log)
+    try:
+        wait_for(lambda: metrics(state), 120, "the first metrics line")
+        syncer.stop()  # cleanly, at the versions the learner holds: its unsent work stays resendable
+    except BaseException:
+        first.kill()
+        raise
+    stopped_at = metrics(state)[-1]["step"] + 2  # an update fetched just before the stop lands a step or two later
+    trained = _kill_mid_snapshot_interval(state, first)
+    syncer.start()
+    before = syncer.status()["learners"].get("l0", {}).get("steps_merged", 0)
+
+    lines = len(metrics(state))
+    finish(start_learner(syncer.url, "l0", state, 3, log_path=log), log)
+    text = log.read_text()
+    resumed = re.findall(r"resuming shard 0/1 at epoch 0, offset (\d+)", text)
+    # The snapshot after each step (written in the background) is at most a step behind the last logged one, and
+    # the data resumes exactly after the steps its resent work covers.
+    assert resumed and int(resumed[-1]) >= 8 * (trained - 1), (trained, resumed, text[-3000:])
+    snapshot_steps = int(resumed[-1]) // 8
+    found = re.search(r"resending the unsent work of the previous start: (\d+) of (\d+) fragment\(s\) .*\((\d+) steps\)",
+                      text)
+    assert found and found.group(1) == found.group(2) != "0", text[-3000:]  # the versions had not moved
+    # Each fragment's Δ covers its steps from the version it last adopted (by `stopped_at`) to the snapshot.
+    assert int(found.group(3)) >= int(found.group(1)) * (snapshot_steps - stopped_at)
+    second = metrics(state)[lines:][-1]
+    assert second["rejected"] == 0 and second["acked"] == second["sent"]
+    assert second["snapshots"] >= 1 and second["snapshot_write_s"] > 0
+    wait_for(lambda: not any(syncer.status()["pending"].values()), 30, "the syncer to merge the resent work")
+    assert syncer.status()["learners"]["l0"]["steps_merged"] - before == second["acked_steps"]
+
+
 def test_a_killed_learners_unsent_work_is_resent_by_its_next_start_and_counted_once(tmp_path, syncer):
     syncer.start()
     state, log = tmp_path / "l0", tmp_path / "l0.log"

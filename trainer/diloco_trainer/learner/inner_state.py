@@ -35,6 +35,7 @@ class Snapshot:
     steps: int
     unsent: list[dict] = field(default_factory=list)
     nonce: str | None = None
+    position: dict | None = None  # the data sampler's state when it was taken (None in older snapshots)
 
 
 def run_digest(config: dict, plan: list[list[str]]) -> str:
@@ -43,16 +44,23 @@ def run_digest(config: dict, plan: list[list[str]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def save(path: Path, opt: torch.optim.Optimizer | dict[str, torch.Tensor], ef: ErrorFeedback | None, steps: int,
+def save(path: Path, opt: torch.optim.Optimizer | dict[str, torch.Tensor],
+         ef: ErrorFeedback | dict[str, torch.Tensor] | None, steps: int,
          unsent: tuple[dict[str, torch.Tensor], list[dict]] | None = None, nonce: str | None = None,
-         held: tuple[dict[str, torch.Tensor], dict[int, int]] | None = None, run: str | None = None) -> None:
+         held: tuple[dict[str, torch.Tensor], dict[int, int]] | None = None, run: str | None = None,
+         position: dict | None = None) -> None:
     """Atomically replace `path` with the optimizer's state (or those tensors as `optimizer_tensors` names them: an
-    FSDP2 unit's gathered full state), the residuals, the steps trained so far and, if given, the unsent work
-    (OuterSync.unsent_work) of the incarnation `nonce` and the adopted Θ (OuterSync.held) of run `run` (run_digest)."""
+    FSDP2 unit's gathered full state), the residuals (an ErrorFeedback or its state_dict), the steps trained so far
+    and, if given, the unsent work (OuterSync.unsent_work) of the incarnation `nonce`, the adopted Θ
+    (OuterSync.held) of run `run` (run_digest) and the data sampler's state at those steps (`position`: a restart
+    resumes the data right after the work the snapshot holds, so none is trained twice or skipped)."""
     tensors = dict(opt) if isinstance(opt, dict) else optimizer_tensors(opt)
     if ef is not None:
-        tensors.update({f"ef.{n}": t for n, t in ef.state_dict().items()})
+        residuals = ef if isinstance(ef, dict) else ef.state_dict()
+        tensors.update({f"ef.{n}": t for n, t in residuals.items()})
     meta = {"kind": KIND, "steps": str(steps)}
+    if position is not None:
+        meta["position"] = json.dumps(position)
     if held is not None and held[1] and run:
         tensors.update(held[0])  # base.{p}.{name}: the same tensors the unsent work names for its fragments
         meta.update(held=json.dumps({str(p): v for p, v in held[1].items()}), run=run)
@@ -95,10 +103,13 @@ def read(path: Path, opt: torch.optim.Optimizer, params: dict[str, torch.Tensor]
         unsent = json.loads(meta.get("unsent", "[]"))
         if not isinstance(unsent, list) or not all(isinstance(f, dict) for f in unsent):
             raise ValueError("its unsent work is not a list of fragments")
+        position = json.loads(meta["position"]) if "position" in meta else None
+        if position is not None and not isinstance(position, dict):
+            raise ValueError("its data position is not an object")
     except (OSError, ValueError, KeyError, WireError) as exc:
         log.warning("starting AdamW and error feedback afresh: the snapshot %s is unusable: %s", path, exc)
         return None
-    return Snapshot(tensors, steps, unsent, meta.get("nonce"))
+    return Snapshot(tensors, steps, unsent, meta.get("nonce"), position)
 
 
 def read_held(path: Path, run: str, plan: list[list[str]]) -> dict[int, tuple[int, dict[str, torch.Tensor]]]:
@@ -120,6 +131,12 @@ def read_held(path: Path, run: str, plan: list[list[str]]) -> dict[int, tuple[in
         log.warning("holding no saved fragment values: the snapshot %s is unusable: %s", path, exc)
         return {}
     return out
+
+
+def cpu_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies on the host of tensors that training changes in place (AdamW's state, θ): what a snapshot written in
+    the background holds while the next steps run."""
+    return {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
 
 
 def optimizer_template(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

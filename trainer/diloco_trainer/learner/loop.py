@@ -22,6 +22,7 @@ from diloco_trainer.learner.devices import UnitGroup
 from diloco_trainer.learner.link import FragmentUpdate, Submission, SyncerLink
 from diloco_trainer.learner.sharded_client import make_client
 from diloco_trainer.protocol.shardmap import split_syncer_urls
+from diloco_trainer.checkpoint import optimizer_tensors
 from diloco_trainer.config import TrainConfig
 from diloco_trainer.data.source import open_tokens
 from diloco_trainer.fsutil import atomic_write_json
@@ -29,12 +30,15 @@ from diloco_trainer.learner import inner_state
 from diloco_trainer.learner.inner_step import InnerStep
 from diloco_trainer.model.build import build_model, vocab_size_of
 from diloco_trainer.learner.outer_sync import OuterSync
+from diloco_trainer.learner.snapshots import SnapshotWriter
 from diloco_trainer.protocol.messages import LearnerRecord, LinkCounters
 
 log = logging.getLogger(__name__)
 
-# Steps between two saves of the data position and the inner state (a SIGKILL replays at most this many batches and
-# restarts from moments at most this many steps old).
+# Steps between two snapshots (data position, inner state, unsent work) of a unit of several processes: capturing
+# one there is a collective (an FSDP2 unit gathers its AdamW state). A unit of one process takes one after every
+# step whose predecessor is on disk (written in the background, learner/snapshots.py), so a SIGKILL takes with it
+# about one step and a write, not up to POSITION_EVERY steps (measured: docs/benchmarks.md, "Harsh failures").
 POSITION_EVERY = 10
 
 
@@ -99,6 +103,9 @@ class Learner:
         self.rng = random.Random(opts.seed * 1_000_003 + opts.unit)
         self.metrics_state: dict = {}
         self.run_digest = ""  # names the run the saved Θ belongs to (inner_state.run_digest; rank 0)
+        self.snapshots = SnapshotWriter()
+        self.resumed_position: dict | None = None  # the data position the restored snapshot was taken at
+        self.resent: set[str] = set()  # ids of the previous start's unsent work resent by this one, not yet answered
 
     # ------------------------------------------------------------------ start-up
 
@@ -172,33 +179,66 @@ class Learner:
         return self.opts.state_dir / "position.json" if self.opts.state_dir else None
 
     def _load_position(self) -> None:
+        """Resume the data where the restored snapshot was taken (its unsent work was resent: training those batches
+        again would count them twice), else where position.json says."""
         path = self._position_path()
-        if path is None or not path.exists():
+        if path is None or not (self.resumed_position is not None or path.exists()):
             return
         try:
-            self.sampler.load_state_dict(json.loads(path.read_text()))
+            saved = self.resumed_position if self.resumed_position is not None else json.loads(path.read_text())
+            self.sampler.load_state_dict(saved)
             log.info("resuming shard %d/%d at epoch %d, offset %d", self.sampler.shard, self.sampler.num_shards,
                      self.sampler.epoch, self.sampler.offset)
         except (ValueError, OSError) as exc:  # another shard layout, or a damaged file: start the shard over
             log.warning("ignoring the saved data position %s: %s", path, exc)
 
-    def _save_position(self) -> None:
-        """The data position and the inner state (every rank calls it: gathering an FSDP2 unit's AdamW state is a
-        collective; rank 0 writes)."""
+    def _snapshot_due(self) -> bool:
+        """After this step: a unit of one process whenever its previous snapshot is on disk; a unit of several
+        every POSITION_EVERY steps (the same answer on every rank)."""
+        if self.group.world_size > 1:
+            return self.step % POSITION_EVERY == 0
+        if self.resent and self.step < POSITION_EVERY:
+            return False  # the snapshot on disk still holds the previous start's work, resent and not yet answered
+        return not self.snapshots.busy()
+
+    def _save_position(self, background: bool = False) -> None:
+        """The data position, the inner state and the unsent work, as of now: captured on the step (copies of what
+        training changes in place), written by rank 0 in the background (`background`) or before returning. Every
+        rank calls it: gathering an FSDP2 unit's AdamW state is a collective."""
         path = self._position_path()
         if path is None:
             return
+        started = time.monotonic()
         snapshot = self.step > 0  # an optimizer that has not stepped has no state worth a snapshot
         opt = self.inner.optimizer_state() if snapshot and self.inner.sharded else self.opt
         # The unsent work holds θ of its fragments: full tensors (under FSDP2 gathered, so rank 0 says which).
         unsent = self.group.broadcast_json(self.outer.unsent_fragments() if snapshot else [])
         with self.inner.full([n for p in unsent for n in self.plan[p]]):
-            if self.group.is_main:
-                atomic_write_json(path, self.sampler.state_dict())
-                if snapshot:
-                    inner_state.save(self.opts.state_dir / inner_state.FILE, opt, self.outer.ef,
-                                     self.steps_before + self.step, self.outer.unsent_work(), self.nonce,
-                                     self.outer.held(), self.run_digest)
+            if not self.group.is_main:
+                return
+            position = self.sampler.state_dict()
+            if snapshot:
+                opt_tensors = inner_state.cpu_copies(opt if isinstance(opt, dict) else optimizer_tensors(opt))
+                work, fragments = self.outer.unsent_work()
+                work = {k: t.detach().to("cpu", copy=True) if k.startswith("theta.") else t for k, t in work.items()}
+                ef, held, steps = self.outer.ef.state_dict(), self.outer.held(), self.steps_before + self.step
+        state_path = self.opts.state_dir / inner_state.FILE
+        nonce, run = self.nonce, self.run_digest
+
+        def write() -> None:
+            if snapshot:  # first: a position newer than the unsent work would skip batches, never train one twice
+                inner_state.save(state_path, opt_tensors, ef, steps, (work, fragments), nonce, held, run, position)
+            atomic_write_json(path, position)
+
+        self.snapshots.captured(time.monotonic() - started)
+        if background:
+            self.snapshots.submit(write)
+        else:
+            self.snapshots.wait()  # an older snapshot must not land after this one
+            t0 = time.monotonic()
+            write()
+            self.snapshots.written += 1
+            self.snapshots.write_s += time.monotonic() - t0
 
     def _restore_inner_state(self, versions: dict[int, int]) -> None:
         """AdamW moments and step, and the residuals, from the last snapshot (rank 0 reads, the unit gets them)."""
@@ -207,7 +247,7 @@ class Learner:
             # The model's parameters for their names and (full, also when sharded) shapes.
             found = inner_state.read(self.opts.state_dir / inner_state.FILE, self.opt,
                                      dict(self.model.named_parameters()))
-        steps = self.group.broadcast_json(found.steps if found else None)
+        steps, self.resumed_position = self.group.broadcast_json((found.steps, found.position) if found else (None, None))
         if steps is None:
             return
         template = inner_state.optimizer_template(self.opt)  # the names every rank broadcasts, in one order
@@ -226,6 +266,7 @@ class Learner:
             subs = self.outer.resend(found.tensors, found.unsent, versions, self.opts.learner_id, found.nonce)
             for sub in subs:
                 self.client.submit(sub)
+            self.resent = {sub.submission_id for sub in subs}
             log.info("resending the unsent work of the previous start: %d of %d fragment(s) still at its base "
                      "version (%d steps)", len(subs), len(found.unsent), sum(s.c_steps for s in subs))
 
@@ -276,8 +317,8 @@ class Learner:
             window.tokens, window.busy_s = window.tokens + self.tokens_per_step, window.busy_s + step_s
             if self.client is not None:
                 self.client.report(self.step, self.step_time_ema, self.tokens, self.nonce, self.outer.steps_discarded)
-            if self.step % POSITION_EVERY == 0:
-                self._save_position()
+            if self._snapshot_due():
+                self._save_position(background=True)
             if self.step % self.opts.log_every == 0:
                 self._log(window)
                 window = Window()
@@ -301,8 +342,14 @@ class Learner:
         return self.client.submit(sub)
 
     def _book_answers(self) -> None:
-        if self.client is not None:
-            self.outer.book(self.client.take_answers())
+        """Book the syncer's answers to this start's Δs. An answer to the previous start's resent work (its ids,
+        its nonce) settles that work; it says nothing of this start's own Δ of the same fragment and base."""
+        if self.client is None:
+            return
+        answers = self.client.take_answers()
+        self.resent.difference_update(a.submission_id for a in answers)
+        own = f"{self.opts.learner_id}.{self.nonce}."
+        self.outer.book([a for a in answers if a.submission_id.startswith(own)])
 
     # ------------------------------------------------------------------ adoption
 
@@ -343,6 +390,7 @@ class Learner:
             versions=self._versions(), queued=self.outer.queued, adoptions=self.outer.adoptions,
             steps_kept=self.outer.steps_kept, steps_discarded=self.outer.steps_discarded,
             epoch=self.sampler.epoch, lr=self.opt.param_groups[0]["lr"],
+            **self.snapshots.stats(),
             **{k: net[k] for k in LinkCounters.model_fields if k in net}, **devices.xla_graph_counts(self.device),
         ).model_dump()
 
@@ -380,6 +428,7 @@ class Learner:
                             "no acknowledged outer gradient covers", self.client.pending(), self.opts.drain_s,
                             self.outer.unsettled())
             self.client.close(0.0)
+        self.snapshots.close()
         self._log(window, final=True)
         if server is not None:
             server.shutdown()

@@ -300,6 +300,11 @@ class LearnerRecord(LinkCounters):
     steps_discarded: int = 0  # steps trained on a fragment and overwritten by an adoption (outer.adopt=overwrite)
     epoch: int = _gauge("epoch of the data shard")
     lr: float | None = None
+    # Snapshots this incarnation wrote (learner/snapshots.py) and their mean seconds on the step (copying tensors) and
+    # in the background (encoding, writing): what frequent snapshots cost against step_time_s.
+    snapshots: int = 0
+    snapshot_capture_s: float | None = None
+    snapshot_write_s: float | None = None
     # On an XLA device, torch_xla's own counts so far (learner/devices.py): graphs compiled, seconds compiling, graphs
     # run. Compilations that keep growing with the steps mean a graph changes every step.
     xla_compiles: int | None = _counter("XLA graphs compiled (torch_xla's CompileTime count; 0 off XLA)", None)

@@ -98,3 +98,28 @@ def test_a_snapshot_without_held_theta_holds_nothing(tmp_path):
     path = tmp_path / inner_state.FILE
     inner_state.save(path, opt, ef, steps=4)
     assert inner_state.read_held(path, inner_state.run_digest(cfg.model_dump(), [["x"]]), [["x"]]) == {}
+
+
+def test_a_later_unsent_work_snapshot_replaces_the_work_residuals_and_position_of_the_whole_one(tmp_path):
+    model, opt, ef, _ = trained()
+    params = dict(model.named_parameters())
+    name = "tok_emb.weight"
+    whole, work = tmp_path / inner_state.FILE, tmp_path / inner_state.WORK_FILE
+    base = {f"base.0.{name}": torch.zeros_like(params[name])}
+    inner_state.save(whole, opt, ef, 20, (base | {f"theta.0.{name}": torch.ones_like(params[name])},
+                                          [{"fragment": 0, "version": 3, "c_steps": 4, "c_tokens": 40}]),
+                     "n1", position={"offset": 20}, saved_at=100.0)
+    later = torch.full_like(params[name], 2.0)
+    inner_state.save_work(work, {}, 23, (base | {f"theta.0.{name}": later},
+                                         [{"fragment": 0, "version": 3, "c_steps": 7, "c_tokens": 70}]),
+                          "n1", {"offset": 23}, saved_at=101.0)
+    found = inner_state.with_newer_work(inner_state.read(whole, opt, params), work, params)
+    assert found.steps == 23 and found.position == {"offset": 23} and found.unsent[0]["c_steps"] == 7
+    assert torch.equal(found.tensors[f"theta.0.{name}"], later)
+    assert not any(k.startswith("ef.") for k in found.tensors), "the residuals as of the later snapshot: none"
+    assert set(inner_state.optimizer_template(opt)) <= set(found.tensors), "AdamW's state from the whole one"
+
+    # A work snapshot older than the whole one (a previous start's) is ignored.
+    inner_state.save(whole, opt, ef, 30, None, None, position={"offset": 30}, saved_at=102.0)
+    found = inner_state.with_newer_work(inner_state.read(whole, opt, params), work, params)
+    assert found.steps == 30 and found.position == {"offset": 30} and found.unsent == []

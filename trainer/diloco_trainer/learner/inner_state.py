@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 
 FILE = "inner-state.safetensors"
 KIND = "diloco-learner-inner-state/1"
+# Between two snapshots of the whole inner state, the learner snapshots after every step only what a SIGKILL would
+# otherwise lose: its unsent work (with the residuals and the data position at that step). A restart takes the
+# newer of the two (`with_newer_work`).
+WORK_FILE = "unsent-work.safetensors"
+WORK_KIND = "diloco-learner-unsent-work/1"
 
 
 @dataclass
@@ -36,6 +41,7 @@ class Snapshot:
     unsent: list[dict] = field(default_factory=list)
     nonce: str | None = None
     position: dict | None = None  # the data sampler's state when it was taken (None in older snapshots)
+    saved_at: float = 0.0  # unix time it was taken (0 in older snapshots)
 
 
 def run_digest(config: dict, plan: list[list[str]]) -> str:
@@ -48,7 +54,7 @@ def save(path: Path, opt: torch.optim.Optimizer | dict[str, torch.Tensor],
          ef: ErrorFeedback | dict[str, torch.Tensor] | None, steps: int,
          unsent: tuple[dict[str, torch.Tensor], list[dict]] | None = None, nonce: str | None = None,
          held: tuple[dict[str, torch.Tensor], dict[int, int]] | None = None, run: str | None = None,
-         position: dict | None = None) -> None:
+         position: dict | None = None, saved_at: float = 0.0) -> None:
     """Atomically replace `path` with the optimizer's state (or those tensors as `optimizer_tensors` names them: an
     FSDP2 unit's gathered full state), the residuals (an ErrorFeedback or its state_dict), the steps trained so far
     and, if given, the unsent work (OuterSync.unsent_work) of the incarnation `nonce`, the adopted Θ
@@ -58,7 +64,7 @@ def save(path: Path, opt: torch.optim.Optimizer | dict[str, torch.Tensor],
     if ef is not None:
         residuals = ef if isinstance(ef, dict) else ef.state_dict()
         tensors.update({f"ef.{n}": t for n, t in residuals.items()})
-    meta = {"kind": KIND, "steps": str(steps)}
+    meta = {"kind": KIND, "steps": str(steps), "saved_at": repr(saved_at)}
     if position is not None:
         meta["position"] = json.dumps(position)
     if held is not None and held[1] and run:
@@ -67,6 +73,20 @@ def save(path: Path, opt: torch.optim.Optimizer | dict[str, torch.Tensor],
     if unsent is not None and unsent[1] and nonce:
         tensors.update(unsent[0])
         meta.update(unsent=json.dumps(unsent[1]), nonce=nonce)
+    _write(path, tensors, meta)
+
+
+def save_work(path: Path, ef: dict[str, torch.Tensor], steps: int, unsent: tuple[dict[str, torch.Tensor], list[dict]],
+              nonce: str, position: dict, saved_at: float) -> None:
+    """Atomically replace `path` with the unsent work (OuterSync.unsent_work) of the incarnation `nonce`, the
+    residuals and the data position as of `steps` steps trained, taken at unix time `saved_at`."""
+    tensors = {f"ef.{n}": t for n, t in ef.items()} | unsent[0]
+    meta = {"kind": WORK_KIND, "steps": str(steps), "saved_at": repr(saved_at), "unsent": json.dumps(unsent[1]),
+            "nonce": nonce, "position": json.dumps(position)}
+    _write(path, tensors, meta)
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     body = encode_tensors(tensors, meta)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(body)
@@ -89,27 +109,53 @@ def read(path: Path, opt: torch.optim.Optimizer, params: dict[str, torch.Tensor]
         for key, value in saved.items():
             if value.shape != expected[key].shape:
                 raise ValueError(f"{key} has shape {tuple(value.shape)}, not this model's {tuple(expected[key].shape)}")
-        for key, t in tensors.items():
-            kind, _, rest = key.partition(".")
-            if kind in ("base", "theta"):
-                _, _, name = rest.partition(".")
-            elif kind == "ef":
-                name = rest
-            else:
-                continue
-            if name not in params or t.shape != params[name].shape:
-                raise ValueError(f"{key} fits no parameter of this model")
-        steps = int(meta["steps"])
-        unsent = json.loads(meta.get("unsent", "[]"))
-        if not isinstance(unsent, list) or not all(isinstance(f, dict) for f in unsent):
-            raise ValueError("its unsent work is not a list of fragments")
-        position = json.loads(meta["position"]) if "position" in meta else None
-        if position is not None and not isinstance(position, dict):
-            raise ValueError("its data position is not an object")
+        return _checked(tensors, meta, params)
     except (OSError, ValueError, KeyError, WireError) as exc:
         log.warning("starting AdamW and error feedback afresh: the snapshot %s is unusable: %s", path, exc)
         return None
-    return Snapshot(tensors, steps, unsent, meta.get("nonce"), position)
+
+
+def _checked(tensors: dict[str, torch.Tensor], meta: dict[str, str], params: dict[str, torch.Tensor]) -> Snapshot:
+    """The Snapshot of a file's tensors and metadata whose residuals and unsent work fit `params` (ValueError)."""
+    for key, t in tensors.items():
+        kind, _, rest = key.partition(".")
+        if kind in ("base", "theta"):
+            _, _, name = rest.partition(".")
+        elif kind == "ef":
+            name = rest
+        else:
+            continue
+        if name not in params or t.shape != params[name].shape:
+            raise ValueError(f"{key} fits no parameter of this model")
+    steps = int(meta["steps"])
+    unsent = json.loads(meta.get("unsent", "[]"))
+    if not isinstance(unsent, list) or not all(isinstance(f, dict) for f in unsent):
+        raise ValueError("its unsent work is not a list of fragments")
+    position = json.loads(meta["position"]) if "position" in meta else None
+    if position is not None and not isinstance(position, dict):
+        raise ValueError("its data position is not an object")
+    return Snapshot(tensors, steps, unsent, meta.get("nonce"), position, float(meta.get("saved_at", "0")))
+
+
+def with_newer_work(found: Snapshot | None, path: Path, params: dict[str, torch.Tensor]) -> Snapshot | None:
+    """`found` (the whole inner state), with its unsent work, residuals and data position replaced by those of the
+    unsent-work snapshot at `path` when that one was taken later; `found` as it is when there is none, it is
+    older, or it does not fit (logged). Without `found` (no AdamW state to resume) nothing is taken from it."""
+    if found is None or not path.exists():
+        return found
+    try:
+        tensors, meta = decode_tensors(path.read_bytes())
+        if meta.get("kind") != WORK_KIND:
+            raise ValueError(f"not a learner unsent-work snapshot (kind {meta.get('kind')!r})")
+        work = _checked(tensors, meta, params)
+    except (OSError, ValueError, KeyError, WireError) as exc:
+        log.warning("ignoring the unsent-work snapshot %s: %s", path, exc)
+        return found
+    if work.saved_at <= found.saved_at:
+        return found
+    kept = {k: t for k, t in found.tensors.items() if not k.startswith(("ef.", "theta."))}
+    # Its base.{p}.* (the versions its work started from) replace the whole snapshot's adopted Θ of those fragments.
+    return Snapshot(kept | work.tensors, work.steps, work.unsent, work.nonce, work.position, work.saved_at)
 
 
 def read_held(path: Path, run: str, plan: list[list[str]]) -> dict[int, tuple[int, dict[str, torch.Tensor]]]:

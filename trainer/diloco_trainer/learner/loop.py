@@ -35,10 +35,11 @@ from diloco_trainer.protocol.messages import LearnerRecord, LinkCounters
 
 log = logging.getLogger(__name__)
 
-# Steps between two snapshots (data position, inner state, unsent work) of a unit of several processes: capturing
-# one there is a collective (an FSDP2 unit gathers its AdamW state). A unit of one process takes one after every
-# step whose predecessor is on disk (written in the background, learner/snapshots.py), so a SIGKILL takes with it
-# about one step and a write, not up to POSITION_EVERY steps (measured: docs/benchmarks.md, "Harsh failures").
+# Steps between two snapshots of the whole inner state (data position, AdamW state, residuals, adopted Θ, unsent
+# work). In between, a unit of one process snapshots its unsent work, residuals and data position after every step
+# whose previous snapshot is on disk (written in the background, learner/snapshots.py), so a SIGKILL takes with it
+# about one step, not up to POSITION_EVERY (measured: docs/benchmarks.md, "Harsh failures"). A unit of several
+# processes takes only the whole ones (capturing its AdamW state is a collective under FSDP2).
 POSITION_EVERY = 10
 
 
@@ -106,6 +107,7 @@ class Learner:
         self.snapshots = SnapshotWriter()
         self.resumed_position: dict | None = None  # the data position the restored snapshot was taken at
         self.resent: set[str] = set()  # ids of the previous start's unsent work resent by this one, not yet answered
+        self.whole_at: int | None = None  # the step of this start's last snapshot of the whole inner state
 
     # ------------------------------------------------------------------ start-up
 
@@ -208,8 +210,27 @@ class Learner:
         path = self._position_path()
         if path is None:
             return
-        started = time.monotonic()
+        started, saved_at = time.monotonic(), time.time()
         snapshot = self.step > 0  # an optimizer that has not stepped has no state worth a snapshot
+        whole = (not background or self.group.world_size > 1 or self.whole_at is None
+                 or self.step - self.whole_at >= POSITION_EVERY)
+        if whole or not snapshot:
+            self._save_whole(path, snapshot, started, saved_at, background)
+            return
+        work, fragments = self.outer.unsent_work()
+        work = {k: t.detach().to("cpu", copy=True) if k.startswith("theta.") else t for k, t in work.items()}
+        ef, steps, position = self.outer.ef.state_dict(), self.steps_before + self.step, self.sampler.state_dict()
+        work_path, nonce = self.opts.state_dir / inner_state.WORK_FILE, self.nonce
+
+        def write() -> None:  # first: a position newer than the unsent work would skip batches, never train one twice
+            inner_state.save_work(work_path, ef, steps, (work, fragments), nonce, position, saved_at)
+            atomic_write_json(path, position)
+
+        self.snapshots.captured(time.monotonic() - started)
+        self.snapshots.submit(write)
+
+    def _save_whole(self, path: Path, snapshot: bool, started: float, saved_at: float, background: bool) -> None:
+        """The whole snapshot (see _save_position)."""
         opt = self.inner.optimizer_state() if snapshot and self.inner.sharded else self.opt
         # The unsent work holds θ of its fragments: full tensors (under FSDP2 gathered, so rank 0 says which).
         unsent = self.group.broadcast_json(self.outer.unsent_fragments() if snapshot else [])
@@ -227,8 +248,12 @@ class Learner:
 
         def write() -> None:
             if snapshot:  # first: a position newer than the unsent work would skip batches, never train one twice
-                inner_state.save(state_path, opt_tensors, ef, steps, (work, fragments), nonce, held, run, position)
+                inner_state.save(state_path, opt_tensors, ef, steps, (work, fragments), nonce, held, run, position,
+                                 saved_at)
             atomic_write_json(path, position)
+
+        if snapshot:
+            self.whole_at = self.step
 
         self.snapshots.captured(time.monotonic() - started)
         if background:
@@ -245,8 +270,9 @@ class Learner:
         found = None
         if self.group.is_main and self.opts.state_dir is not None:
             # The model's parameters for their names and (full, also when sharded) shapes.
-            found = inner_state.read(self.opts.state_dir / inner_state.FILE, self.opt,
-                                     dict(self.model.named_parameters()))
+            params = dict(self.model.named_parameters())
+            found = inner_state.read(self.opts.state_dir / inner_state.FILE, self.opt, params)
+            found = inner_state.with_newer_work(found, self.opts.state_dir / inner_state.WORK_FILE, params)
         steps, self.resumed_position = self.group.broadcast_json((found.steps, found.position) if found else (None, None))
         if steps is None:
             return

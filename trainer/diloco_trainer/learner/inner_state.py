@@ -1,8 +1,8 @@
 """A learner's own state that the syncer does not hold: AdamW moments and step, and error-feedback residuals; and a
 copy of the global Θ it last adopted, per fragment and version (so it can restart while a syncer shard is down).
 
-Written to the learner's state directory next to its data position every few steps (safetensors, never pickle), and
-read back when the learner restarts, so a killed learner resumes with warm moments, the learning rate it had reached
+Written to the learner's state directory next to its data position every few steps, its unsent work after every step
+(safetensors, never pickle), and read back when the learner restarts, so a killed learner resumes with warm moments, the learning rate it had reached
 (no second warm-up) and the quantization error it still owed, on top of the current global Θ it pulls from the
 syncer. Best effort by design: a missing, damaged or foreign snapshot only means starting these afresh."""
 

@@ -134,7 +134,7 @@ def run(ctx: report.Context) -> dict:
     preset = ctx.pick("tiny", "small", "base")
     fragments = 8
     counts = ctx.pick([1, 2], [1, 2, 4], [1, 2, 4])
-    warmup_s, window_s = ctx.pick((5.0, 8.0), (10.0, 20.0), (15.0, 40.0))
+    warmup_s, window_s = ctx.pick((2.0, 3.0), (10.0, 20.0), (15.0, 40.0))  # tiny: a smoke run
     model_cfg = MODEL_PRESETS[preset].model_copy()
     gen = torch.Generator().manual_seed(0)
     model = build_model(model_cfg, 0)

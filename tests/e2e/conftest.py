@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))  # the
 
 from polling import wait_for  # noqa: E402
 from cluster_kit import ROOT, Kubectl  # noqa: E402
+from kueue_kit import Kueue  # noqa: E402
 from diloco_devcluster import realnode, testbed as testbed_mod  # noqa: E402
 from diloco_devcluster.cli import install_crds  # noqa: E402
 
@@ -42,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
 
 # The namespaces the e2e jobs run in (one per test module), watched by the operator from its start: they live for the
 # whole session (a namespaced operator whose namespace, and so its Role, is deleted loses its watch there).
-JOB_NAMESPACES = ("e2e", "e2e-shards", "e2e-llama")
+JOB_NAMESPACES = ("e2e", "e2e-shards", "e2e-llama", "e2e-kueue")
 WATCHED_IN_MANIFEST = "diloco-jobs"  # the one namespace manifests/operator-namespaced.yaml watches
 
 
@@ -97,7 +98,8 @@ def kubectl(cluster) -> Kubectl:
 def operator_manifests(image: str, namespaces: tuple[str, ...] = JOB_NAMESPACES) -> str:
     """manifests/operator-namespaced.yaml as users apply it, with the image this run built and its one watched
     namespace (its Namespace with the manifest's labels, its Role and RoleBinding, its --namespace flag) repeated for
-    each of `namespaces`."""
+    each of `namespaces`; with --kueue, and the ClusterRole a namespaced install that uses Kueue binds (the
+    manifest's header: get on ResourceFlavors and WorkloadPriorityClasses)."""
     docs = [d for d in yaml.safe_load_all((ROOT / "manifests" / "operator-namespaced.yaml").read_text()) if d]
     out = []
     for doc in docs:
@@ -115,8 +117,21 @@ def operator_manifests(image: str, namespaces: tuple[str, ...] = JOB_NAMESPACES)
             flag = f"--namespace={WATCHED_IN_MANIFEST}"
             assert flag in container["command"], container["command"]
             at = container["command"].index(flag)
-            container["command"][at:at + 1] = [f"--namespace={ns}" for ns in namespaces]
-    return "---\n".join(yaml.safe_dump(d) for d in out)
+            container["command"][at:at + 1] = [f"--namespace={ns}" for ns in namespaces] + ["--kueue"]
+    return "---\n".join(yaml.safe_dump(d) for d in out + KUEUE_READ)
+
+
+# What docs/operator.md ("Kueue", RBAC) tells a namespaced install that uses Kueue to bind: the two cluster-scoped
+# reads (the flavor Kueue admitted a unit on, a job's priority class).
+KUEUE_READ = [
+    {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": "diloco-operator-kueue"},
+     "rules": [{"apiGroups": ["kueue.x-k8s.io"], "resources": ["resourceflavors", "workloadpriorityclasses"],
+                "verbs": ["get"]}]},
+    {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+     "metadata": {"name": "diloco-operator-kueue"},
+     "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "diloco-operator-kueue"},
+     "subjects": [{"kind": "ServiceAccount", "name": "diloco-operator", "namespace": OPERATOR_NS}]},
+]
 
 
 @dataclass
@@ -139,9 +154,19 @@ class OperatorPod:
 
 
 @pytest.fixture(scope="session")
-def operator_pod(cluster, kubectl, images) -> OperatorPod:
+def kueue(cluster, kubectl, tmp_path_factory) -> Kueue:
+    """A real Kueue manager (hack/build-kueue.sh) against the real node's control plane, started before the operator,
+    which watches Workloads from its start (--kueue)."""
+    manager = Kueue(kubectl, tmp_path_factory.mktemp("kueue"))
+    manager.start()
+    yield manager
+    manager.stop()
+
+
+@pytest.fixture(scope="session")
+def operator_pod(cluster, kubectl, images, kueue) -> OperatorPod:
     """The operator from its image, in a real pod, installed as manifests/operator-namespaced.yaml (watching
-    JOB_NAMESPACES, each with the manifest's Role and Pod Security labels)."""
+    JOB_NAMESPACES, each with the manifest's Role and Pod Security labels) with --kueue and the Kueue reads bound."""
     for name in install_crds(cluster):
         kubectl.run("wait", "--for=condition=Established", f"crd/{name}", "--timeout=30s")
     kubectl.apply(operator_manifests(images.operator))

@@ -203,3 +203,14 @@ def test_the_dashboard_configmap_carries_the_dashboard_json_with_the_sidecar_lab
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1" and cm["metadata"]["namespace"] == "grafana"
     assert json.loads(cm["data"]["diloco.json"]) == json.loads((CHART / "dashboards" / "diloco.json").read_text())
     assert not _by_kind(rendered, "PodMonitor")
+
+
+def test_a_namespaced_install_with_kueue_binds_only_the_cluster_scoped_kueue_reads(helm):
+    assert _by_kind(helm.render("--set", "watchNamespaces={team-a}"), "ClusterRole") == []
+    rendered = helm.render("--set", "watchNamespaces={team-a}", "--set", "kueue.enabled=true")
+    (cluster_role,) = _by_kind(rendered, "ClusterRole")
+    assert cluster_role["rules"] == [{"apiGroups": ["kueue.x-k8s.io"],
+                                      "resources": ["resourceflavors", "workloadpriorityclasses"], "verbs": ["get"]}]
+    (binding,) = _by_kind(rendered, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == "diloco-operator"

@@ -1,5 +1,5 @@
 """The NetworkPolicies the operator ships (issue 20, Medium 6): a job's syncer answers only its learners and the
-operator, a unit's pods only each other (and the metrics port). The testbed runs no CNI, so nothing here shows
+operator, a learner's pods only the metrics port (one policy per job), the pods of a unit of several pods each other. The testbed runs no CNI, so nothing here shows
 enforcement: the objects' content, and that they are created, owned and garbage-collected on a real apiserver."""
 
 from __future__ import annotations
@@ -39,6 +39,15 @@ def test_the_syncer_answers_only_the_jobs_learners_and_the_operators_pods():
         {"ports": [{"protocol": "TCP", "port": api.SYNCER_PORT}]}]
 
 
+def test_every_learner_pod_of_a_job_answers_only_on_the_metrics_port_through_one_policy_of_the_job():
+    policy = O.learner_network_policy(JOB)
+    assert policy["metadata"]["name"] == "demo-learners-ingress"
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == "u1"
+    assert policy["spec"]["podSelector"] == {"matchLabels": {"diloco.dev/job": "demo", "diloco.dev/component": "learner"}}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": api.METRICS_PORT}]}]
+
+
 def test_a_units_pods_answer_each_other_on_any_port_and_others_only_on_the_metrics_port():
     uspec = O.unit_spec("demo", spec(), spec().units[0], 0, 0).model_copy(update={"podsPerUnit": 2})
     unit = {**O.learner_unit(JOB, uspec), "metadata": {**O.learner_unit(JOB, uspec)["metadata"], "uid": "u2"}}
@@ -58,7 +67,7 @@ def _policy(kubectl, ns: str, name: str) -> dict | None:
 
 
 @pytest.mark.cluster
-def test_each_job_and_unit_gets_its_own_network_policy_which_goes_with_its_owner(kubectl, operator, ns):
+def test_each_job_and_each_unit_of_several_pods_gets_its_own_network_policy_which_goes_with_its_owner(kubectl, operator, ns):
     kubectl.apply(job("net", cpu_units(2, podsPerUnit=2)), "-n", ns)
     wait_job_ready(kubectl, ns, "net", 2)
     dj = kubectl.get("dj", "net", ns=ns)
@@ -80,6 +89,21 @@ def test_each_job_and_unit_gets_its_own_network_policy_which_goes_with_its_owner
         picked = kubectl.get("pods", ns=ns, selector=",".join(f"{k}={v}" for k, v in selector.items()))
         assert sorted(p["metadata"]["name"] for p in picked) == [f"{unit}-0-0", f"{unit}-0-1"]
         assert policy["spec"]["ingress"][0] == {"from": [{"podSelector": {"matchLabels": selector}}]}
+
+    # The job's policy for its learners picks every learner pod of it.
+    learners = wait_for(lambda: _policy(kubectl, ns, "net-learners-ingress"), 30, "the learners' NetworkPolicy", 0.2)
+    assert learners["metadata"]["ownerReferences"][0]["uid"] == dj["metadata"]["uid"]
+    selector = learners["spec"]["podSelector"]["matchLabels"]
+    picked = kubectl.get("pods", ns=ns, selector=",".join(f"{k}={v}" for k, v in selector.items()))
+    assert sorted(p["metadata"]["name"] for p in picked) == [f"net-cpu-{u}-0-{r}" for u in (0, 1) for r in (0, 1)]
+
+    # A single-pod unit gets no policy of its own (its pod's traffic to itself is not subject to one): its pod is
+    # created after the policies it needs, so none appears later.
+    kubectl.apply(job("solo", cpu_units(1)), "-n", ns)
+    wait_job_ready(kubectl, ns, "solo", 1)
+    assert _policy(kubectl, ns, "solo-learners-ingress") is not None
+    assert _policy(kubectl, ns, "solo-cpu-0-ingress") is None
+    kubectl.run("delete", "dj", "solo", "-n", ns, "--wait=false")
 
     # A scaled-down unit's policy goes with it (garbage collector); the job's goes with the job.
     kubectl.run("scale", "dj", "net", "-n", ns, "--replicas=1")

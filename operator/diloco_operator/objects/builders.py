@@ -541,9 +541,23 @@ def syncer_network_policy(job: dict, spec: api.DilocoJobSpec, operator_namespace
                      "policyTypes": ["Ingress"], "ingress": ingress}}
 
 
+def learner_network_policy(job: dict) -> dict:
+    """Ingress to every learner pod of the job: only the metrics port (Prometheus), from anywhere. One object per job,
+    not per unit: at thousands of single-pod units a policy each was one API request in five of a unit's creation.
+    A unit of several pods adds its own (unit_network_policy); policies add up."""
+    name = job["metadata"]["name"]
+    selector = {LABEL_JOB: name, LABEL_COMPONENT: "learner"}
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _meta(f"{name}-learners-ingress", job, selector),
+            "spec": {"podSelector": {"matchLabels": selector}, "policyTypes": ["Ingress"],
+                     "ingress": [{"ports": [{"protocol": "TCP", "port": api.METRICS_PORT}]}]}}
+
+
 def unit_network_policy(unit: dict) -> dict:
-    """Ingress to one unit's pods: any port from the unit's own pods (torch.distributed's store, its collectives'
-    ports, TPU workers), and only the metrics port from anywhere else (Prometheus). Owned by the unit."""
+    """Ingress to the pods of a unit of several pods: any port from the unit's own pods (torch.distributed's store,
+    its collectives' ports, TPU workers), and only the metrics port from anywhere else (Prometheus). Owned by the
+    unit. A single-pod unit needs none beside the job's (learner_network_policy): a pod's traffic to itself is not
+    subject to NetworkPolicy."""
     spec = api.LearnerUnitSpec.model_validate(unit["spec"])
     name = unit["metadata"]["name"]
     selector = {LABEL_JOB: spec.jobName, LABEL_UNIT: name}

@@ -142,6 +142,7 @@ class JobReconciler:
                                      update=False)
             await self.writer.ensure(CONFIGMAPS, O.config_map(job, spec))
             await self.writer.ensure(NETWORKPOLICIES, O.syncer_network_policy(job, spec, self.operator_namespace))
+            await self.writer.ensure(NETWORKPOLICIES, O.learner_network_policy(job), update=False)
             epochs = await self._learner_epochs(job)  # before the syncer: its pods mount them
             tls = await self._syncer_tls(job, spec, now)
             refused = None if finished else self._syncer_refused(job, spec, old_status, now)

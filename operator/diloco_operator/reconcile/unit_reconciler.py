@@ -261,8 +261,8 @@ class UnitReconciler:
             if plan.create:
                 if O.needs_unit_service(spec):
                     await self.writer.ensure(SERVICES, O.unit_service(unit), update=False, remote=remote)
-                if remote is None:  # remote clusters: the operator may lack the right there (docs/security.md)
-                    await self.writer.ensure(NETWORKPOLICIES, O.unit_network_policy(unit), update=False)
+                    if remote is None:  # remote clusters: the operator may lack the right there (docs/security.md)
+                        await self.writer.ensure(NETWORKPOLICIES, O.unit_network_policy(unit), update=False)
                 await self._ensure_unit_token(unit, job, remote)
                 if remote is not None and spec.syncerTls:  # the CA its pods verify the syncer against
                     await self.writer.ensure(CONFIGMAPS, O.ca_config_map(job, await self._job_ca(ns, spec.jobName)),

@@ -25,6 +25,11 @@ DILOCO_TESTBED_DIR=$(bash hack/build-testbed.sh | tail -n 1)
 DILOCO_HELM=$(bash hack/build-helm.sh | tail -n 1)   # the chart tests' helm (tests/operator/helm_kit.py)
 DILOCO_KUEUE=$(bash hack/build-kueue.sh | tail -n 1)  # the Kueue tests' manager and CRDs (tests/operator/kueue_kit.py)
 export DILOCO_TESTBED_DIR DILOCO_HELM DILOCO_KUEUE
+# The suite starts a few hundred Python processes (syncers, learners, workers, operators): each compiles the
+# checkout's modules it imports unless their bytecode is cached. With PYTHONDONTWRITEBYTECODE=1 (containers often
+# set it, our images too) every one of them compiled from source again (~0.2 CPU-s a learner). The cache goes to
+# __pycache__/ beside the sources (ignored by git and by the image builds).
+unset PYTHONDONTWRITEBYTECODE
 # Two workers (pytest-xdist): the training-process stream and the Kubernetes stream side by side (tests/conftest.py);
 # DILOCO_TEST_WORKERS=0 runs everything in this one process, in order.
 rc=0

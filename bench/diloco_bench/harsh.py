@@ -56,14 +56,15 @@ def _useful_per_cpu_s(summary: dict, rates: dict) -> float | None:
     return rates["goodput"] * rates["tokens_trained"] / cpu if cpu else None
 
 
-def measure(ctx: report.Context, extra: tuple[str, ...] = ()) -> dict:
+def measure(ctx: report.Context, extra: tuple[str, ...] = (), only_seeds: tuple[int, ...] | None = None) -> dict:
     """Per seed, a failure-free run and right after it the run under that seed's schedule: the other work on this
     shared machine drifts over minutes, so each chaos run is compared with the failure-free run next to it. Also
-    per CPU-second the run's own processes used, which that other work does not move."""
+    per CPU-second the run's own processes used, which that other work does not move. `only_seeds`: these schedule
+    seeds instead of `seeds(ctx)`."""
     root = ctx.out_dir / "runs"
     root.mkdir(parents=True, exist_ok=True)
     per_seed = []
-    for seed in seeds(ctx):
+    for seed in only_seeds or seeds(ctx):
         ff = runs.ensure(ctx, spec(ctx, seed, kills=False, extra=extra))
         ff_rates = runs.rates(ff)
         s = spec(ctx, seed, extra=extra)
@@ -160,3 +161,28 @@ def plot(h: dict, path: Path, footnote: str) -> Path:
     b.set_title(f"where a kill's seconds go ({ph['kills']} kills)", fontsize=10)
     b.legend(fontsize=7, loc="lower right")
     return report.save(fig, path, "Resilience under harsh failures", footnote)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m diloco_bench.harsh OUT [--seeds N]`: the harsh case alone (full-mode sizes), N seeds from 101 (any
+    N >= 1, unlike the suite's >= 3), each chaos run beside its failure-free twin; prints the figures per seed."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m diloco_bench.harsh", description=main.__doc__)
+    parser.add_argument("out", type=Path, help="results directory (runs already in it are reused)")
+    parser.add_argument("--seeds", type=int, default=3, help="schedule seeds, from 101 (default 3)")
+    args = parser.parse_args(argv)
+    if args.seeds < 1:
+        parser.error("--seeds must be >= 1")
+    h = measure(report.Context("full", args.out), only_seeds=tuple(SEEDS[0] + i for i in range(args.seeds)))
+    for s in h["seeds"]:
+        print(f"seed {s['seed']}: {s['kills']} kills, useful tokens/s kept {100 * s['keep_goodput']:.1f}%, goodput "
+              f"{100 * s['failure_free']['goodput']:.1f}% failure-free vs {100 * s['rates']['goodput']:.1f}%, "
+              f"-{100 * (s['goodput_drop_per_kill'] or 0):.1f} points per kill")
+    print(kill_cost.describe(h["phases"]))
+    (args.out / "harsh.json").write_text(json.dumps(h, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

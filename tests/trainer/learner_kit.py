@@ -67,8 +67,13 @@ class SyncerProcess:
         self.proc = subprocess.Popen(cmd, env=child_env(), stdout=open(self.log_path, "ab"),
                                      stderr=subprocess.STDOUT, cwd=ROOT)
         if wait:
-            doc = wait_for(lambda: self._endpoint(endpoint), 120, "the syncer's endpoint.json")
-            self.port = int(doc["port"])
+            self.wait_ready()
+        return self
+
+    def wait_ready(self) -> "SyncerProcess":
+        """Wait for the started process to serve (its endpoint.json); takes the port from it."""
+        doc = wait_for(lambda: self._endpoint(self.state_dir / "endpoint.json"), 120, "the syncer's endpoint.json")
+        self.port = int(doc["port"])
         return self
 
     def _endpoint(self, path: Path):
@@ -95,6 +100,15 @@ class SyncerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def start_all(syncers: list[SyncerProcess]) -> None:
+    """Start syncer processes (shards, each on its own fixed port) side by side, then wait until every one serves:
+    their imports overlap instead of queueing one behind the other."""
+    for s in syncers:
+        s.start(wait=False)
+    for s in syncers:
+        s.wait_ready()
 
 
 def start_learner(url: str, learner_id: str, state_dir: Path, steps: int, *args: str, env: dict | None = None,

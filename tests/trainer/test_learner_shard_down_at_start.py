@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from polling import wait_for
-from learner_kit import SyncerProcess, finish, free_port, last_step, metrics, start_learner
+from learner_kit import SyncerProcess, finish, free_port, last_step, metrics, start_all, start_learner
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -57,8 +57,7 @@ def test_a_learner_restarted_while_a_shard_is_dead_trains_from_its_saved_theta_a
     state = tmp_path / "l0"
     learner = None
     try:
-        for s in shards:
-            s.start()
+        start_all(shards)
         urls = ",".join(s.url for s in shards)
         learner = start_learner(urls, "l0", state, 1_000_000, "--drain-s", "60")
         # Merges on both shards, and a snapshot (every 10 steps) taken after them: the Θ it saves is a merged one.

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from polling import wait_for
-from learner_kit import SyncerProcess, finish, free_port, last_step, metrics, start_learner
+from learner_kit import SyncerProcess, finish, free_port, last_step, metrics, start_all, start_learner
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -30,8 +30,7 @@ def test_a_shard_killed_during_merges_stops_only_its_fragments_and_learners_carr
                             args=("--shard", str(i))) for i in range(2)]
     learners = {}
     try:
-        for s in shards:
-            s.start()
+        start_all(shards)
         assert [s.status()["owned"] for s in shards] == [[0, 2], [1, 3]]
         urls = ",".join(s.url for s in shards)
         for name in ("l0", "l1"):

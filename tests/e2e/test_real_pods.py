@@ -5,7 +5,8 @@ that the operator mounts read-only into the learner and syncer pods. The job run
 container runs as UID 10001 with no capability, no new privileges, a seccomp filter and a read-only root; the syncer
 and learner pods talk over TLS with the certificate the operator issued (spec.syncer.tls Auto, the default); a killed
 learner pod (deleted, or by spec.chaos) restarts its unit while the others train on; an evicted one (a drain) hands
-over its unsent work and loses none; a SIGKILLed syncer is replaced
+over its unsent work and loses none, and so does a drain of the whole node (syncer and learners evicted at once),
+after which the job trains again once the node is uncordoned; a SIGKILLed syncer is replaced
 by the other container of its pod (spec.syncer.standby), which resumes from the checkpoint, spool and merge journal
 on the PVC losing no acknowledged update; a real Prometheus on the host scrapes the pods where their prometheus.io
 annotations say and has data for every query of the Grafana dashboard; given a step budget, the units finish it
@@ -36,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from polling import wait_for
+from cluster_kit import KUBECTL
 from dashboard_kit import wait_for_data_in_every_query
 from prometheus_kit import Prometheus, annotated_pods, prometheus_binary
 from diloco_devcluster import realnode
@@ -447,6 +449,41 @@ def test_a_real_prometheus_scrapes_the_pods_where_their_annotations_say_and_ever
         (restarts,) = prom.query(f'diloco_operator_unit_restarts_total{{exported_namespace="{job.ns}"}}')
         assert float(restarts["value"][1]) >= 2  # the two learner kills above
         assert prom.query('diloco_syncer_standby == 1'), "the syncer's standby took over: its gauge says so"
+
+
+def test_a_drained_node_stops_the_job_cleanly_and_it_trains_again_once_the_node_is_back(job, kubectl):
+    """`kubectl drain` of the real node (cordon, then the Eviction API for every pod of the job: the syncer and the
+    learners at once, as a node upgrade or the reclaim of a whole spot node does): every learner stops cleanly within
+    its grace period (its last metrics record is its final one), the syncer writes its final checkpoint, and while the
+    node is cordoned nothing of the job runs (this cluster has no other real node to move to). Uncordoned, the job
+    trains again from where it was; the next test checks that every token an incarnation saw acknowledged, those
+    drained here included, is in the final model (issue 19 item 3)."""
+    pods = job.running("learner") + job.running("syncer")
+    assert len(pods) == UNITS + 1, [p["metadata"]["name"] for p in pods]
+    before = job.outer_steps()
+    drained_at = time.monotonic()
+    out = subprocess.run([KUBECTL, "drain", realnode.NODE_NAME, f"--pod-selector=diloco.dev/job={JOB}",
+                          "--delete-emptydir-data", "--ignore-daemonsets", "--timeout=240s"],
+                         env=kubectl.env, capture_output=True, text=True, timeout=300)
+    try:
+        assert out.returncode == 0, out.stderr
+        drain_s = time.monotonic() - drained_at
+        for i in range(UNITS):
+            unit = f"{JOB}-cpu-{i}"
+            last = incarnations(job.pv_dir(f"{unit}-state-0") / "metrics.jsonl")[-1][-1]
+            assert last.get("final"), f"{unit}'s drained learner did not stop cleanly: {last}"
+        assert job.running("learner") == [] and job.running("syncer") == [], "the job runs on a cordoned node"
+    finally:
+        kubectl.run("uncordon", realnode.NODE_NAME)
+    uncordoned = time.monotonic()
+    wait_for(lambda: len(job.running("syncer")) == 1 and len(job.running("learner")) == UNITS and all(
+        (learner_step(p) or 0) >= 1 for p in job.running("learner")), 300, "the job training again", 1.0)
+    again_s = time.monotonic() - uncordoned
+    after = wait_outer_steps_advance(job, 1, 180, "merges after the drain")
+    print(f"[e2e] drain of {realnode.NODE_NAME}: the job's {len(pods)} pods evicted and gone in {drain_s:.1f}s; "
+          f"uncordoned -> every learner training again in {again_s:.1f}s; outer steps {before} -> {after}",
+          file=sys.stderr)
+    assert after >= before, "the drained syncer's checkpoint lost merges"
 
 
 def incarnations(metrics_jsonl: Path) -> list[list[dict]]:

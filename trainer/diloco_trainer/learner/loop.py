@@ -30,7 +30,7 @@ from diloco_trainer.learner import inner_state
 from diloco_trainer.learner.inner_step import InnerStep
 from diloco_trainer.model.build import build_model, vocab_size_of
 from diloco_trainer.learner.outer_sync import OuterSync
-from diloco_trainer.learner.snapshots import SnapshotWriter
+from diloco_trainer.learner.snapshots import SnapshotWriter, within_budget
 from diloco_trainer.protocol.messages import LearnerRecord, LinkCounters
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ class Learner:
         self.steps_before = 0  # steps trained by earlier incarnations whose AdamW state this one resumed
         self.tokens = 0
         self.step_time_ema = 0.0
+        self.train_s = 0.0  # seconds of this start's steps (the snapshots' budget, snapshots.within_budget)
         self.last_loss: float | None = None
         self.rng = random.Random(opts.seed * 1_000_003 + opts.unit)
         self.metrics_state: dict = {}
@@ -196,12 +197,15 @@ class Learner:
             log.warning("ignoring the saved data position %s: %s", path, exc)
 
     def _snapshot_due(self) -> bool:
-        """After this step: a unit of one process whenever its previous snapshot is on disk; a unit of several
-        every POSITION_EVERY steps (the same answer on every rank)."""
+        """After this step: a unit of one process whenever its previous snapshot is on disk and the copies taken
+        so far are within snapshots.CAPTURE_BUDGET of its training time (else every POSITION_EVERY steps); a unit
+        of several every POSITION_EVERY steps (the same answer on every rank)."""
         if self.group.world_size > 1:
             return self.step % POSITION_EVERY == 0
         if self.resent and self.step < POSITION_EVERY:
             return False  # the snapshot on disk still holds the previous start's work, resent and not yet answered
+        if not within_budget(self.snapshots.capture_s, self.train_s):
+            return self.step % POSITION_EVERY == 0  # a model whose copies cost more: the whole ones only
         return not self.snapshots.busy()
 
     def _save_position(self, background: bool = False) -> None:
@@ -349,6 +353,7 @@ class Learner:
             stop = self._adopt_updates()
 
             step_s = time.monotonic() - started
+            self.train_s += step_s
             self.step_time_ema = step_s if self.step == 1 else 0.9 * self.step_time_ema + 0.1 * step_s
             self.last_loss = loss
             window.steps, window.loss = window.steps + 1, window.loss + loss

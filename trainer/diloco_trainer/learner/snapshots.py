@@ -11,6 +11,18 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 
+# The snapshots' copies on the step may take at most this share of the training time: with a small model a snapshot
+# after every step costs under 1% (docs/benchmarks.md, "Harsh failures"); a large one's copy of its unsent fragments (on a
+# GPU, device to host) would cost far more per step, and is then taken only every few steps.
+CAPTURE_BUDGET = 0.03
+
+
+def within_budget(capture_s: float, train_s: float, budget: float = CAPTURE_BUDGET) -> bool:
+    """Whether another snapshot may be captured on the step: the seconds spent capturing so far are within `budget`
+    of the seconds trained so far."""
+    return capture_s <= budget * train_s
+
+
 class SnapshotWriter:
     """One background writer thread. `submit(write)` hands it a captured snapshot's write (a callable doing the
     encoding and the atomic file replacements); `busy()` says one is still being written, and the learner captures

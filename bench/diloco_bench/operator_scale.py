@@ -188,6 +188,7 @@ def run(units: int, kill: int, resync_s: float, workers: int, timeout: float) ->
                       file=sys.stderr, flush=True)
             return ready == units and _units_running(tb) == units  # the job's count, then every unit's own phase
         all_running = _wait(f"{units} units Running", all_up, timeout, 1.0)
+        print(f"[bench] all {units} units Running {all_running:.1f} s after the apply", file=sys.stderr, flush=True)
         up = _metrics(port)
         cpu_up = _cpu_seconds(pids)
         served = _by_verb(_apiserver_requests(tb), served0)
@@ -195,8 +196,9 @@ def run(units: int, kill: int, resync_s: float, workers: int, timeout: float) ->
 
         time.sleep(max(2.0, resync_s))
         m0 = _metrics(port)
+        # A resync queues every unit: at thousands of units one takes longer than --resync-seconds.
         _wait("3 resyncs", lambda: _metrics(port).get("diloco_operator_resyncs_total", 0)
-              >= m0.get("diloco_operator_resyncs_total", 0) + 3, 10 * resync_s + 30, 0.2)
+              >= m0.get("diloco_operator_resyncs_total", 0) + 3, 10 * resync_s + 30 + units / 10, 0.2)
         m1 = _metrics(port)
         per_resync = ((m1["diloco_operator_api_requests_total"] - m0["diloco_operator_api_requests_total"])
                       / (m1["diloco_operator_resyncs_total"] - m0["diloco_operator_resyncs_total"]))
@@ -217,6 +219,7 @@ def run(units: int, kill: int, resync_s: float, workers: int, timeout: float) ->
                 p["metadata"]["uid"] not in gone and p["status"].get("phase") == "Running" for p in now.values())
         _wait(f"{kill} pods replaced", replaced, timeout, 0.2)
         replace_s = time.monotonic() - killed
+        print(f"[bench] {kill} deleted pods replaced (Running) in {replace_s:.1f} s", file=sys.stderr, flush=True)
         return {"units": units, "nodes": nodes, "workers": workers, "all_running_s": round(all_running, 1),
                 "api_requests_to_all_running": int(requests_after_up), "killed": len(victims),
                 "replaced_s": round(replace_s, 1), "api_requests_per_resync": round(per_resync, 2),

@@ -255,38 +255,6 @@ def test_a_sigkilled_learner_loses_at_most_its_last_step_and_resumes_its_data_ri
     assert syncer.status()["learners"]["l0"]["steps_merged"] - before == second["acked_steps"]
 
 
-def test_a_sigkilled_learners_work_no_delta_was_built_from_is_resumed_in_place_and_merged_once(tmp_path, syncer):
-    syncer.start()
-    state, log = tmp_path / "l0", tmp_path / "l0.log"
-    first = start_learner(syncer.url, "l0", state, 1_000_000, "--log-every", "1", "--slowdown", "4", log_path=log)
-    try:
-        # Mid-window (H=8): the fragments not due since their last adoption hold work no Δ was built from.
-        wait_for(lambda: (m := metrics(state)) and m[-1]["acked"] >= 4 and m[-1]["step"] % 4 in (2, 3), 180,
-                 "acknowledged sends, then a step between two sends", interval=0.02)
-    finally:
-        first.kill()
-        first.wait()
-    wait_for(lambda: not any(syncer.status()["pending"].values()), 30, "the syncer to merge what it acknowledged")
-    at_kill = syncer.status()["learners"]["l0"]["steps_merged"]
-
-    lines = len(metrics(state))
-    finish(start_learner(syncer.url, "l0", state, 6, log_path=log), log)
-    text = log.read_text()
-    found = re.search(r"resending the unsent work of the previous start: (\d+) of \d+ fragment\(s\) still at its "
-                      r"base version, (\d+) of them resumed in place to go out when due \((\d+) steps\)", text)
-    assert found and int(found.group(2)) >= 1, text[-3000:]
-    snapshot_steps = int(re.findall(r"resuming shard 0/1 at epoch 0, offset (\d+)", text)[-1]) // 8
-    second = metrics(state)[lines:][-1]
-    assert second["rejected"] == 0 and second["acked"] == second["sent"] and second["pending"] == 0
-    assert second["acked_steps"] >= int(found.group(3)), "the resumed and resent work went out and was acknowledged"
-    wait_for(lambda: not any(syncer.status()["pending"].values()), 30, "the syncer to merge the second start's work")
-    merged = syncer.status()["learners"]["l0"]["steps_merged"]
-    # Exactly once: the second start's acknowledged steps are what the syncer merged since the kill, and no fragment
-    # has more steps merged than the two starts trained (the first up to its snapshot).
-    assert merged - at_kill == second["acked_steps"]
-    assert merged <= 4 * (snapshot_steps + 6)
-
-
 def test_a_killed_learners_unsent_work_is_resent_by_its_next_start_and_counted_once(tmp_path, syncer):
     syncer.start()
     state, log = tmp_path / "l0", tmp_path / "l0.log"

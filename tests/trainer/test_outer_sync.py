@@ -255,37 +255,3 @@ def test_unsent_work_comes_back_as_the_previous_incarnations_delta_only_where_th
     assert torch.equal(deltas["b"], torch.full((2, 2), 5.0))
     assert after.resend(tensors, fragments, {0: 1, 1: 2}, "l0", "oldnonce") == [], \
         "fragment 1 moved on: an adoption would have dropped that work"
-
-
-def test_unsent_work_no_delta_was_built_from_is_resumed_in_place_and_goes_out_when_due_under_its_first_id():
-    sync, params = make("overwrite", sync_every=8)
-    for step in range(1, 4):
-        train(sync, params, 1)
-        assert sync.send_due(step, "l0", "oldnonce") == []
-    train(sync, params, 1)
-    (built,) = sync.send_due(4, "l0", "oldnonce")  # fragment 1 (offset 4 of H=8) is built and in flight
-    assert built.fragment == 1
-    train(sync, params, 1)
-    tensors, fragments = sync.unsent_work(step=5)
-    by_p = {f["fragment"]: f for f in fragments}
-    assert (by_p[0]["built"], by_p[0]["due_in"], by_p[1]["built"]) == (False, 3, True)
-    fragments = [f | {"step_s": 0.5} for f in fragments]
-
-    after, after_params = make("overwrite", sync_every=8)
-    # 1 s down at 0.5 s a step: the other learners are 2 steps further, so fragment 0 is due 2 steps sooner.
-    taken = after.resume(tensors, fragments, step=0, nonce="oldnonce", lag_s=1.0)
-    assert [f["fragment"] for f in taken] == [0], "fragment 1's Δ may have reached the syncer: resent, not resumed"
-    assert torch.equal(after_params["a"], torch.full((4,), -5.0)) and torch.equal(after_params["b"], torch.zeros(2, 2))
-    assert (after.frags[0].c_steps, after.frags[0].next_due) == (5, 1)
-    train(after, after_params, 1)
-    (sub,) = after.send_due(1, "l0", "newnonce")
-    assert sub.submission_id == "l0.oldnonce.p0.v1" and sub.recovered, \
-        "the previous life's id: had it sent a Δ from that base after the snapshot, this one is its duplicate"
-    meta, deltas = decoded(sub)
-    assert (meta.c_steps, meta.c_tokens) == (6, 6 * TOKENS) and torch.equal(deltas["a"], torch.full((4,), 6.0))
-
-    moved, _ = make("overwrite", sync_every=8)
-    moved.frags[0].version = 2
-    assert moved.resume(tensors, fragments, step=0, nonce="oldnonce") == [], "its base is gone: nothing to resume"
-    kept, _ = make("keep", sync_every=8)
-    assert kept.resume(tensors, fragments, step=0, nonce="oldnonce") == []

@@ -108,7 +108,6 @@ class Learner:
         self.snapshots = SnapshotWriter()
         self.resumed_position: dict | None = None  # the data position the restored snapshot was taken at
         self.resent: set[str] = set()  # ids of the previous start's unsent work resent by this one, not yet answered
-        self.resent_ids: set[str] = set()  # every id this start resent for the previous one
         self.whole_at: int | None = None  # the step of this start's last snapshot of the whole inner state
 
     # ------------------------------------------------------------------ start-up
@@ -222,8 +221,7 @@ class Learner:
         if whole or not snapshot:
             self._save_whole(path, snapshot, started, saved_at, background)
             return
-        work, fragments = self.outer.unsent_work(self.step)
-        fragments = [f | {"step_s": self.step_time_ema} for f in fragments]
+        work, fragments = self.outer.unsent_work()
         work = {k: t.detach().to("cpu", copy=True) if k.startswith("theta.") else t for k, t in work.items()}
         ef, steps, position = self.outer.ef.state_dict(), self.steps_before + self.step, self.sampler.state_dict()
         work_path, nonce = self.opts.state_dir / inner_state.WORK_FILE, self.nonce
@@ -246,8 +244,7 @@ class Learner:
             position = self.sampler.state_dict()
             if snapshot:
                 opt_tensors = inner_state.cpu_copies(opt if isinstance(opt, dict) else optimizer_tensors(opt))
-                work, fragments = self.outer.unsent_work(self.step)
-                fragments = [f | {"step_s": self.step_time_ema} for f in fragments]
+                work, fragments = self.outer.unsent_work()
                 work = {k: t.detach().to("cpu", copy=True) if k.startswith("theta.") else t for k, t in work.items()}
                 ef, held, steps = self.outer.ef.state_dict(), self.outer.held(), self.steps_before + self.step
         state_path = self.opts.state_dir / inner_state.FILE
@@ -296,21 +293,12 @@ class Learner:
         with self.inner.full(self.names):  # the shapes of θ (a collective under FSDP2)
             if not resend:
                 return
-            # A unit of one process takes the work back in place where that is exact (OuterSync.resume: it goes
-            # out when due, with the others' sends); the rest still at its base version is resent now.
-            lag_s = max(0.0, time.time() - found.saved_at) if found.saved_at else 0.0
-            resumed = (self.outer.resume(found.tensors, found.unsent, self.step, found.nonce, lag_s)
-                       if self.group.world_size == 1 and not self.inner.sharded else [])
-            rest = [f for f in found.unsent if f not in resumed]
-            subs = self.outer.resend(found.tensors, rest, versions, self.opts.learner_id, found.nonce)
+            subs = self.outer.resend(found.tensors, found.unsent, versions, self.opts.learner_id, found.nonce)
             for sub in subs:
                 self.client.submit(sub)
             self.resent = {sub.submission_id for sub in subs}
-            self.resent_ids |= self.resent
-            taken = sum(int(f["c_steps"]) for f in resumed) + sum(s.c_steps for s in subs)
             log.info("resending the unsent work of the previous start: %d of %d fragment(s) still at its base "
-                     "version, %d of them resumed in place to go out when due (%d steps)", len(subs) + len(resumed),
-                     len(found.unsent), len(resumed), taken)
+                     "version (%d steps)", len(subs), len(found.unsent), sum(s.c_steps for s in subs))
 
     # ------------------------------------------------------------------ the loop
 
@@ -385,13 +373,14 @@ class Learner:
         return self.client.submit(sub)
 
     def _book_answers(self) -> None:
-        """Book the syncer's answers to this start's Δs. An answer to the previous start's work resent at this
-        start settles that work; it says nothing of this start's own Δ of the same fragment and base."""
+        """Book the syncer's answers to this start's Δs. An answer to the previous start's resent work (its ids,
+        its nonce) settles that work; it says nothing of this start's own Δ of the same fragment and base."""
         if self.client is None:
             return
         answers = self.client.take_answers()
         self.resent.difference_update(a.submission_id for a in answers)
-        self.outer.book([a for a in answers if a.submission_id not in self.resent_ids])
+        own = f"{self.opts.learner_id}.{self.nonce}."
+        self.outer.book([a for a in answers if a.submission_id.startswith(own)])
 
     # ------------------------------------------------------------------ adoption
 

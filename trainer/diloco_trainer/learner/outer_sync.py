@@ -52,10 +52,6 @@ class FragmentState:
     sent: dict[str, Tensor] | None = None  # θ_p when the outstanding (or acknowledged) Δ was built
     sent_steps: int = 0  # what that Δ covered
     sent_tokens: int = 0
-    # The incarnation whose id this base's Δ goes out under, when not this one's: the work of a fragment resumed
-    # from a previous start's snapshot (`resume`), so a Δ that start sent from the same base makes this one a
-    # duplicate and no step is merged twice.
-    nonce: str | None = None
 
 
 class OuterSync:
@@ -161,11 +157,11 @@ class OuterSync:
         with torch.no_grad():
             deltas = {n: fs.base[n] - self._local(n) for n in names}
         parts = self.ef.compress(deltas, self.compression, self.block_size)
-        sid = submission_id(learner_id, fs.nonce or nonce, p, fs.version)
+        sid = submission_id(learner_id, nonce, p, fs.version)
         meta = SubmissionMeta(learner_id, sid, p, fs.version, fs.c_steps, fs.c_tokens)
         body = encode_submission(meta, parts, self.compression, self.block_size,
                                  {n: tuple(self.params[n].shape) for n in names})
-        sub = Submission(p, fs.version, sid, body, fs.c_steps, fs.c_tokens, recovered=fs.nonce is not None)
+        sub = Submission(p, fs.version, sid, body, fs.c_steps, fs.c_tokens)
         if queue is not None and not queue(sub):
             self._restore_residuals(now)  # as if never built: the residuals of the Δ that stands
             return None
@@ -236,7 +232,6 @@ class OuterSync:
         fs.acked = fs.in_flight = fs.refused = False
         fs.ef_before = None
         fs.sent, fs.sent_steps, fs.sent_tokens = None, 0, 0
-        fs.nonce = None
         self.adoptions += 1
 
     # ------------------------------------------------------------------ across a restart
@@ -247,20 +242,14 @@ class OuterSync:
             return []
         return [p for p, fs in enumerate(self.frags) if not fs.acked and fs.c_steps > 0]
 
-    def unsent_work(self, step: int | None = None) -> tuple[dict[str, Tensor], list[dict]]:
+    def unsent_work(self) -> tuple[dict[str, Tensor], list[dict]]:
         """What a SIGKILL now would lose: each fragment with work no acknowledged Δ covers, as (tensors
-        `base.{p}.{name}` and `theta.{p}.{name}`, [{fragment, version, c_steps, c_tokens, built, nonce, due_in}])
-        for the snapshot: `built` says a Δ from this base was built (it may have reached the syncer), `nonce` the
-        incarnation whose id that base's Δ goes out under if not the snapshot's, `due_in` the steps after local
-        step `step` until the fragment is due."""
+        `base.{p}.{name}` and `theta.{p}.{name}`, [{fragment, version, c_steps, c_tokens}]) for the snapshot."""
         tensors: dict[str, Tensor] = {}
         fragments: list[dict] = []
         for p in self.unsent_fragments():
             fs = self.frags[p]
-            built = fs.in_flight or fs.refused or fs.sent_steps > 0
-            fragments.append({"fragment": p, "version": fs.version, "c_steps": fs.c_steps, "c_tokens": fs.c_tokens,
-                              "built": built, "nonce": fs.nonce,
-                              "due_in": None if step is None else max(1, fs.next_due - step)})
+            fragments.append({"fragment": p, "version": fs.version, "c_steps": fs.c_steps, "c_tokens": fs.c_tokens})
             for n in self.plan[p]:
                 tensors[f"base.{p}.{n}"] = fs.base[n]
                 tensors[f"theta.{p}.{n}"] = self.params[n].detach()
@@ -288,47 +277,10 @@ class OuterSync:
             names = self.plan[p]
             deltas = {n: tensors[f"base.{p}.{n}"] - tensors[f"theta.{p}.{n}"] for n in names}
             parts = ErrorFeedback().compress(deltas, self.compression, self.block_size)  # its residual died with it
-            sid = submission_id(learner_id, f.get("nonce") or nonce, p, version)
+            sid = submission_id(learner_id, nonce, p, version)
             c_steps, c_tokens = int(f["c_steps"]), int(f["c_tokens"])
             meta = SubmissionMeta(learner_id, sid, p, version, c_steps, c_tokens)
             body = encode_submission(meta, parts, self.compression, self.block_size,
                                      {n: tuple(self.params[n].shape) for n in names})
             out.append(Submission(p, version, sid, body, c_steps, c_tokens, recovered=True))
         return out
-
-    def resume(self, tensors: dict[str, Tensor], fragments: list[dict], step: int, nonce: str,
-               lag_s: float = 0.0) -> list[dict]:
-        """Take back, in place, a previous incarnation's unsent work on the fragments where that is exact: still at
-        the version the work started from (`self.frags[p].version`, pulled at this start), no Δ built from it yet,
-        and adopt=overwrite. θ_p becomes the snapshot's, the counters and the due step its, and the fragment's next
-        Δ from that base goes out under that incarnation's id (`nonce`, or the one the work names): had it sent a
-        Δ after the snapshot, this one is then a duplicate, never merged twice. So the work goes out when due, in
-        step with the other learners' sends of p, instead of alone at once (`resend`), where its merge would
-        overwrite their unsent progress. The others trained on while this learner was down (`lag_s` seconds since
-        the snapshot): the due step comes that many of its steps (`step_s` of the work) sooner. Returns the
-        fragments it took; the caller resends the others.
-
-        Decision: not with adopt=keep, whose adoption would carry the resumed progress on top of a version that may
-        already hold that previous incarnation's Δ of it (its sent θ died with it)."""
-        if self.adopt_mode != "overwrite" or not self.sends:
-            return []
-        taken = []
-        for f in fragments:
-            p, version = int(f["fragment"]), int(f["version"])
-            fs = self.frags[p]
-            if fs.version != version or f.get("built", True) or fs.c_steps or f.get("due_in") is None:
-                continue
-            with torch.no_grad():
-                for n in self.plan[p]:
-                    param = self.params[n].data
-                    param.copy_(tensors[f"theta.{p}.{n}"].to(param.device, param.dtype))
-                    # The very Θ_p(version) the work was trained from (the same version as pulled: the same values
-                    # but for a downlink's rounding).
-                    fs.base[n] = tensors[f"base.{p}.{n}"].to(fs.base[n].device, fs.base[n].dtype, copy=True)
-            fs.c_steps, fs.c_tokens = int(f["c_steps"]), int(f["c_tokens"])
-            step_s = float(f.get("step_s") or 0.0)
-            missed = round(lag_s / step_s) if step_s > 0 else 0
-            fs.next_due = step + max(1, int(f["due_in"]) - missed)
-            fs.nonce = f.get("nonce") or nonce
-            taken.append(f)
-        return taken

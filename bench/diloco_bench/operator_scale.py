@@ -30,6 +30,7 @@ from diloco_devcluster import testbed
 from diloco_devcluster.cli import install_crds
 from diloco_devcluster.pools import DEFAULT_POOLS, NodePool
 from diloco_operator.api import models as api
+from diloco_operator.reconcile.workqueue import RESYNC_PASSES_PER_S
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL = "bench-cpu"
@@ -201,9 +202,11 @@ def run(units: int, kill: int, resync_s: float, workers: int, timeout: float) ->
 
         time.sleep(max(2.0, resync_s))
         m0 = _metrics(port)
-        # A resync queues every unit: at thousands of units one takes longer than --resync-seconds.
-        _wait("3 resyncs", lambda: _metrics(port).get("diloco_operator_resyncs_total", 0)
-              >= m0.get("diloco_operator_resyncs_total", 0) + 3, 10 * resync_s + 30 + units / 10, 0.2)
+        # A resync feeds every unit at RESYNC_PASSES_PER_S: at thousands of units one takes minutes, so one is enough.
+        feed_s = max(resync_s, (units + 1) / RESYNC_PASSES_PER_S)
+        n_resyncs = 3 if feed_s < 60 else 1
+        _wait(f"{n_resyncs} resync(s)", lambda: _metrics(port).get("diloco_operator_resyncs_total", 0)
+              >= m0.get("diloco_operator_resyncs_total", 0) + n_resyncs, (n_resyncs + 1) * feed_s * 2 + 30, 0.2)
         m1 = _metrics(port)
         per_resync = ((m1["diloco_operator_api_requests_total"] - m0["diloco_operator_api_requests_total"])
                       / (m1["diloco_operator_resyncs_total"] - m0["diloco_operator_resyncs_total"]))

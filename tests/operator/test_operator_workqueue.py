@@ -111,3 +111,32 @@ def test_a_key_something_happened_to_goes_ahead_of_a_resyncs_thousand_keys_and_e
         assert seen[2:] == [k for k in routine if k != hurt], "each key once, the resync's in the order added"
         assert queue.depth() == 0 and not queue.lanes[True] and not queue.lanes[False]
     asyncio.run(go())
+
+
+def test_a_resync_feeds_its_keys_at_the_rate_jobs_first_so_a_large_one_spreads_over_seconds():
+    """5,000 units queued at once every resync kept the operator's CPU on passes with nothing to do (issue 19): a
+    resync feeds the routine lane `resync_rate` keys a second (a tick's worth at a time), jobs first."""
+    seen: list[tuple[float, tuple]] = []
+    units = [("unit", "ns", f"u{i:03d}") for i in range(120)]
+    job = ("job", "ns", "j")
+
+    async def process(key):
+        seen.append((asyncio.get_running_loop().time(), key))
+
+    async def go() -> None:
+        queue = WorkQueue(process, workers=2, resync_s=0.05, resync_rate=50)
+        for key in units + [job]:
+            queue.known.add(key)  # known, as after their first passes; nothing urgent
+        runner = asyncio.create_task(queue.run())
+        try:
+            await wait_for_async(lambda: len(seen) >= 121, 10, "one resync's 121 passes")
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+        t0 = seen[0][0]
+        assert seen[0][1] == job  # the job in the first tick, ahead of its units
+        first, second, third = ([k for t, k in seen[:121] if lo <= t - t0 < hi] for lo, hi in ((0, 0.5), (0.5, 1.5),
+                                                                                               (1.5, 2.5)))
+        assert (len(first), len(second), len(third)) == (50, 50, 21), (len(first), len(second), len(third))
+        assert sorted(k for _, k in seen[:121]) == sorted(units + [job])  # each key once
+    asyncio.run(go())

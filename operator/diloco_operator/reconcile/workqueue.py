@@ -1,6 +1,6 @@
 """A keyed work queue for reconciles (no Kubernetes in it): one pass per key at a time, duplicates coalesce, a key
 added during its own pass runs once more after it, a failed pass is retried with backoff, every known key is
-re-run each resync, and a key something happened to goes ahead of the resync's."""
+re-run each resync (fed at a bounded rate), and a key something happened to goes ahead of the resync's."""
 
 from __future__ import annotations
 
@@ -16,6 +16,13 @@ Key = tuple[str, str, str]  # (kind, namespace, name): the kind labels the metri
 log = logging.getLogger("diloco_operator")
 BACKOFF_FIRST_S = 0.5  # a failed pass is retried after this, doubled each failure in a row ...
 BACKOFF_MAX_S = 30.0  # ... up to this
+# A resync feeds the known keys to the routine lane at most this many a second, so the period grows with the objects
+# (5,000 units: every one looked at every ~250 s instead of every resync_s). Measured at 5,000 units (issue 19): a
+# resync that queued all of them every 5 s kept the operator's one CPU busy with passes that had nothing to do
+# (~44 a second), and the watch events of deleted pods waited behind them for the same CPU (20 pods replaced in
+# 122 s). Watches drive the work; the resync is a safety net (controller-runtime's default period is 10 hours).
+RESYNC_PASSES_PER_S = 20.0
+FEED_TICK_S = 1.0  # the feed adds a tick's worth of keys at once: up to 20 objects go in one batch, as before
 
 
 def backoff(failures: int) -> float:
@@ -25,7 +32,9 @@ def backoff(failures: int) -> float:
 
 class WorkQueue:
     """Runs `process(key)` for queued keys on `workers` tasks. `gives_up(key, exc)`: an error after which the key is
-    forgotten rather than retried. `on_resync()` runs before each resync re-queues every known key.
+    forgotten rather than retried. `on_resync()` runs before each resync re-queues every known key: jobs first, then
+    the rest, at most `resync_rate` keys a second; the next resync starts `resync_s` after this one started or once
+    its feed ended, whichever is later.
 
     Two lanes: keys added for a reason (a watch event, a requeue, a retry) are urgent and taken first; the resync's
     are routine. At thousands of units a resync queues every one of them, and a deleted pod's unit must not wait
@@ -34,10 +43,10 @@ class WorkQueue:
 
     def __init__(self, process: Callable[[Key], Awaitable[None]], workers: int = 4, resync_s: float = 30.0,
                  gives_up: Callable[[Key, Exception], bool] = lambda key, exc: False,
-                 on_resync: Callable[[], None] = lambda: None):
+                 on_resync: Callable[[], None] = lambda: None, resync_rate: float = RESYNC_PASSES_PER_S):
         self.process, self.gives_up, self.on_resync = process, gives_up, on_resync
         self.workers = workers
-        self.resync_s = resync_s
+        self.resync_s, self.resync_rate = resync_s, resync_rate
         self.lanes: dict[bool, deque[Key]] = {True: deque(), False: deque()}  # urgent?; may hold stale entries
         self.entries = asyncio.Semaphore(0)  # one per entry in the lanes, stale ones included
         self.queued: dict[Key, bool] = {}  # waiting, and in which lane (True: urgent)
@@ -93,13 +102,27 @@ class WorkQueue:
                 t.cancel()
 
     async def _resync(self) -> None:
-        # A safety net: even if a watch went quiet, every known key is looked at every resync_s.
+        # A safety net: even if a watch went quiet, every known key is looked at every resync_s (or as fast as the
+        # rate lets a resync feed them all). The count goes up once a resync has queued every key.
+        fed_s = 0.0
         while True:
-            await asyncio.sleep(self.resync_s)
-            metrics.RESYNCS.inc()
+            await asyncio.sleep(max(0.0, self.resync_s - fed_s))
+            started = time.monotonic()
             self.on_resync()
-            for key in list(self.known):
-                self.add(key, urgent=False)
+            await self._feed(sorted(self.known, key=lambda k: k[0] != "job"))
+            metrics.RESYNCS.inc()
+            fed_s = time.monotonic() - started
+
+    async def _feed(self, keys: list[Key]) -> None:
+        """Add `keys` to the routine lane, a tick's worth (`resync_rate` × FEED_TICK_S) at a time; a key forgotten
+        meanwhile is skipped."""
+        batch = max(1, int(self.resync_rate * FEED_TICK_S))
+        for i in range(0, len(keys), batch):
+            if i:
+                await asyncio.sleep(FEED_TICK_S)
+            for key in keys[i:i + batch]:
+                if key in self.known:
+                    self.add(key, urgent=False)
 
     async def _worker(self) -> None:
         while True:

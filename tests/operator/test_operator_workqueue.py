@@ -113,9 +113,10 @@ def test_a_key_something_happened_to_goes_ahead_of_a_resyncs_thousand_keys_and_e
     asyncio.run(go())
 
 
-def test_a_resync_feeds_its_keys_at_the_rate_jobs_first_so_a_large_one_spreads_over_seconds():
+def test_a_resync_feeds_units_at_the_rate_and_jobs_every_period_so_a_large_one_spreads_over_seconds():
     """5,000 units queued at once every resync kept the operator's CPU on passes with nothing to do (issue 19): a
-    resync feeds the routine lane `resync_rate` keys a second (a tick's worth at a time), jobs first."""
+    resync feeds the routine lane `resync_rate` units a second (a tick's worth at a time); its jobs go first, and
+    again every resync_s while the feed lasts."""
     seen: list[tuple[float, tuple]] = []
     units = [("unit", "ns", f"u{i:03d}") for i in range(120)]
     job = ("job", "ns", "j")
@@ -129,14 +130,16 @@ def test_a_resync_feeds_its_keys_at_the_rate_jobs_first_so_a_large_one_spreads_o
             queue.known.add(key)  # known, as after their first passes; nothing urgent
         runner = asyncio.create_task(queue.run())
         try:
-            await wait_for_async(lambda: len(seen) >= 121, 10, "one resync's 121 passes")
+            await wait_for_async(lambda: len([k for _, k in seen if k != job]) >= 120, 10, "one resync's 120 units")
         finally:
             runner.cancel()
             await asyncio.gather(runner, return_exceptions=True)
-        t0 = seen[0][0]
-        assert seen[0][1] == job  # the job in the first tick, ahead of its units
-        first, second, third = ([k for t, k in seen[:121] if lo <= t - t0 < hi] for lo, hi in ((0, 0.5), (0.5, 1.5),
-                                                                                               (1.5, 2.5)))
-        assert (len(first), len(second), len(third)) == (50, 50, 21), (len(first), len(second), len(third))
-        assert sorted(k for _, k in seen[:121]) == sorted(units + [job])  # each key once
+        unit_passes = [i for i, (_, k) in enumerate(seen) if k != job]
+        first_resync = seen[:unit_passes[119] + 1]  # the next resync starts at once: its feed took over resync_s
+        t0 = first_resync[0][0]
+        assert first_resync[0][1] == job  # the job first, ahead of its units
+        ticks = [[k for t, k in first_resync if lo <= t - t0 < hi] for lo, hi in ((0, .5), (.5, 1.5), (1.5, 2.5))]
+        assert [len([k for k in tick if k != job]) for tick in ticks] == [50, 50, 20], [len(t) for t in ticks]
+        assert all(job in tick for tick in ticks)  # the job again each tick: its resync_s (0.05 s) had passed
+        assert sorted(k for _, k in first_resync if k != job) == sorted(units)  # each unit once
     asyncio.run(go())

@@ -32,9 +32,9 @@ def backoff(failures: int) -> float:
 
 class WorkQueue:
     """Runs `process(key)` for queued keys on `workers` tasks. `gives_up(key, exc)`: an error after which the key is
-    forgotten rather than retried. `on_resync()` runs before each resync re-queues every known key: jobs first, then
-    the rest, at most `resync_rate` keys a second; the next resync starts `resync_s` after this one started or once
-    its feed ended, whichever is later.
+    forgotten rather than retried. `on_resync()` runs before each resync re-queues every known key: the jobs at once
+    (and every resync_s while the feed lasts), the units at most `resync_rate` a second; the next resync starts
+    `resync_s` after this one started or once its feed ended, whichever is later.
 
     Two lanes: keys added for a reason (a watch event, a requeue, a retry) are urgent and taken first; the resync's
     are routine. At thousands of units a resync queues every one of them, and a deleted pod's unit must not wait
@@ -102,27 +102,35 @@ class WorkQueue:
                 t.cancel()
 
     async def _resync(self) -> None:
-        # A safety net: even if a watch went quiet, every known key is looked at every resync_s (or as fast as the
-        # rate lets a resync feed them all). The count goes up once a resync has queued every key.
+        # A safety net: even if a watch went quiet, every known key is looked at every resync_s (units: or as fast as
+        # the rate lets a resync feed them all; jobs, a few, every resync_s regardless). The count goes up once a
+        # resync has queued every key.
         fed_s = 0.0
         while True:
             await asyncio.sleep(max(0.0, self.resync_s - fed_s))
             started = time.monotonic()
             self.on_resync()
-            await self._feed(sorted(self.known, key=lambda k: k[0] != "job"))
+            await self._feed([k for k in self.known if k[0] != "job"])
             metrics.RESYNCS.inc()
             fed_s = time.monotonic() - started
 
     async def _feed(self, keys: list[Key]) -> None:
-        """Add `keys` to the routine lane, a tick's worth (`resync_rate` × FEED_TICK_S) at a time; a key forgotten
-        meanwhile is skipped."""
+        """The jobs, then `keys` a tick's worth (`resync_rate` × FEED_TICK_S) at a time, into the routine lane; the
+        jobs again every resync_s while it lasts. A key forgotten meanwhile is skipped."""
+        jobs_at = time.monotonic()
+        self._add_routine(self.known_of("job"))
         batch = max(1, int(self.resync_rate * FEED_TICK_S))
         for i in range(0, len(keys), batch):
             if i:
                 await asyncio.sleep(FEED_TICK_S)
-            for key in keys[i:i + batch]:
-                if key in self.known:
-                    self.add(key, urgent=False)
+                if time.monotonic() - jobs_at >= self.resync_s:
+                    jobs_at = time.monotonic()
+                    self._add_routine(self.known_of("job"))
+            self._add_routine(k for k in keys[i:i + batch] if k in self.known)
+
+    def _add_routine(self, keys) -> None:
+        for key in keys:
+            self.add(key, urgent=False)
 
     async def _worker(self) -> None:
         while True:

@@ -103,7 +103,10 @@ def plan_units(job_name: str, spec: api.DilocoJobSpec, units: list[UnitView], co
         mine = [u for u in live if u.template == t.name and u.name not in park and u.index >= 0]
         mine.sort(key=lambda u: ((u.phase != "Running") if running_first else False, u.index))
         kept += mine[:plan.counts.get(t.name, 0)]
-    plan.delete = sorted((u.name for u in live if u not in kept), key=lambda n: n, reverse=True)
+    # By name: `u not in kept` compared whole views (their spec dicts) against every kept one, O(units²): at 5,000
+    # units that was 90% of the operator's CPU (py-spy), every job pass.
+    kept_names = {u.name for u in kept}
+    plan.delete = sorted((u.name for u in live if u.name not in kept_names), reverse=True)
     used = {u.unit_index for u in kept} | {u.unit_index for u in units if u.deleting}
     have = {(u.template, u.index) for u in kept}
     taken = have | {(u.template, u.index) for u in units if u.deleting}

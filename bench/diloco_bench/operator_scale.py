@@ -202,12 +202,15 @@ def run(units: int, kill: int, resync_s: float, workers: int, timeout: float) ->
 
         time.sleep(max(2.0, resync_s))
         m0 = _metrics(port)
+        idle_cpu0, idle_t0 = _cpu_seconds({"operator": op.pid})["operator"], time.monotonic()
         # A resync feeds every unit at RESYNC_PASSES_PER_S: at thousands of units one takes minutes, so one is enough.
         feed_s = max(resync_s, (units + 1) / RESYNC_PASSES_PER_S)
         n_resyncs = 3 if feed_s < 60 else 1
         _wait(f"{n_resyncs} resync(s)", lambda: _metrics(port).get("diloco_operator_resyncs_total", 0)
               >= m0.get("diloco_operator_resyncs_total", 0) + n_resyncs, (n_resyncs + 1) * feed_s * 2 + 30, 0.2)
         m1 = _metrics(port)
+        # The operator's CPU while nothing happens but resyncs (all Running): what the safety net costs at this size.
+        idle_cpu = (_cpu_seconds({"operator": op.pid})["operator"] - idle_cpu0) / (time.monotonic() - idle_t0)
         per_resync = ((m1["diloco_operator_api_requests_total"] - m0["diloco_operator_api_requests_total"])
                       / (m1["diloco_operator_resyncs_total"] - m0["diloco_operator_resyncs_total"]))
 
@@ -231,7 +234,7 @@ def run(units: int, kill: int, resync_s: float, workers: int, timeout: float) ->
         return {"units": units, "nodes": nodes, "workers": workers, "all_running_s": round(all_running, 1),
                 "api_requests_to_all_running": int(requests_after_up), "killed": len(victims),
                 "replaced_s": round(replace_s, 1), "api_requests_per_resync": round(per_resync, 2),
-                "resync_seconds": resync_s, "since_apply_s": round(time.monotonic() - applied, 1),
+                "resync_seconds": resync_s, "operator_cores_while_resyncing": round(idle_cpu, 3), "since_apply_s": round(time.monotonic() - applied, 1),
                 "s_until_all_sent": milestones, "cpu_s_to_all_running": {k: round(v - cpu0.get(k, 0), 1) for k, v in cpu_up.items()},
                 "requests_to_all_running": _by_verb(up),
                 "apiserver_served_to_all_running": dict(sorted(served.items(), key=lambda kv: -kv[1])[:15]), "requests_during_resyncs": _by_verb(m1, m0),

@@ -22,7 +22,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=16, help="reconciles running at once")
     parser.add_argument("--resync-seconds", type=float, default=30.0,
                         help="look at every known object this often, events or not (a safety net: watch events "
-                             "drive the work); with many objects, as often as 20 passes a second allow")
+                             "drive the work); N units are fed at 20 a second, so each is looked at every max(this, N/20) s")
     parser.add_argument("--metrics-port", type=int, default=8080, help="Prometheus /metrics port (0: off)")
     parser.add_argument("--liveness-port", type=int, default=0, help="kopf liveness /healthz port (0: off)")
     parser.add_argument("-v", "--verbose", action="store_true")

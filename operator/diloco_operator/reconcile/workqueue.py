@@ -16,11 +16,11 @@ Key = tuple[str, str, str]  # (kind, namespace, name): the kind labels the metri
 log = logging.getLogger("diloco_operator")
 BACKOFF_FIRST_S = 0.5  # a failed pass is retried after this, doubled each failure in a row ...
 BACKOFF_MAX_S = 30.0  # ... up to this
-# A resync feeds the known keys to the routine lane at most this many a second, so the period grows with the objects
-# (5,000 units: every one looked at every ~250 s instead of every resync_s). Measured at 5,000 units (issue 19): a
-# resync that queued all of them every 5 s kept the operator's one CPU busy with passes that had nothing to do
-# (~44 a second), and the watch events of deleted pods waited behind them for the same CPU (20 pods replaced in
-# 122 s). Watches drive the work; the resync is a safety net (controller-runtime's default period is 10 hours).
+# A resync feeds the known units to the routine lane at most this many a second, so their period grows with them
+# (5,000 units: every one looked at every ~250 s instead of every resync_s). Measured at 5,000 units, resync 5 s
+# (issue 19, docs/operator.md "Scale benchmark"): queueing all of them at once kept 0.317 cores of the operator on
+# passes with nothing to do, the feed 0.105, and up to 5,029 such passes ran while 20 deleted pods were replaced
+# instead of 73-100. Watches drive the work; the resync is a safety net (controller-runtime's default: 10 hours).
 RESYNC_PASSES_PER_S = 20.0
 FEED_TICK_S = 1.0  # the feed adds a tick's worth of keys at once: up to 20 objects go in one batch, as before
 

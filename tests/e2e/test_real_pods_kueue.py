@@ -148,6 +148,12 @@ def metrics_records(path: Path) -> list[dict]:
 def test_a_higher_priority_workload_preempts_one_unit_which_hands_over_its_work_and_trains_again_after(
         job, kubectl):
     before = {u: wait_for(lambda u=u: job.training(u), 120, f"{u} training", 0.5) for u in job.units}
+
+    def merged_tokens(unit: str) -> int:
+        return int((((job.syncer_status() or {}).get("learners") or {}).get(unit) or {}).get("tokens_merged", -1))
+    # Some work of each unit acknowledged and merged first: a unit preempted before its first answer hands over
+    # nothing, and the check below would hold trivially (on a fast machine the intruder came that early: 0 acked).
+    wait_for(lambda: all(merged_tokens(u) > 0 for u in job.units), 180, "some work of every unit merged", 1.0)
     intruder = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload",
                 "metadata": {"name": "urgent", "namespace": NS},
                 "spec": {"queueName": "team", "priority": 1000,
@@ -165,9 +171,8 @@ def test_a_higher_priority_workload_preempts_one_unit_which_hands_over_its_work_
     records = metrics_records(pv_dir(kubectl, NS, f"{victim}-state-0") / "metrics.jsonl")
     assert records and records[-1].get("final"), f"{victim}'s learner did not stop cleanly: {records[-1:]}"
     acked = records[-1]["acked_tokens"]
-    merged = wait_for(lambda: ((job.syncer_status() or {}).get("learners") or {}).get(victim, {}).get(
-        "tokens_merged", -1) >= acked and job.syncer_status()["learners"][victim]["tokens_merged"], 120,
-        f"{victim}'s acknowledged tokens merged", 1.0)
+    (merged,) = wait_for(lambda: (m,) if (m := merged_tokens(victim)) >= acked else None, 120,
+                         f"{victim}'s acknowledged tokens merged", 1.0)  # a tuple: 0 merged of 0 acked is an answer
     print(f"[e2e] kueue: {victim} preempted: {acked} tokens acknowledged, {merged} merged", file=sys.stderr)
     assert acked > 0
     cond = job.admitted_condition(victim)

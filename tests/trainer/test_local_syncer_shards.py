@@ -11,8 +11,8 @@ import signal
 import pytest
 
 from diloco_trainer.runtime.rundir import read_jsonl
-from test_resilience_local import (LEARNERS, _acked_tokens, _assert_no_orphans, _merged_tokens, _why,  # noqa: F401
-                                   local_run)
+from test_resilience_local import (LEARNERS, _acked_tokens, _assert_no_orphans, _merged_tokens,  # noqa: F401
+                                   _replaced, _why, local_run)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -39,8 +39,7 @@ def test_a_sigkilled_syncer_shard_is_taken_over_by_its_own_standby_and_no_acknow
     before = _shard_versions(run, [0, 2])
     victim = run.processes()["syncer-1"]["pid"]
     os.kill(victim, signal.SIGKILL)
-    run.wait(lambda: (p := run.processes().get("syncer-1") or {}).get("alive") and p.get("pid") not in (None, victim),
-             "the supervisor to book shard 1's standby")  # one read: two could pair a stale `alive` with `pid: null`
+    run.wait(lambda: _replaced(run, "syncer-1", victim), "the supervisor to book shard 1's standby")
     new_pid = run.processes()["syncer-1"]["pid"]
     taken = [e for e in read_jsonl(run.dir / "events.jsonl") if e["name"] == "syncer-1" and e["event"] == "start"]
     assert taken[-1]["pid"] == new_pid and taken[-1].get("standby") is True

@@ -7,6 +7,9 @@ LABEL_UNIT = "diloco.dev/unit"
 LABEL_TEMPLATE = "diloco.dev/template"
 LABEL_INCARNATION = "diloco.dev/incarnation"
 LABEL_RANK = "diloco.dev/rank"
+# On a warm spare pod while it is no unit's yet (operator objects/spares.py); its takeover removes it.
+LABEL_SPARE = "diloco.dev/spare"
+SPARE_WAITING = "waiting"
 LABEL_SHARD = "diloco.dev/shard"  # a syncer shard's objects, when the job has more than one (config.syncer.shards)
 
 # The node pool a node belongs to, as GKE labels it (the fake pools of the dev cluster use the same key).

@@ -13,6 +13,7 @@ import kopf
 from prometheus_client import start_http_server
 
 from diloco_kube.client import Kube
+from diloco_kube.labels import LABEL_SPARE
 from diloco_operator.api import models as api
 from diloco_operator.objects import builders as O
 from diloco_operator.reconcile.cache import Cache
@@ -99,9 +100,12 @@ def _ours(value: str | None, **_) -> bool:
 
 @kopf.index("", "v1", "pods", labels={O.LABEL_COMPONENT: _ours})
 def diloco_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, **_) -> dict:
-    """Learner pods by (namespace, unit); syncer pods by ("syncer", namespace, job)."""
+    """Learner pods by (namespace, unit); syncer pods by ("syncer", namespace, job); spare pods (not a unit's yet) by
+    ("spare", namespace, job)."""
     if labels.get(O.LABEL_COMPONENT) == "syncer":
         return {("syncer", namespace, labels.get(O.LABEL_JOB)): _snapshot(body)}
+    if labels.get(LABEL_SPARE):
+        return {("spare", namespace, labels.get(O.LABEL_JOB)): _snapshot(body)}
     return {(namespace, labels.get(O.LABEL_UNIT)): _snapshot(body)}
 
 
@@ -142,7 +146,7 @@ async def unit_event(event: dict, body: kopf.Body, memo: kopf.Memo, **_) -> None
 @kopf.on.event("", "v1", "pods", labels={O.LABEL_COMPONENT: _ours})
 async def pod_event(body: kopf.Body, memo: kopf.Memo, **_) -> None:
     labels = body["metadata"].get("labels", {})
-    if labels.get(O.LABEL_COMPONENT) == "syncer":
+    if labels.get(O.LABEL_COMPONENT) == "syncer" or labels.get(LABEL_SPARE):  # the job keeps its spares
         if labels.get(O.LABEL_JOB):
             memo["controller"].enqueue(("job", body["metadata"]["namespace"], labels[O.LABEL_JOB]))
     elif labels.get(O.LABEL_UNIT):

@@ -11,6 +11,8 @@ RECONCILE_SECONDS = Histogram("diloco_operator_reconcile_seconds", "Duration of 
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 QUEUE_DEPTH = Gauge("diloco_operator_queue_depth", "Objects waiting for a reconcile")
 UNIT_RESTARTS = Counter("diloco_operator_unit_restarts_total", "Whole-unit restarts decided", ["namespace", "job"])
+SPARE_TAKEOVERS = Counter("diloco_operator_spare_takeovers_total",
+                          "Units whose dead pod a warm spare pod replaced (spec.units[].spares)", ["namespace", "job"])
 RESYNCS = Counter("diloco_operator_resyncs_total", "Periodic resyncs (every known object re-queued)")
 PODS_ON_LOST_NODES = Counter("diloco_operator_lost_node_pods_deleted_total",
                              "Learner pods force-deleted because their node was lost (failurePolicy.nodeLostSeconds)",
@@ -46,7 +48,7 @@ def export_job_status(namespace: str, job: str, status: api.DilocoJobStatus) -> 
 
 def forget_job(namespace: str, job: str) -> None:
     """Drop a deleted job's series (its gauges and its unit-restart count)."""
-    for metric in (*_JOB_GAUGES, UNIT_RESTARTS, PODS_ON_LOST_NODES):
+    for metric in (*_JOB_GAUGES, UNIT_RESTARTS, PODS_ON_LOST_NODES, SPARE_TAKEOVERS):
         _remove(metric, namespace, job)
 
 

@@ -139,3 +139,57 @@ def test_a_learner_killed_past_the_restart_limit_fails_the_pod_with_its_code(tmp
             pod.wait()
     text = log.read_text()
     assert "restarts within 600 s already (--max-restarts 1)" in text, text[-3000:]
+
+
+def test_a_spare_pod_waits_warm_and_becomes_the_learner_its_sealed_assignment_names(tmp_path):
+    """A spare pod's entrypoint (`--assignment-file`, what the operator's spares run): warm and idle until the
+    downward-API file holds an assignment; one sealed for another pod's name, or under another key, is refused with
+    exit 2 and no learner started; the right one becomes learner `l1` of shard 1 with the unit's own token (the
+    syncer books it as l1), trains, and SIGTERM still drains it and exits 0."""
+    from diloco_trainer.protocol.assignment import Assignment, encode_key, seal, spare_key
+    from diloco_trainer.protocol.tokens import learner_token
+    from learner_kit import TOKEN
+
+    syncer = SyncerProcess(write_config(tmp_path / "run.yaml"), tmp_path / "syncer", tmp_path / "syncer.log")
+    key = spare_key(TOKEN, "job")
+    (tmp_path / "key").write_text(encode_key(key))
+    assignment = Assignment("l1", 1, 2, learner_token(TOKEN, "l1", 3))
+
+    def spare(name: str, pod: str, learner_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path, Path]:
+        work, state, log, file = (tmp_path / f"{name}-sup", tmp_path / f"{name}-state", tmp_path / f"{name}.log",
+                                  tmp_path / f"{name}-assignment")
+        file.write_text("")  # the downward-API file of a pod without the annotation: empty
+        state.mkdir(parents=True, exist_ok=True)
+        env = child_env(DILOCO_POD_NAME=pod)
+        env.pop("DILOCO_TOKEN")  # a spare pod holds no token until its assignment
+        cmd = [sys.executable, "-m", "diloco_trainer.cli", "pod-learner", "--work-dir", str(work),
+               "--assignment-file", str(file), "--spare-key-file", str(tmp_path / "key"), "--",
+               "--syncer", syncer.url, "--state-dir", str(state), "--device", "cpu", "--log-every", "1",
+               "--poll-s", "0.1", "--drain-s", str(DRAIN_S), *learner_args]
+        return subprocess.Popen(cmd, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=ROOT), file, state
+
+    try:
+        syncer.start()
+        wrong, wrong_file, _ = spare("wrong", "spare-b")
+        wait_for(lambda: "waiting for an assignment" in (tmp_path / "wrong.log").read_text(), 120, "spare waiting")
+        wrong_file.write_text(seal(key, "spare-a", assignment))  # sealed for another pod
+        assert wrong.wait(60) == 2
+        assert "does not open" in (tmp_path / "wrong.log").read_text()
+
+        pod, file, state = spare("right", "spare-a")
+        wait_for(lambda: spare_ready(tmp_path / "right-sup"), 240, "the spare pod's warm process ready", 0.1)
+        time.sleep(1.0)
+        assert pod.poll() is None and not metrics(state), "a spare trains nothing before its assignment"
+        assigned = time.time()
+        file.write_text(seal(key, "spare-a", assignment))
+        first = wait_for(lambda: next((r for r in metrics(state) if r["step"] >= 1), None), 120,
+                         "the assigned learner's first step", 0.02)
+        print(f"\nassignment -> first step {first['time'] - assigned:.2f} s", file=sys.stderr)
+        wait_for(lambda: (syncer.status()["learners"].get("l1") or {}).get("steps_merged", 0) > 0, 180,
+                 "the syncer merging learner l1's work")
+        log = (tmp_path / "right.log").read_text()
+        assert "assigned learner l1 (unit 1 of 2)" in log
+        pod.send_signal(signal.SIGTERM)
+        assert pod.wait(DRAIN_S + 30) == 0
+    finally:
+        syncer.stop()

@@ -92,6 +92,9 @@ class Accelerator(_Api):
 MAX_UNITS_PER_TEMPLATE = 1000  # a larger job spreads its units over several templates
 
 
+MAX_SPARES = 16
+
+
 class UnitTemplate(_Api):
     """A kind of learner unit: how many, how many pods each, on which accelerators and node pool."""
 
@@ -113,9 +116,17 @@ class UnitTemplate(_Api):
     cluster: str | None = Field(None, min_length=1, max_length=63, pattern=DNS_LABEL,
                                 description="The name of a spec.clusters entry to run these units in (default: the "
                                             "operator's own cluster).")
+    spares: int = Field(0, ge=0, le=MAX_SPARES,
+                        description="Warm spare pods of this template (0 to 16): started, torch imported, waiting; "
+                                    "a unit whose pod dies or is deleted takes one over at once. Each holds the "
+                                    "template's resources. Units of one pod, without stateVolume, in the "
+                                    "operator's own cluster.")
 
     @model_validator(mode="after")
     def _bounds(self) -> "UnitTemplate":
+        if self.spares and (self.podsPerUnit > 1 or self.stateVolume is not None or self.cluster is not None):
+            raise ValueError(f"units[{self.name}].spares applies only to units of one pod, without stateVolume, in "
+                             "the operator's own cluster")
         if self.minCount > self.count:
             raise ValueError(f"units[{self.name}].minCount ({self.minCount}) must be <= count ({self.count})")
         if self.maxCount is not None and self.count > self.maxCount:

@@ -193,6 +193,9 @@ TEMPLATE_RULES = [
           "minCount must be <= count", ".minCount"),
     _rule("!has(self.maxCount) || (has(self.count) ? self.count : 1) <= self.maxCount",
           "count must be <= maxCount", ".count"),
+    _rule("!has(self.spares) || self.spares == 0 || ((!has(self.podsPerUnit) || self.podsPerUnit == 1) && "
+          "!has(self.stateVolume) && !has(self.cluster))",
+          "spares applies only to units of one pod, without stateVolume, in the operator's own cluster", ".spares"),
 ]
 ACCELERATOR_RULES = [
     _rule("(!has(self.type) || self.type == 'cpu') ? (!has(self.count) || self.count == 0) : "

@@ -69,6 +69,7 @@ class UnitPlan:
     create: list[int] = field(default_factory=list)
     delete: list[str] = field(default_factory=list)
     force_delete: list[str] = field(default_factory=list)  # pods on lost nodes: they cannot run their shutdown
+    take_spare: bool = False  # a warm spare pod becomes rank 0 of status.incarnation (else: create it at once)
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
 
@@ -146,9 +147,10 @@ class _Pass:
 def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: api.LearnerUnitStatus | dict | None,
               pods: list[PodView], now: datetime, *, generation: int | None = None,
               node_pools: dict[str, str] | None = None, job_finished: bool = False,
-              lost: Mapping[str, str] | None = None) -> UnitPlan:
+              lost: Mapping[str, str] | None = None, spare: bool = False) -> UnitPlan:
     """Decide one reconcile of a unit. Terminal phases (Succeeded, Failed) stick. `lost`: pods on lost nodes (name ->
-    why, nodeloss.lost_pods): force-deleted, and a launched unit with one restarts without backoff."""
+    why, nodeloss.lost_pods): force-deleted, and a launched unit with one restarts without backoff. `spare`: a warm
+    spare pod of the unit's template is up (spare_takeover says when one replaces a dead pod)."""
     lost = lost or {}
     old, st = carried_status(spec, status, generation)
     inc = st.incarnation
@@ -169,7 +171,7 @@ def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: api.Learne
         u.plan.events.append(("Normal", C.Reason.COMPLETED, f"unit completed (incarnation {inc})"))
         return _finish(u, u.current, node_pools)
     if cause:
-        if not _restart(u, cause):
+        if not _restart(u, cause, spare):
             return _finish(u, [], node_pools)
         # No backoff and no pod left: the new incarnation starts in this same pass (one status write, not two).
         launched, u.current, u.stale = False, [], []
@@ -200,7 +202,17 @@ def _stop(u: _Pass, phase: str | None) -> None:
         u.plan.events.append(("Normal", C.Reason.JOB_FINISHED, u.st.message))
 
 
-def _restart(u: _Pass, cause: Cause) -> bool:
+SPARE_CAUSES = (C.Reason.POD_DELETED, C.Reason.POD_FAILED, C.Reason.NODE_LOST)
+
+
+def spare_takeover(spec: api.LearnerUnitSpec, st: api.LearnerUnitStatus, cause: Cause, spare: bool) -> bool:
+    """Whether a warm spare pod replaces the unit's dead pod at once (no backoff, no wait for the old pod to go): a
+    unit of one pod that was running (no failure since), whose pod died, was deleted or lost its node. A unit that
+    keeps failing backs off as before, so a crash loop cannot eat the spares."""
+    return spare and spec.podsPerUnit == 1 and cause.reason in SPARE_CAUSES and st.consecutiveFailures == 0
+
+
+def _restart(u: _Pass, cause: Cause, spare: bool = False) -> bool:
     """The launched pod group cannot run on (`cause`): its pods go, and the unit fails at its restart limit or
     restarts as the next incarnation. True when that incarnation may start in this same pass (no backoff, and no
     pod left to see gone first)."""
@@ -218,11 +230,12 @@ def _restart(u: _Pass, cause: Cause) -> bool:
         plan.events.append(("Warning", C.Reason.BACKOFF_LIMIT_EXCEEDED, st.message))
         return False
     delay = 0.0
+    takes_spare = spare_takeover(spec, st, cause, spare)
     if cause.counted:
         st.restarts += 1
     if cause.failure:
         st.consecutiveFailures += 1
-        delay = backoff_seconds(spec.restartPolicy, st.consecutiveFailures)
+        delay = 0.0 if takes_spare else backoff_seconds(spec.restartPolicy, st.consecutiveFailures)
     st.incarnation = inc = inc + 1
     st.restartAfter = C.now_iso(u.now + timedelta(seconds=delay))
     st.phase, st.message = "Restarting", cause.message
@@ -236,6 +249,14 @@ def _restart(u: _Pass, cause: Cause) -> bool:
     if cause.reason == C.Reason.NODE_LOST:
         u.conds = C.set_condition(u.conds, C.NODE_LOST, True, C.Reason.NODE_LOST, cause.message, u.now,
                                   st.observedGeneration)
+    if takes_spare:  # launched now: the old pod drains (or is gone) while the spare trains
+        plan.take_spare = True
+        st.launchedIncarnation, st.restartAfter = inc, None
+        st.message = f"{cause.message}; a warm spare pod takes over"
+        plan.events[-1] = (plan.events[-1][0], cause.reason,
+                           f"{cause.message}; a warm spare pod takes over as incarnation {inc} (restart "
+                           f"{st.restarts}/{spec.restartPolicy.maxRestarts}, no backoff)")
+        return False
     # A backoff to wait, or old pods to see gone first (a clean slate; force-deleted ones are gone at once).
     if delay > 0 or any(p.name not in u.lost for p in u.pods):
         plan.requeue_after = max(delay, 0.2)

@@ -12,6 +12,8 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from diloco_kube.labels import LABEL_JOB, LABEL_SPARE, SPARE_WAITING
+
 GONE = "gone"  # an overlay entry for an object the operator deleted and the watch still shows
 OVERLAY_TTL_S = 30.0  # an unconfirmed write stops shadowing the watch after this (the watch always wins then)
 
@@ -107,6 +109,8 @@ class Cache:
                 self._drop(key)  # it was being deleted, and now the watch has it gone
             elif match(obj):
                 out[name] = obj
+            else:
+                out.pop(name, None)  # a newer own write says it no longer matches (a spare relabelled as a unit's)
         return sorted(out.values(), key=_name)
 
     def _drop(self, key: Key) -> None:
@@ -153,6 +157,14 @@ class Cache:
         return self._merge("pods", namespace, self._lookup("pods", (namespace, unit)),
                            lambda o: (o["metadata"].get("labels") or {}).get(label) == unit,
                            self._labelled("pods", namespace, label, unit))
+
+    def spare_pods(self, namespace: str, job: str) -> list[dict]:
+        """The job's spare pods that are no unit's yet (objects/spares.py)."""
+        seen = self._lookup("pods", ("spare", namespace, job))
+        return self._merge("pods", namespace, seen,
+                           lambda o: (lab := o["metadata"].get("labels") or {}).get(LABEL_SPARE) == SPARE_WAITING
+                           and lab.get(LABEL_JOB) == job,
+                           [*(_name(o) for o in seen), *self._labelled("pods", namespace, LABEL_SPARE, SPARE_WAITING)])
 
     def workload(self, namespace: str, name: str) -> dict | None:
         """A unit's Kueue Workload (watched only with --kueue)."""

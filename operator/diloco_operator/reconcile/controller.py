@@ -16,6 +16,7 @@ from diloco_operator.reconcile.job_remote import JobRemote
 from diloco_operator.reconcile.jobstate import JobStates
 from diloco_operator.reconcile.kueue_gate import KueueGate
 from diloco_operator.reconcile.syncer_poller import SyncerPoller
+from diloco_operator.reconcile.spare_pods import SparePods
 from diloco_operator.reconcile.unit_reconciler import UnitReconciler
 from diloco_operator.reconcile.workqueue import Key, WorkQueue
 from diloco_operator.reconcile.writes import Writer
@@ -40,11 +41,12 @@ class Controller:
         self.remotes = RemoteClusters(kube)
         self.poller = SyncerPoller(kube, self.jobs, self.enqueue, trust_syncer_url)
         remote = JobRemote(kube, cache, self.remotes, self.jobs, self.writer, self.enqueue)
+        spares = SparePods(kube, cache, self.writer, self.jobs, self.poller, self.enqueue)  # spec.units[].spares
         self.job_reconciler = JobReconciler(kube, cache, self.writer, self.jobs, self.poller, remote, self.remotes,
-                                            self.enqueue, self.forget, operator_namespace, trust_syncer_url)
+                                            self.enqueue, self.forget, operator_namespace, trust_syncer_url, spares)
         self.kueue = KueueGate(kube, cache, self.writer.ensure)  # units of jobs queued in Kueue (kueue.py)
         self.units = UnitReconciler(kube, cache, self.writer, self.jobs, self.poller, self.remotes, self.kueue,
-                                    self.enqueue, self.forget, first_launch_wait_s)
+                                    self.enqueue, self.forget, first_launch_wait_s, spares)
 
     def enqueue(self, key: Key, delay: float = 0.0) -> None:
         """Ask for a reconcile of `key` (now or after `delay` seconds); duplicates coalesce."""

@@ -28,6 +28,7 @@ from diloco_operator.reconcile import syncer_status
 from diloco_operator.reconcile.cache import Cache
 from diloco_operator.reconcile.job_remote import FINALIZER, REMOTE_POLL_S, JobRemote
 from diloco_operator.reconcile.jobstate import JobStates, SyncerTls, TlsRead
+from diloco_operator.reconcile.spare_pods import SparePods
 from diloco_operator.reconcile.syncer_poller import SyncerPoller
 from diloco_operator.reconcile.writes import NotControlled, Writer, bounded, check_controller
 from diloco_operator.remote.clusters import RemoteClusters
@@ -74,7 +75,8 @@ class JobReconciler:
 
     def __init__(self, kube: Kube, cache: Cache, writer: Writer, jobs: JobStates, poller: SyncerPoller,
                  remote: JobRemote, remotes: RemoteClusters, enqueue: Callable[..., None],
-                 forget: Callable[..., None], operator_namespace: str | None = None, trust_syncer_url: bool = False):
+                 forget: Callable[..., None], operator_namespace: str | None = None, trust_syncer_url: bool = False,
+                 spares: SparePods | None = None):
         self.kube = kube
         self.cache = cache
         self.writer = writer
@@ -86,6 +88,7 @@ class JobReconciler:
         self.forget = forget
         self.operator_namespace = operator_namespace  # where the operator's pod runs (None: outside the cluster)
         self.trust_syncer_url = trust_syncer_url  # follow the diloco.dev/syncer-url annotation (syncer_address)
+        self.spares = spares  # the templates' warm spare pods (spare_pods.py)
 
     async def reconcile(self, ns: str, name: str) -> None:
         """One pass over a job: its deletion, or its syncer's objects, its units and its status, in that order."""
@@ -106,6 +109,8 @@ class JobReconciler:
         if syncer is None:
             return
         units = await self._units(job, spec, old_status, syncer.epochs, now, finished)
+        if self.spares is not None:
+            await self.spares.keep(job, spec, finished)
         readings = self.jobs.of(job).syncer_readings
         readings = {i: readings.get(i) for i in range(spec.config.syncer.shards)}
         status, status_events = await self._observe(job, spec, old_status, now, finished, syncer, units, readings)

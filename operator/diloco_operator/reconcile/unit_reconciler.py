@@ -22,6 +22,7 @@ from diloco_operator.reconcile.cache import Cache
 from diloco_operator.reconcile.job_remote import REMOTE_POLL_S, REMOTE_RETRY_S
 from diloco_operator.reconcile.jobstate import JobStates
 from diloco_operator.reconcile.kueue_gate import KueueGate
+from diloco_operator.reconcile.spare_pods import SparePods
 from diloco_operator.reconcile.syncer_poller import SyncerPoller
 from diloco_operator.reconcile.writes import Writer, bounded
 from diloco_operator.remote.clusters import ClusterUnavailable, Remote, RemoteClusters, unreachable
@@ -44,7 +45,7 @@ class UnitReconciler:
 
     def __init__(self, kube: Kube, cache: Cache, writer: Writer, jobs: JobStates, poller: SyncerPoller,
                  remotes: RemoteClusters, kueue_gate: KueueGate, enqueue: Callable[..., None],
-                 forget: Callable[..., None], first_launch_wait_s: float = 5.0):
+                 forget: Callable[..., None], first_launch_wait_s: float = 5.0, spares: SparePods | None = None):
         self.kube = kube
         self.cache = cache
         self.writer = writer
@@ -58,6 +59,7 @@ class UnitReconciler:
         # to first_launch_wait_s for its pods (unitplan.status_may_wait), so it is usually written once, as Running.
         self.unwritten: dict[tuple[str, str], tuple[str, api.LearnerUnitStatus, float]] = {}
         self.first_launch_wait_s = first_launch_wait_s
+        self.spares = spares  # warm spare pods a unit whose pod died takes over (spare_pods.py)
         # node -> when this operator first saw it not Ready (nodeloss.not_ready); dropped once it is Ready
         self.node_down_since: dict[str, datetime] = {}
 
@@ -207,9 +209,11 @@ class UnitReconciler:
         if admission is not None and admission.state != "admitted":
             plan = kueue.plan_held(spec, old_status, pods, admission, now, unit["metadata"].get("generation"))
         else:
+            spare = (self.spares is not None and remote is None and queue is None
+                     and self.spares.usable(unit, job) > 0)
             plan = unitplan.plan_unit(spec, unit["spec"], old_status, pods, now,
                                       generation=unit["metadata"].get("generation"), node_pools=self._pools(pods),
-                                      job_finished=job_finished, lost=lost)
+                                      job_finished=job_finished, lost=lost, spare=spare)
             if admission is not None:
                 plan.status = kueue.admitted_condition(plan.status, admission, now, unit["metadata"].get("generation"))
         job_state = self.jobs.get(job["metadata"].get("uid") or "")
@@ -258,6 +262,10 @@ class UnitReconciler:
         try:
             # A pod on a lost node goes at once (grace 0): its kubelet would never confirm a graceful delete.
             await bounded([delete(p, 0) for p in plan.force_delete] + [delete(p) for p in plan.delete])
+            if plan.take_spare and await self.spares.take(unit, job, plan.status.incarnation) is None:
+                plan.create = [0]  # every spare went to other units meanwhile: a new pod, at once (one pod, no backoff)
+                plan.events.append(("Normal", C.Reason.PODS_CREATED, "no warm spare pod was free after all: created "
+                                                                     f"pod(s) of incarnation {plan.status.incarnation}"))
             if plan.create:
                 if O.needs_unit_service(spec):
                     await self.writer.ensure(SERVICES, O.unit_service(unit), update=False, remote=remote)

@@ -5,6 +5,10 @@ A learner that keeps crashing still ends the pod: past `--max-restarts` restarts
 exit code that says a restart cannot help (a usage error, the syncer's refusal), the supervisor exits with the
 learner's code and the operator's own restart limit and the unit's Failed state take over. SIGTERM (preemption, a
 drain) is passed to the learner, which hands over its unsent work within its `--drain-s` and exits 0; so does the pod.
+
+A spare pod (`--assignment-file`, the operator's `spares`) starts as nobody: its warm spare imports torch and
+transformers and waits until the operator assigns it a unit (runtime/sparepod.py), then it is that unit's learner pod
+exactly as above.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from diloco_trainer.protocol.assignment import AssignmentError
 from diloco_trainer.runtime.procs import Child, StopFlag, Supervisor, child_env, diloco_argv
+from diloco_trainer.runtime.sparepod import POD_NAME_ENV, AssignmentWait
 from diloco_trainer.runtime.spares import SparePool
 
 NO_RESTART_CODES = {2: "a usage or configuration error", 3: "the syncer refused this learner"}
@@ -50,14 +56,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "past it the pod fails with the learner's exit code")
     parser.add_argument("--restart-window-s", type=float, default=600.0)
     parser.add_argument("--spares", type=int, default=1, help="warm spares kept ready (0: restart from scratch)")
+    parser.add_argument("--assignment-file", default=None, metavar="FILE",
+                        help="a spare pod: wait, warm, until FILE (the pod's downward-API view of its "
+                             "diloco.dev/assignment annotation) names the unit to become; the learner arguments then "
+                             "leave out --learner-id, --unit, --units and --token-file")
+    parser.add_argument("--spare-key-file", default=None, metavar="FILE",
+                        help="with --assignment-file: the job's spare key, which opens the assignment's token")
     parser.add_argument("--work-dir", default=None,
                         help="the supervisor's spares and events.jsonl (default: a new directory under $TMPDIR)")
     parser.add_argument("learner_args", nargs=argparse.REMAINDER,
                         help="-- then the `diloco learner` arguments (its --syncer, --learner-id, --drain-s, ...)")
 
 
+ASSIGNED_FLAGS = ("--learner-id", "--unit", "--units", "--token-file", "--token-env")
+
+
 def _learner_args(args: argparse.Namespace) -> tuple[list[str], argparse.Namespace]:
-    """The learner's own arguments, checked by its parser now (a bad one fails the pod at once, clearly)."""
+    """The learner's own arguments, checked by its parser now (a bad one fails the pod at once, clearly). A spare
+    pod's are checked as they will be once assigned."""
     from diloco_trainer.learner.main import configure as learner_configure
 
     rest = list(args.learner_args)
@@ -69,6 +85,20 @@ def _learner_args(args: argparse.Namespace) -> tuple[list[str], argparse.Namespa
         raise ValueError(f"--restart-window-s must be > 0, got {args.restart_window_s}")
     if args.spares < 0:
         raise ValueError(f"--spares must be >= 0, got {args.spares}")
+    if args.assignment_file:
+        if not args.spare_key_file:
+            raise ValueError("--assignment-file needs --spare-key-file (the key that opens the assignment's token)")
+        if given := [a for a in rest if a.split("=", 1)[0] in ASSIGNED_FLAGS]:
+            raise ValueError(f"a spare pod's learner arguments leave out {', '.join(given)}: the assignment gives them")
+        if not os.environ.get(POD_NAME_ENV):
+            raise ValueError(f"a spare pod needs its own name in ${POD_NAME_ENV} (the downward API's metadata.name)")
+        _, parsed = _check(learner_configure, [*rest, "--learner-id", "spare", "--unit", "0", "--units", "1"])
+        return rest, parsed
+    return _check(learner_configure, rest)
+
+
+def _check(learner_configure, rest: list[str]) -> tuple[list[str], argparse.Namespace]:
+    """`rest` parsed by the learner's own parser, or ValueError (argparse exits 2 on an unknown flag)."""
     parser = argparse.ArgumentParser(prog="diloco pod-learner -- (learner arguments)")
     learner_configure(parser)
     parsed = parser.parse_args(rest)  # an unknown or malformed one: argparse's message naming it, exit 2
@@ -77,6 +107,30 @@ def _learner_args(args: argparse.Namespace) -> tuple[list[str], argparse.Namespa
     if not parsed.syncer or not parsed.learner_id:
         raise ValueError("learner arguments: --syncer and --learner-id are required")
     return rest, parsed
+
+
+def _wait_for_assignment(args: argparse.Namespace, learner_argv: list[str], work: Path, sup: Supervisor,
+                         flag: StopFlag) -> tuple[list[str] | None, argparse.Namespace | None]:
+    """A spare pod: keep the warm spare warm until the operator's assignment arrives, then the learner's full
+    arguments (its token written to a file of this supervisor's own). (None, None): stopped before that."""
+    from diloco_trainer.learner.main import configure as learner_configure
+
+    wait = AssignmentWait(Path(args.assignment_file), Path(args.spare_key_file), os.environ[POD_NAME_ENV])
+    _say(f"spare pod {wait.pod}: warming up, waiting for an assignment in {args.assignment_file}")
+    started = time.monotonic()
+    while not flag:
+        sup.poll()  # starts and keeps the warm spare
+        if (assignment := wait.poll()) is not None:
+            token_file = work / "token"
+            token_file.touch(mode=0o600)
+            token_file.write_text(assignment.token)
+            argv = [*learner_argv, *assignment.learner_args(str(token_file))]
+            _say(f"spare pod {wait.pod} assigned learner {assignment.learner_id} (unit {assignment.unit} of "
+                 f"{assignment.units}) after {time.monotonic() - started:.1f} s warm "
+                 f"({sup.spares.ready() if sup.spares else 0} spare process(es) ready)")
+            return _check(learner_configure, argv)
+        time.sleep(POLL_S)
+    return None, None
 
 
 def _say(text: str) -> None:
@@ -103,6 +157,19 @@ def run(args: argparse.Namespace) -> int:
     flag = StopFlag()
     with flag.installed(), Supervisor(processes_json=work / "processes.json",
                                       events_jsonl=work / "events.jsonl") as sup:
+        if args.spares or args.assignment_file:
+            # The model comes from the syncer: warm transformers too (a Llama learner started ~6 s sooner in a pod).
+            sup.spares = SparePool(work / "spares", max(args.spares, 1 if args.assignment_file else 0), prefix, env,
+                                   sup.spawn, zygote_args=("--warm-hf",))
+        if args.assignment_file:
+            try:
+                learner_argv, parsed = _wait_for_assignment(args, learner_argv, work, sup, flag)
+            except AssignmentError as exc:
+                _say(f"the assignment cannot be read: {exc}")
+                return 2
+            if learner_argv is None:
+                _say(f"{flag.requested} before any assignment: exiting 0")
+                return 0
         child = sup.add(Child("learner", "learner", [*prefix, *learner_argv], env, stdout,
                               restart_delay=RESTART_DELAY_S))
 
@@ -117,12 +184,11 @@ def run(args: argparse.Namespace) -> int:
             return yes
 
         sup.should_restart = should_restart
-        if args.spares:
-            # The model comes from the syncer: warm transformers too (a Llama learner started ~6 s sooner in a pod).
-            sup.spares = SparePool(work / "spares", args.spares, prefix, env, sup.spawn, zygote_args=("--warm-hf",))
         _say(f"starting learner {parsed.learner_id} ({args.spares} warm spare(s), at most {args.max_restarts} "
              f"restarts in place within {args.restart_window_s:g} s)")
-        sup.start("learner")
+        sup.start("learner", warm=bool(args.assignment_file))
+        if not args.spares and sup.spares is not None:
+            sup.spares.size = 0  # the spare pod's own warm process became the learner; keep none behind it
         while not flag:
             for event in sup.poll():
                 if event.event == "start" and child.restarts:

@@ -126,14 +126,15 @@ class Supervisor:
         self.children[child.name] = child
         return child
 
-    def start(self, name: str) -> Child:
-        """Start (or restart) a child now; its output is appended to its log file."""
+    def start(self, name: str, warm: bool = False) -> Child:
+        """Start (or restart) a child now; its output is appended to its log file. `warm`: a first start may take a
+        warm spare too (a spare pod's learner: its pool warmed up before anyone knew which learner it would be)."""
         child = self.children[name]
         assert not child.alive, f"{name} is already running"
         child.log_path.parent.mkdir(parents=True, exist_ok=True)
         # A restarted learner becomes a warm spare when one is ready (see spares.py): no interpreter start, no import.
         spare = None
-        if self.spares is not None and child.starts and child.role == "learner":
+        if self.spares is not None and (child.starts or warm) and child.role == "learner":
             spare = self.spares.take(child.argv, child.env, child.log_path)
         # A restarted syncer is the warm standby, which took over the state directory by itself (runtime/standby.py).
         standby = None

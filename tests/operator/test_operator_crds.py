@@ -44,7 +44,7 @@ ABSURD = [f"spec.config.{f}" for f in (
     "model.d_model", "model.n_layers", "model.n_heads", "model.seq_len", "model.vocab_size", "model.mlp_ratio",
     "inner.batch_size", "inner.warmup_steps", "outer.sync_every", "outer.overlap", "outer.fragments",
     "outer.block_size", "outer.versions_kept", "data.max_bytes", "seed")] + [
-    "spec.units.0.steps", "spec.units.0.count", "spec.units.0.podsPerUnit", "spec.restartPolicy.maxRestarts",
+    "spec.units.0.steps", "spec.units.0.count", "spec.units.0.spares", "spec.units.0.podsPerUnit", "spec.restartPolicy.maxRestarts",
     "spec.syncer.maxBodyMb", "spec.failurePolicy.nodeLostSeconds", "spec.failurePolicy.drainSeconds"]
 
 # (what is wrong, manifest, text the apiserver's error must contain)
@@ -84,6 +84,12 @@ BAD = [
      "spec.syncer.resources.limits.memory"),
     ("empty checkpoint size", _with("spec.syncer", {"checkpoint": {"size": ""}}), "spec.syncer.checkpoint.size"),
     ("zero checkpoint size", _with("spec.syncer", {"checkpoint": {"size": "0Gi"}}), "spec.syncer.checkpoint.size"),
+    # Warm spare pods (issue 19): only for units of one pod, without a state volume, at home; at most 16.
+    ("spares for units of several pods", _with("spec.units.0", {"name": "a", "podsPerUnit": 2, "spares": 1}),
+     "spec.units[0].spares"),
+    ("spares with a state volume", _with("spec.units.0", {"name": "a", "spares": 1, "stateVolume": {"size": "1Gi"}}),
+     "spec.units[0].spares"),
+    ("too many spares", _with("spec.units.0.spares", 17), "spec.units[0].spares"),
     ("negative state volume size", _with("spec.units.0.stateVolume", {"size": "-1Gi"}),
      "spec.units[0].stateVolume.size"),
     ("empty state volume size", _with("spec.units.0.stateVolume", {"size": ""}), "spec.units[0].stateVolume.size"),

@@ -1,0 +1,95 @@
+"""Warm spare pods (spec.units[].spares) on the local control plane: the job keeps its template's spares; a deleted
+learner pod's unit takes one over at once (no backoff, no new pod to start) by one patch that relabels it as the
+unit's pod and hands it the unit's token sealed for that pod alone; a new spare follows; spares built from an old
+template are replaced. kwok runs no containers: what the spare process does with its assignment is the trainer
+tests' (tests/trainer/test_pod_learner.py) and the e2e tier's."""
+
+from __future__ import annotations
+
+import base64
+import statistics
+import time
+
+import pytest
+
+from diloco_trainer.protocol.assignment import ANNOTATION, decode_key, unseal
+from diloco_trainer.protocol.tokens import learner_token
+
+from polling import wait_for
+from test_operator_cluster import cpu_units, events, job, running, unit_pods, wait_job_ready
+
+pytestmark = pytest.mark.cluster
+SPARE = "diloco.dev/spare"
+
+
+def spares(kubectl, ns: str, name: str) -> list[dict]:
+    return [p for p in kubectl.get("pods", ns=ns, selector=f"diloco.dev/job={name},{SPARE}=waiting")
+            if not p["metadata"].get("deletionTimestamp")]
+
+
+def secret_text(kubectl, ns: str, name: str, key: str) -> str:
+    return base64.b64decode(kubectl.get("secret", name, ns=ns)["data"][key]).decode()
+
+
+def test_a_deleted_pods_unit_takes_over_a_warm_spare_at_once_and_a_new_spare_follows(kubectl, operator, ns):
+    # A 30 s backoff: a unit that waited for it, or for a new pod, would miss the 10 s below.
+    manifest = job("warm", cpu_units(2, spares=1))
+    manifest["spec"]["restartPolicy"] = {"backoffSeconds": 30, "maxRestarts": 20}
+    kubectl.apply(manifest, "-n", ns)
+    wait_job_ready(kubectl, ns, "warm", 2)
+    (spare,) = wait_for(lambda: [p for p in spares(kubectl, ns, "warm") if running(p)] or None, 60, "a running spare")
+    assert spare["metadata"]["ownerReferences"][0]["kind"] == "DilocoJob"
+    command = spare["spec"]["containers"][0]["command"]
+    assert "--assignment-file" in command and "--learner-id" not in command and "--token-file" not in command
+    assert all(v["name"] != "token" for v in spare["spec"]["volumes"]), "a spare mounts no unit's token"
+    key = decode_key(secret_text(kubectl, ns, "warm-spare-key", "key"))
+    job_token = secret_text(kubectl, ns, "warm-token", "token")
+
+    times = []
+    for kill in range(2):
+        (victim,) = [p for p in unit_pods(kubectl, ns, "warm-cpu-1") if not p["metadata"].get("deletionTimestamp")]
+        (spare,) = wait_for(lambda: [p for p in spares(kubectl, ns, "warm") if running(p)] or None, 60,
+                            f"a running spare before kill {kill + 1}")
+        started = time.monotonic()
+        kubectl.testbed.request("DELETE", f"/api/v1/namespaces/{ns}/pods/{victim['metadata']['name']}")
+
+        def taken_over():
+            pods = [p for p in unit_pods(kubectl, ns, "warm-cpu-1") if p["metadata"]["uid"] == spare["metadata"]["uid"]]
+            return pods[0] if pods else None
+        took = wait_for(taken_over, 20, f"spare {spare['metadata']['name']} taking over warm-cpu-1", 0.05)
+        times.append(time.monotonic() - started)
+        labels = took["metadata"]["labels"]
+        assert SPARE not in labels and labels["diloco.dev/incarnation"] == str(kill + 1)
+        owner = took["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"]) == ("LearnerUnit", "warm-cpu-1")
+        lu = kubectl.get("lu", "warm-cpu-1", ns=ns)
+        got = unseal(key, took["metadata"]["name"], took["metadata"]["annotations"][ANNOTATION])
+        epoch = int(lu["metadata"]["annotations"]["diloco.dev/token-epoch"])
+        assert (got.learner_id, got.unit, got.token) == ("warm-cpu-1", 1, learner_token(job_token, "warm-cpu-1", epoch))
+        with pytest.raises(ValueError):  # sealed for that pod alone: the same text on another pod does not open
+            unseal(key, "another-pod", took["metadata"]["annotations"][ANNOTATION])
+        # A new spare follows, and the unit runs on the one it took (restart counted, no backoff waited).
+        wait_for(lambda: [p for p in spares(kubectl, ns, "warm") if running(p)
+                          and p["metadata"]["uid"] != spare["metadata"]["uid"]] or None, 30, "a new spare")
+        lu = wait_for(lambda: (lu := kubectl.get("lu", "warm-cpu-1", ns=ns))["status"].get("phase") == "Running"
+                      and lu["status"].get("restarts") == kill + 1 and lu, 30, "the unit Running again")
+        assert lu["status"]["lastFault"]["incarnation"] == kill + 1
+    assert len(unit_pods(kubectl, ns, "warm-cpu-0")) == 1, "the other unit untouched"
+    assert any("warm spare pod takes over" in e.get("message", "") for e in events(kubectl, ns, "PodDeleted"))
+    print(f"\npod deleted -> a spare is the unit's pod: median {statistics.median(times):.2f}s, "
+          f"all {[round(t, 2) for t in times]}")
+
+    # A changed template (a new image): the spares built from the old one are replaced.
+    old = {p["metadata"]["uid"] for p in spares(kubectl, ns, "warm")}
+    kubectl.run("patch", "dj", "warm", "-n", ns, "--type=merge", "-p", '{"spec": {"image": "diloco-trainer:v2"}}')
+    new = wait_for(lambda: [p for p in spares(kubectl, ns, "warm")
+                            if p["metadata"]["uid"] not in old and running(p)] or None, 60, "a spare of the new image")
+    assert new[0]["spec"]["containers"][0]["image"] == "diloco-trainer:v2"
+    wait_for(lambda: not [p for p in kubectl.get("pods", ns=ns, selector=f"diloco.dev/job=warm,{SPARE}=waiting")
+                          if p["metadata"]["uid"] in old], 60, "the old spare gone")
+
+    # Spares off: none kept.
+    kubectl.run("patch", "dj", "warm", "-n", ns, "--type=json", "-p",
+                '[{"op": "replace", "path": "/spec/units/0/spares", "value": 0}]')
+    wait_for(lambda: not kubectl.get("pods", ns=ns, selector=f"diloco.dev/job=warm,{SPARE}=waiting"), 60,
+             "no spare left")

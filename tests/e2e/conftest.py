@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
 
 # The namespaces the e2e jobs run in (one per test module), watched by the operator from its start: they live for the
 # whole session (a namespaced operator whose namespace, and so its Role, is deleted loses its watch there).
-JOB_NAMESPACES = ("e2e", "e2e-shards", "e2e-llama", "e2e-kueue")
+JOB_NAMESPACES = ("e2e", "e2e-shards", "e2e-spares", "e2e-kueue")
 WATCHED_IN_MANIFEST = "diloco-jobs"  # the one namespace manifests/operator-namespaced.yaml watches
 
 

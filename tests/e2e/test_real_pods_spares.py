@@ -2,7 +2,7 @@
 waits; when its unit's learner pod is deleted, the operator relabels the spare as the unit's pod and annotates it
 with the unit's sealed identity, the kubelet rewrites the spare's downward-API file, and the spare trains as that
 learner, in the same container (no new container, no image pull, no import), while the deleted pod hands over its
-unsent work; a new spare follows. Measured: pod deleted -> the unit's learner training again.
+unsent work; a new spare follows. Measured: pod deleted -> the unit's learner training again (a transformers Llama).
 
 The tests run in file order on one job."""
 
@@ -24,6 +24,9 @@ pytestmark = [pytest.mark.e2e]
 JOB, UNIT, SPARE = "warm", "warm-cpu-0", "diloco.dev/spare"
 KILLS = 3
 TAKEOVER_TIMES: list[float] = []
+LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+         "tie_word_embeddings": False}
 
 
 def job_manifest(image: str) -> dict:
@@ -31,8 +34,9 @@ def job_manifest(image: str) -> dict:
         "apiVersion": "diloco.dev/v1alpha1", "kind": "DilocoJob", "metadata": {"name": JOB},
         "spec": {
             "image": image, "imagePullPolicy": "IfNotPresent",
-            "config": {"model": {"seq_len": 32, "d_model": 32, "n_layers": 1, "n_heads": 2},
-                       "data": {"max_bytes": 200000}, "inner": {"batch_size": 4, "warmup_steps": 5},
+            # The Llama of test_real_pods.py (transformers), on the standard library's bytes (no data volume).
+            "config": {"model": {"hf": LLAMA, "seq_len": 64},
+                       "data": {"max_bytes": 200000}, "inner": {"batch_size": 8, "warmup_steps": 5},
                        "outer": {"fragments": 2, "sync_every": 8, "overlap": 2, "compression": "int4",
                                  "quorum": 1, "grace": 0.5}},
             "units": [{"name": "cpu", "count": 1, "spares": 1, "accelerator": {"type": "cpu"},

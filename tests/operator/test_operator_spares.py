@@ -1,0 +1,106 @@
+"""Unit tests of warm spare pods' pure parts (no cluster): which spare a unit can take, when a restart takes one,
+what a spare pod carries (and does not), and the takeover patch."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
+from diloco_operator.objects import builders as O
+from diloco_operator.objects import spares as S
+from diloco_operator.plan import unitplan
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+JOB = {"apiVersion": api.API_VERSION, "kind": "DilocoJob",
+       "metadata": {"name": "demo", "namespace": "ns", "uid": "u-1", "generation": 1}}
+
+
+def job_spec(**template) -> api.DilocoJobSpec:
+    return api.DilocoJobSpec.model_validate({"image": "img:1", "units": [{"name": "cpu", "count": 3, "spares": 1,
+                                                                         **template}]})
+
+
+def unit_of(spec: api.DilocoJobSpec, index: int) -> dict:
+    unit = O.learner_unit(JOB, O.unit_spec("demo", spec, spec.units[0], index, index), epoch=4)
+    unit["metadata"]["uid"] = f"unit-{index}"
+    return unit
+
+
+def running_spare(spec: api.DilocoJobSpec, name: str, start: str, **meta) -> dict:
+    pod = S.spare_pod(JOB, S.spare_template_spec("demo", spec, spec.units[0]))
+    pod["metadata"].update(name=name, resourceVersion="7", **meta)
+    pod["status"] = {"phase": "Running", "startTime": start}
+    return pod
+
+
+def test_a_spare_pod_carries_no_unit_identity_or_token_only_the_spare_key_and_its_assignment_file():
+    pod = S.spare_pod(JOB, S.spare_template_spec("demo", job_spec(), job_spec().units[0]))
+    meta, container = pod["metadata"], pod["spec"]["containers"][0]
+    assert meta["labels"][S.LABEL_SPARE] == S.SPARE_WAITING and O.LABEL_UNIT not in meta["labels"]
+    assert meta["name"].startswith("demo-cpu-spare-") and meta["ownerReferences"][0]["kind"] == "DilocoJob"
+    command = container["command"]
+    for flag in ("--learner-id", "--unit", "--units", "--token-file"):
+        assert flag not in command, flag
+    assert command[:2] == ["diloco", "pod-learner"] and "--assignment-file" in command[:command.index("--")]
+    assert {e["name"] for e in container["env"]} & {"DILOCO_UNIT", "DILOCO_LEARNER_ID"} == set()
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert O.TOKEN_VOLUME not in volumes and volumes["spare-key"]["secret"]["secretName"] == "demo-spare-key"
+    field = volumes["assignment"]["downwardAPI"]["items"][0]["fieldRef"]["fieldPath"]
+    assert field == "metadata.annotations['diloco.dev/assignment']"
+
+
+def test_every_unit_of_a_template_can_take_its_spares_and_a_changed_template_cannot():
+    spec = job_spec()
+    hashes = {S.spare_hash(unit_of(spec, i)["spec"]) for i in range(3)}
+    assert len(hashes) == 1
+    assert S.spare_hash(unit_of(job_spec(image="img:2"), 0)["spec"]) not in hashes
+
+
+def test_a_unit_takes_the_warmest_running_waiting_spare_of_its_template_only():
+    spec = job_spec()
+    unit = unit_of(spec, 1)
+    old, new = running_spare(spec, "old", "2026-01-01T00:00:00Z"), running_spare(spec, "new", "2026-01-01T00:05:00Z")
+    pending = running_spare(spec, "pending", "2026-01-01T00:00:00Z")
+    pending["status"]["phase"] = "Pending"
+    going = running_spare(spec, "going", "2026-01-01T00:00:00Z", deletionTimestamp="2026-01-01T00:06:00Z")
+    stale = running_spare(job_spec(image="img:0"), "stale", "2026-01-01T00:00:00Z")
+    picked = S.usable_spares([new, pending, going, stale, old], unit["spec"])
+    assert [p["metadata"]["name"] for p in picked] == ["old", "new"]
+
+
+def test_the_takeover_patch_relabels_reowns_and_is_conditional_on_the_spares_version():
+    spec = job_spec()
+    unit = unit_of(spec, 2)
+    patch = S.takeover_patch(running_spare(spec, "s", "t"), unit, 3, "sealed")["metadata"]
+    assert patch["resourceVersion"] == "7"
+    assert patch["labels"] == {S.LABEL_SPARE: None, O.LABEL_UNIT: "demo-cpu-2", O.LABEL_INCARNATION: "3",
+                               O.LABEL_RANK: "0"}
+    assert patch["ownerReferences"][0]["uid"] == "unit-2" and patch["annotations"]["diloco.dev/assignment"] == "sealed"
+    assert patch["annotations"][O.ANNOTATION_SPEC_HASH] == O.pod_spec_hash(unit["spec"])
+
+
+def test_no_spares_for_a_finished_job_or_one_queued_in_kueue():
+    spec = job_spec()
+    assert S.spares_wanted(spec, queued=False, finished=False) == {"cpu": 1}
+    assert S.spares_wanted(spec, queued=True, finished=False) == {}
+    assert S.spares_wanted(spec, queued=False, finished=True) == {}
+
+
+def _plan(status: dict, spare: bool) -> unitplan.UnitPlan:
+    spec = job_spec()
+    unit = unit_of(spec, 0)
+    uspec = api.LearnerUnitSpec.model_validate(unit["spec"])
+    return unitplan.plan_unit(uspec, unit["spec"], status, [], T0, spare=spare)  # its one pod was deleted
+
+
+def test_a_running_units_deleted_pod_takes_a_spare_at_once_while_a_failing_one_backs_off():
+    running = {"incarnation": 0, "launchedIncarnation": 0, "phase": "Running", "restarts": 0}
+    plan = _plan(running, spare=True)
+    assert plan.take_spare and plan.create == [] and plan.requeue_after is None
+    assert plan.status.incarnation == plan.status.launchedIncarnation == 1 and plan.status.restarts == 1
+    assert plan.events[0][1] == C.Reason.POD_DELETED and "warm spare pod takes over" in plan.events[0][2]
+    assert not _plan(running, spare=False).take_spare, "no spare up: the restart as before"
+    failing = {**running, "consecutiveFailures": 1}
+    plan = _plan(failing, spare=True)
+    assert not plan.take_spare and plan.requeue_after and plan.requeue_after > 0, "a crash loop backs off"

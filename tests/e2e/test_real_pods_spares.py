@@ -1,7 +1,7 @@
 """Warm spare pods on a real kubelet (spec.units[].spares): a spare pod starts, imports torch and transformers and
 waits; when its unit's learner pod is deleted, the operator relabels the spare as the unit's pod and annotates it
 with the unit's sealed identity, the kubelet rewrites the spare's downward-API file, and the spare trains as that
-learner, in the same container (no new container, no image pull, no import), while the deleted pod hands over its
+learner (likewise when the pod's container is SIGKILLed and the pod fails), in the same container (no new container, no image pull, no import), while the deleted pod hands over its
 unsent work; a new spare follows. Measured: pod deleted -> the unit's learner training again (a transformers Llama).
 
 The tests run in file order on one job."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -101,16 +102,23 @@ def test_a_warm_spare_pod_waits_beside_the_training_unit(job, kubectl):
     assert "waiting for an assignment" in log, log
 
 
-def test_a_deleted_learner_pods_unit_trains_again_on_the_warm_spare_in_seconds_losing_no_acknowledged_work(
+def test_a_deleted_or_sigkilled_learner_pods_unit_trains_again_on_the_warm_spare_in_seconds_losing_no_acknowledged_work(
         job, kubectl):
+    """Deleted (graceful: the pod drains its unsent work meanwhile), then its container SIGKILLed (the pod fails:
+    restartPolicy Never), then deleted again."""
     for kill in range(KILLS):
         victim = wait_for(job.unit_pod, 120, f"{UNIT}'s pod before kill {kill + 1}", 0.5)
         (spare,) = wait_for(lambda: [p for p in job.spares() if warm(p)] or None, 240,
                             f"a warm spare before kill {kill + 1}", 0.5)
         wait_for(lambda: job.merged() > 0, 180, f"some of {UNIT}'s work merged", 1.0)
         acked = (job.syncer_status() or {})["learners"][UNIT]["tokens_merged"]
+        how = "container SIGKILLed" if kill == 1 else "pod deleted"
         killed_at = time.monotonic()
-        kubectl.run("delete", "pod", "-n", job.ns, victim["metadata"]["name"], "--wait=false")
+        if kill == 1:
+            subprocess.run(["ctr", "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", container_id(victim, "learner")],
+                           check=True)
+        else:
+            kubectl.run("delete", "pod", "-n", job.ns, victim["metadata"]["name"], "--wait=false")
 
         def training_on_the_spare():
             pod = job.unit_pod()
@@ -118,7 +126,7 @@ def test_a_deleted_learner_pods_unit_trains_again_on_the_warm_spare_in_seconds_l
                     and (learner_step(pod) or 0) >= 1)
         wait_for(training_on_the_spare, 120, f"{UNIT} training on spare {spare['metadata']['name']}", 0.1)
         TAKEOVER_TIMES.append(time.monotonic() - killed_at)
-        print(f"[e2e] {UNIT}: pod deleted -> training again on the warm spare pod in {TAKEOVER_TIMES[-1]:.2f}s",
+        print(f"[e2e] {UNIT}: {how} -> training again on the warm spare pod in {TAKEOVER_TIMES[-1]:.2f}s",
               file=sys.stderr)
         pod = job.unit_pod()
         assert pod["status"]["containerStatuses"][0].get("restartCount", 0) == 0, "the same container, not a new one"
@@ -126,7 +134,7 @@ def test_a_deleted_learner_pods_unit_trains_again_on_the_warm_spare_in_seconds_l
         wait_for(lambda: job.merged() >= acked, 120, f"{UNIT}'s merged tokens >= {acked} after the takeover", 1.0)
     lu = kubectl.get("lu", UNIT, ns=job.ns)
     assert lu["status"]["restarts"] == KILLS
-    print(f"[e2e] pod deleted -> training on a warm spare pod: median {statistics.median(TAKEOVER_TIMES):.2f}s, "
+    print(f"[e2e] pod deleted or its container SIGKILLed -> training on a warm spare pod: median {statistics.median(TAKEOVER_TIMES):.2f}s, "
           f"all {[round(t, 2) for t in TAKEOVER_TIMES]}", file=sys.stderr)
     # And a new spare is there again.
     wait_for(lambda: job.spares() or None, 120, "a new spare pod", 1.0)

@@ -109,8 +109,10 @@ def test_a_queued_job_runs_the_units_its_quota_admits_and_grows_when_the_quota_i
     wait_for(lambda: len(running_units(kubectl, ns, units)) == 4, 60, "all 4 units running", 0.2)
     print(f"[kueue] quota raised -> 2 more units' pods Running in {time.monotonic() - patched:.1f} s",
           file=sys.stderr)
-    for unit in units:
-        assert condition(kubectl.get("lu", unit, ns=ns), C.ADMITTED).get("reason") == C.Reason.ADMITTED_BY_KUEUE
+    # The units' status follows their pods within a pass (a launch's status write may wait for its pods to be
+    # ready, unitplan.status_may_wait): awaited, not read once.
+    wait_for(lambda: all(condition(kubectl.get("lu", u, ns=ns), C.ADMITTED).get("reason") == C.Reason.ADMITTED_BY_KUEUE
+                         for u in units), 30, "every unit's Admitted condition AdmittedByKueue", 0.2)
 
     # Deleting the job removes its Workloads with its units (owner references): the quota is free again.
     kubectl.run("delete", "dj", "elastic", "-n", ns, "--wait=false")

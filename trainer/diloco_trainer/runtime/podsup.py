@@ -32,6 +32,29 @@ STOP_MARGIN_S = 5.0  # after --drain-s: the step in progress and the snapshot (o
 RESTART_DELAY_S = 0.25  # a killed learner's wait; a crash loop doubles it (Child.next_restart_delay)
 
 
+SPARE_AFTER_S = 120.0  # the latest a cold-started pod starts warming its spare, trained or not
+
+
+class FirstStep:
+    """Whether the learner has trained since `since`: its --state-dir's metrics.jsonl or position.json (written after
+    its first steps) changed after then; without a state directory, SPARE_AFTER_S after `since`."""
+
+    def __init__(self, state_dir: str | None, since: float):
+        self.paths = [Path(state_dir) / n for n in ("metrics.jsonl", "position.json")] if state_dir else []
+        self.since = since
+
+    def seen(self) -> bool:
+        if time.time() - self.since >= SPARE_AFTER_S:
+            return True
+        for path in self.paths:
+            try:
+                if path.stat().st_mtime >= self.since:
+                    return True
+            except OSError:
+                continue
+        return False
+
+
 def restart_verdict(code: int, restarts_at: list[float], now: float, max_restarts: int,
                     window_s: float) -> tuple[bool, str]:
     """Whether a learner that exited with `code` is restarted in place, and why (for the log).
@@ -157,11 +180,13 @@ def run(args: argparse.Namespace) -> int:
     flag = StopFlag()
     with flag.installed(), Supervisor(processes_json=work / "processes.json",
                                       events_jsonl=work / "events.jsonl") as sup:
+        pool = None
         if args.spares or args.assignment_file:
             # The model comes from the syncer: warm transformers too (a Llama learner started ~6 s sooner in a pod).
-            sup.spares = SparePool(work / "spares", max(args.spares, 1 if args.assignment_file else 0), prefix, env,
-                                   sup.spawn, zygote_args=("--warm-hf",))
+            pool = SparePool(work / "spares", max(args.spares, 1 if args.assignment_file else 0), prefix, env,
+                             sup.spawn, zygote_args=("--warm-hf",))
         if args.assignment_file:
+            sup.spares = pool  # a spare pod warms up first: that is what it is for
             try:
                 learner_argv, parsed = _wait_for_assignment(args, learner_argv, work, sup, flag)
             except AssignmentError as exc:
@@ -189,7 +214,12 @@ def run(args: argparse.Namespace) -> int:
         sup.start("learner", warm=bool(args.assignment_file))
         if not args.spares and sup.spares is not None:
             sup.spares.size = 0  # the spare pod's own warm process became the learner; keep none behind it
+        # A cold start's learner imports torch and builds its model first; a spare warming up beside it would halve
+        # its CPU on a small node. The spare starts once the learner has trained a step (or SPARE_AFTER_S passed).
+        first_step = FirstStep(parsed.state_dir, time.time())
         while not flag:
+            if sup.spares is None and pool is not None and (first_step.seen() or not child.alive):
+                sup.spares = pool
             for event in sup.poll():
                 if event.event == "start" and child.restarts:
                     _say(f"learner {parsed.learner_id} restarted in place (pid {event.pid}, "

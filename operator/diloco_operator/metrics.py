@@ -13,6 +13,8 @@ QUEUE_DEPTH = Gauge("diloco_operator_queue_depth", "Objects waiting for a reconc
 UNIT_RESTARTS = Counter("diloco_operator_unit_restarts_total", "Whole-unit restarts decided", ["namespace", "job"])
 SPARE_TAKEOVERS = Counter("diloco_operator_spare_takeovers_total",
                           "Units whose dead pod a warm spare pod replaced (spec.units[].spares)", ["namespace", "job"])
+SPARE_PODS = Gauge("diloco_operator_spare_pods", "Warm spare pods kept for a job's templates, by state (waiting: "
+                   "running and free; starting: not running yet)", ["namespace", "job", "state"])
 RESYNCS = Counter("diloco_operator_resyncs_total", "Periodic resyncs (every known object re-queued)")
 PODS_ON_LOST_NODES = Counter("diloco_operator_lost_node_pods_deleted_total",
                              "Learner pods force-deleted because their node was lost (failurePolicy.nodeLostSeconds)",
@@ -50,6 +52,11 @@ def forget_job(namespace: str, job: str) -> None:
     """Drop a deleted job's series (its gauges and its unit-restart count)."""
     for metric in (*_JOB_GAUGES, UNIT_RESTARTS, PODS_ON_LOST_NODES, SPARE_TAKEOVERS):
         _remove(metric, namespace, job)
+    for state in ("waiting", "starting"):
+        try:
+            SPARE_PODS.remove(namespace, job, state)
+        except KeyError:
+            pass
 
 
 def _remove(metric, namespace: str, job: str) -> None:

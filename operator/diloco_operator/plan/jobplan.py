@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 
 from diloco_operator.api import conditions as C
 from diloco_operator.api import models as api
+from diloco_kube.labels import LABEL_SPARE
 from diloco_operator.objects import builders as O
 from diloco_trainer.protocol.messages import SyncerStatus
 from diloco_trainer.protocol.shardmap import owned_fragments
@@ -199,7 +200,7 @@ def job_status(name: str, spec: api.DilocoJobSpec, generation: int | None, units
     u = _Units.of(units)
     st = old.model_copy(update=dict(
         observedGeneration=generation, replicas=len(u.live), unitsReady=len(u.ready), unitsDesired=desired,
-        selector=f"{O.LABEL_JOB}={name},{O.LABEL_COMPONENT}=learner", syncerReady=syncer_ready,
+        selector=f"{O.LABEL_JOB}={name},{O.LABEL_COMPONENT}=learner,!{LABEL_SPARE}", syncerReady=syncer_ready,
         restarts=sum(x.restarts for x in u.live)))
     if syncer is not None:
         st.outerSteps, st.version = syncer.outer_steps, sum(syncer.versions.values())

@@ -40,6 +40,7 @@ class SparePods:
         wanted = S.spares_wanted(spec, kueue.queue_name(job) is not None, finished)
         want_hash = {t.name: S.spare_hash(S.spare_template_spec(name, spec, t)) for t in spec.units if t.name in wanted}
         have = {t: 0 for t in wanted}
+        running = {True: 0, False: 0}  # kept spares, running or not yet
         delete: list[tuple[str, dict]] = []
         now = time.monotonic()
         for pod in self.cache.spare_pods(ns, name):
@@ -57,6 +58,9 @@ class SparePods:
                 delete.append((meta["name"], pod))
             else:
                 have[template] += 1
+                running[phase == "Running"] += 1
+        metrics.SPARE_PODS.labels(ns, name, "waiting").set(running[True])
+        metrics.SPARE_PODS.labels(ns, name, "starting").set(running[False])
         create: list[api.UnitTemplate] = []
         for t in spec.units:
             if t.name not in wanted:

@@ -182,8 +182,15 @@ class UnitGroup:
         return bool(header[0]), [(values[2 * i], values[2 * i + 1]) for i in range(n)]
 
     def close(self) -> None:
+        """Leave the unit's process group: every rank calls it, after its last collective."""
         if self.world_size > 1:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                if dist.get_backend() == "gloo":
+                    # A gloo worker thread releases a finished collective's tensors under the GIL, and it outlives
+                    # destroy_process_group (DDP and FSDP2 still hold the group). One still waiting for the GIL when
+                    # the interpreter exits aborts the process ("terminate called without an active exception").
+                    # The barrier waits for every earlier collective with the GIL released.
+                    dist.barrier()
                 dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """Warm spare pods (spec.units[].spares) on the local control plane: the job keeps its template's spares; a deleted
 learner pod's unit takes one over at once (no backoff, no new pod to start) by one patch that relabels it as the
 unit's pod and hands it the unit's token sealed for that pod alone; a new spare follows; spares built from an old
-template are replaced. kwok runs no containers: what the spare process does with its assignment is the trainer
+template are replaced; the unit of a lost node takes over a spare on another node. kwok runs no containers: what the spare process does with its assignment is the trainer
 tests' (tests/trainer/test_pod_learner.py) and the e2e tier's."""
 
 from __future__ import annotations
@@ -12,11 +12,15 @@ import time
 
 import pytest
 
+from diloco_operator.api import conditions as C
+from diloco_operator.api import models as api
 from diloco_trainer.protocol.assignment import ANNOTATION, decode_key, unseal
 from diloco_trainer.protocol.tokens import learner_token
 
 from polling import wait_for
+from test_operator_autoscale_cluster import POOL, nodes  # noqa: F401 (a fixture)
 from test_operator_cluster import cpu_units, events, job, running, unit_pods, wait_job_ready
+from test_operator_node_loss_cluster import CPU_NODE, SLACK_S, lose
 
 pytestmark = pytest.mark.cluster
 SPARE = "diloco.dev/spare"
@@ -93,3 +97,36 @@ def test_a_deleted_pods_unit_takes_over_a_warm_spare_at_once_and_a_new_spare_fol
                 '[{"op": "replace", "path": "/spec/units/0/spares", "value": 0}]')
     wait_for(lambda: not kubectl.get("pods", ns=ns, selector=f"diloco.dev/job=warm,{SPARE}=waiting"), 60,
              "no spare left")
+
+
+def test_the_unit_of_a_lost_node_takes_over_a_spare_on_another_node_once_the_node_counts_as_lost(
+        kubectl, operator, ns, nodes):
+    """Two kwok nodes with room for one pod each: the unit on one, its spare on the other. The unit's node dies (kwok
+    no longer answers for it, Ready=Unknown): nodeLostSeconds later the unit's pod is force-deleted and the spare on
+    the healthy node is the unit's pod; a spare on a node that is not Ready is never taken (the new one has no room
+    and waits, Pending)."""
+    pool = f"{ns}-spare"
+    nodes.add("spare", 2, CPU_NODE, {}, taints=())
+    units = [{"name": "cpu", "count": 1, "spares": 1, "nodeSelector": {POOL: pool},
+              "resources": {"requests": {"cpu": "3"}}}]
+    kubectl.apply(job("far", units, restartPolicy={"backoffSeconds": 120, "maxRestarts": 20}), "-n", ns)
+    (pod,) = wait_for(lambda: [p for p in unit_pods(kubectl, ns, "far-cpu-0") if running(p)] or None, 60,
+                      "the unit running", 0.2)
+    (spare,) = wait_for(lambda: [p for p in spares(kubectl, ns, "far") if running(p)] or None, 60,
+                        "its spare running", 0.2)
+    assert spare["spec"]["nodeName"] != pod["spec"]["nodeName"], "one pod per node"
+    lose(kubectl, pod["spec"]["nodeName"])
+    started = time.monotonic()
+    lost_s = api.NODE_LOST_SECONDS
+
+    def on_the_spare():
+        now = unit_pods(kubectl, ns, "far-cpu-0")
+        return now if [p["metadata"]["uid"] for p in now] == [spare["metadata"]["uid"]] else None
+    wait_for(on_the_spare, lost_s + SLACK_S, f"far-cpu-0 on its spare within {lost_s}+{SLACK_S}s of NotReady", 0.1)
+    took = time.monotonic() - started
+    print(f"\nnode NotReady -> its unit on a warm spare on another node: {took:.1f}s (nodeLostSeconds {lost_s})")
+    assert took >= lost_s - 1, "not before the node had been lost for nodeLostSeconds"
+    lu = wait_for(lambda: (u := kubectl.get("lu", "far-cpu-0", ns=ns))["status"].get("phase") == "Running" and u,
+                  10, "the unit Running again", 0.2)
+    assert lu["status"]["nodes"] == [spare["spec"]["nodeName"]] and lu["status"]["restarts"] == 1
+    assert "warm spare pod takes over" in " ".join(e.get("message", "") for e in events(kubectl, ns, C.Reason.NODE_LOST))

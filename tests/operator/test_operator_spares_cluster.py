@@ -130,3 +130,27 @@ def test_the_unit_of_a_lost_node_takes_over_a_spare_on_another_node_once_the_nod
                   10, "the unit Running again", 0.2)
     assert lu["status"]["nodes"] == [spare["spec"]["nodeName"]] and lu["status"]["restarts"] == 1
     assert "warm spare pod takes over" in " ".join(e.get("message", "") for e in events(kubectl, ns, C.Reason.NODE_LOST))
+
+
+def test_two_units_losing_their_pods_at_once_share_one_spare_and_the_other_gets_a_new_pod(kubectl, operator, ns):
+    """One spare, two pods deleted in the same instant: exactly one unit takes the spare (the takeover patch is
+    conditional on the spare's resourceVersion, so a second taker gets 409 and creates a pod instead, or sees no free
+    spare and restarts as before); both units run again, and the spare is replaced."""
+    manifest = job("race", cpu_units(3, spares=1))
+    manifest["spec"]["restartPolicy"] = {"backoffSeconds": 0, "maxRestarts": 20}
+    kubectl.apply(manifest, "-n", ns)
+    wait_job_ready(kubectl, ns, "race", 3)
+    (spare,) = wait_for(lambda: [p for p in spares(kubectl, ns, "race") if running(p)] or None, 60, "a running spare")
+    victims = {u: unit_pods(kubectl, ns, u)[0]["metadata"]["uid"] for u in ("race-cpu-0", "race-cpu-1")}
+    for unit in victims:
+        name = unit_pods(kubectl, ns, unit)[0]["metadata"]["name"]
+        kubectl.testbed.request("DELETE", f"/api/v1/namespaces/{ns}/pods/{name}")
+
+    def both_back():
+        now = {u: [p for p in unit_pods(kubectl, ns, u) if p["metadata"]["uid"] != victims[u]] for u in victims}
+        return now if all(len(ps) == 1 and running(ps[0]) for ps in now.values()) else None
+    now = wait_for(both_back, 30, "both units running on a new pod", 0.1)
+    took = [u for u, (p,) in now.items() if p["metadata"]["uid"] == spare["metadata"]["uid"]]
+    assert len(took) == 1, f"exactly one unit takes the one spare: {took}"
+    wait_for(lambda: [p for p in spares(kubectl, ns, "race") if running(p)] or None, 30, "a new spare")
+    assert len(unit_pods(kubectl, ns, "race-cpu-2")) == 1

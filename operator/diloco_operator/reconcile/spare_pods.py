@@ -88,7 +88,10 @@ class SparePods:
     def _usable(self, unit: dict, job: dict) -> list[dict]:
         """The spares that can become `unit`'s pod now (spares.usable_spares), none on a node that is not Ready."""
         ns = unit["metadata"]["namespace"]
-        found = S.usable_spares(self.cache.spare_pods(ns, job["metadata"]["name"]), unit["spec"])
+        pods = self.cache.spare_pods(ns, job["metadata"]["name"])
+        if not pods:  # most jobs keep none: no spec hash computed on every unit pass
+            return []
+        found = S.usable_spares(pods, unit["spec"])
         return [p for p in found if self._node_ready((p.get("spec") or {}).get("nodeName"))]
 
     def _node_ready(self, name: str | None) -> bool:

@@ -207,8 +207,9 @@ SPARE_CAUSES = (C.Reason.POD_DELETED, C.Reason.POD_FAILED, C.Reason.NODE_LOST)
 
 def spare_takeover(spec: api.LearnerUnitSpec, st: api.LearnerUnitStatus, cause: Cause, spare: bool) -> bool:
     """Whether a warm spare pod replaces the unit's dead pod at once (no backoff, no wait for the old pod to go): a
-    unit of one pod that was running (no failure since), whose pod died, was deleted or lost its node. A unit that
-    keeps failing backs off as before, so a crash loop cannot eat the spares."""
+    unit of one pod that was running (no failure since it was last ready), whose pod died, was deleted or lost its
+    node. A unit whose pods fail before they are ready backs off as before, so a pod that cannot start does not eat
+    the spares (one that fails later, after its in-place restarts, takes one per failure, as it would restart)."""
     return spare and spec.podsPerUnit == 1 and cause.reason in SPARE_CAUSES and st.consecutiveFailures == 0
 
 

@@ -43,6 +43,8 @@ def test_a_deleted_pods_unit_takes_over_a_warm_spare_at_once_and_a_new_spare_fol
     wait_job_ready(kubectl, ns, "warm", 2)
     (spare,) = wait_for(lambda: [p for p in spares(kubectl, ns, "warm") if running(p)] or None, 60, "a running spare")
     assert spare["metadata"]["ownerReferences"][0]["kind"] == "DilocoJob"
+    wait_for(lambda: kubectl.get("dj", "warm", ns=ns)["status"].get("sparesWaiting") == 1, 30,
+             "the job's status.sparesWaiting 1 (kubectl get dj -o wide: Spares)")
     command = spare["spec"]["containers"][0]["command"]
     assert "--assignment-file" in command and "--learner-id" not in command and "--token-file" not in command
     assert all(v["name"] != "token" for v in spare["spec"]["volumes"]), "a spare mounts no unit's token"
@@ -97,6 +99,8 @@ def test_a_deleted_pods_unit_takes_over_a_warm_spare_at_once_and_a_new_spare_fol
                 '[{"op": "replace", "path": "/spec/units/0/spares", "value": 0}]')
     wait_for(lambda: not kubectl.get("pods", ns=ns, selector=f"diloco.dev/job=warm,{SPARE}=waiting"), 60,
              "no spare left")
+    wait_for(lambda: "sparesWaiting" not in kubectl.get("dj", "warm", ns=ns)["status"], 30,
+             "no sparesWaiting in the status of a job that keeps none")
 
 
 def test_the_unit_of_a_lost_node_takes_over_a_spare_on_another_node_once_the_node_counts_as_lost(

@@ -602,6 +602,7 @@ class DilocoJobStatus(_Status):
     tokensTrained: int | None = None  # by the job's learners, as each last told the syncer
     tokensMergedPerFragment: int | None = None  # merged tokens / fragments: compares with tokensTrained
     learnersAlive: int | None = None  # learners the syncer hears from
+    sparesWaiting: int | None = None  # warm spare pods running and free (units[].spares; absent without)
     lastFault: JobFault | None = None  # the latest whole-unit restart and how long its unit took to run again
     startTime: str | None = None
     completionTime: str | None = None

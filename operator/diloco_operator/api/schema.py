@@ -279,6 +279,7 @@ def dilocojob_crd() -> dict:
              "tokens merged into the global model, per fragment: compares with status.tokensTrained"),
         _col("Age", ".metadata.creationTimestamp", "date"),
         _col("Syncer", ".status.syncerReady", "boolean", 1), _col("Version", ".status.version", "integer", 1),
+        _col("Spares", ".status.sparesWaiting", "integer", 1, "warm spare pods running and free (units[].spares)"),
         _col("Message", ".status.message", "string", 1),
     ]
     scale = {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",

@@ -109,11 +109,11 @@ class JobReconciler:
         if syncer is None:
             return
         units = await self._units(job, spec, old_status, syncer.epochs, now, finished)
-        if self.spares is not None:
-            await self.spares.keep(job, spec, finished)
+        spares_waiting = await self.spares.keep(job, spec, finished) if self.spares is not None else None
         readings = self.jobs.of(job).syncer_readings
         readings = {i: readings.get(i) for i in range(spec.config.syncer.shards)}
         status, status_events = await self._observe(job, spec, old_status, now, finished, syncer, units, readings)
+        status.sparesWaiting = spares_waiting
         await self._publish(job, old_status, finished, status, syncer, units, status_events)
         if (reading := jobstatus.combine([r for r in readings.values() if r is not None])) is not None:
             # units show when the syncer last heard from them

@@ -35,7 +35,9 @@ class SparePods:
             kube, cache, writer, jobs, poller, enqueue
         self.failed_at: dict[tuple[str, str, str], float] = {}  # (ns, job, template) -> when a spare last failed
 
-    async def keep(self, job: dict, spec: api.DilocoJobSpec, finished: bool) -> None:
+    async def keep(self, job: dict, spec: api.DilocoJobSpec, finished: bool) -> int | None:
+        """Create and delete spare pods; the spares running and free now (the job's status.sparesWaiting), None when
+        no template keeps any."""
         ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
         wanted = S.spares_wanted(spec, kueue.queue_name(job) is not None, finished)
         want_hash = {t.name: S.spare_hash(S.spare_template_spec(name, spec, t)) for t in spec.units if t.name in wanted}
@@ -84,6 +86,7 @@ class SparePods:
             pod = S.spare_pod(job, S.spare_template_spec(name, spec, template))
             self.cache.wrote(PODS.plural, await self.kube.create(PODS, pod))
         await bounded([remove(n, p) for n, p in delete] + [add(t) for t in create])
+        return running[True] if wanted else None
 
     def _usable(self, unit: dict, job: dict) -> list[dict]:
         """The spares that can become `unit`'s pod now (spares.usable_spares), none on a node that is not Ready."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import secrets
 
-from diloco_trainer.protocol.assignment import ANNOTATION as ANNOTATION_ASSIGNMENT
+from diloco_trainer.protocol.assignment import ANNOTATION as ANNOTATION_ASSIGNMENT, POD_NAME_ENV
 
 from diloco_kube.labels import LABEL_SPARE, SPARE_WAITING
 from diloco_operator.api import models as api
@@ -23,7 +23,6 @@ SPARE_KEY_KEY = "key"
 SPARE_KEY_DIR = "/etc/diloco-spare-key"
 ASSIGNMENT_DIR = "/etc/diloco-assignment"
 ASSIGNMENT_FILE = "assignment"
-POD_NAME_ENV = "DILOCO_POD_NAME"  # runtime/sparepod.py: assignments are sealed for one pod's name
 # What differs between units of one template; the assignment carries the first three (and the token).
 _PER_UNIT = ("index", "unitIndex", "shards", "failurePolicy")
 _PER_UNIT_FLAGS = {"--learner-id": 1, "--unit": 1, "--units": 1, "--token-file": 1}

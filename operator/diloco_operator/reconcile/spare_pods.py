@@ -12,6 +12,7 @@ from diloco_trainer.protocol.tokens import learner_token
 
 from diloco_kube.client import PODS, SECRETS, ApiError, Kube
 from diloco_operator import metrics
+from diloco_operator.api import conditions as C
 from diloco_operator.api import models as api
 from diloco_operator.objects import builders as O
 from diloco_operator.objects import spares as S
@@ -101,8 +102,7 @@ class SparePods:
         node = self.cache.node(name) if name and self.cache.watches_nodes else None
         if node is None:
             return True  # not watched (a namespaced install): the kubelet answers for it
-        conds = (node.get("status") or {}).get("conditions") or []
-        return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+        return C.is_true((node.get("status") or {}).get("conditions"), C.READY)
 
     def usable(self, unit: dict, job: dict) -> int:
         return len(self._usable(unit, job))

@@ -21,6 +21,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 ANNOTATION = "diloco.dev/assignment"
+POD_NAME_ENV = "DILOCO_POD_NAME"  # a spare pod's own name (downward API): assignments are sealed for one pod
 _KEY_CONTEXT = b"diloco spare key v1:"
 _AAD_CONTEXT = "diloco assignment v1:"
 MAX_TEXT = 8192  # an assignment is ~300 bytes; anything far larger is not one

@@ -21,9 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from diloco_trainer.protocol.assignment import AssignmentError
+from diloco_trainer.protocol.assignment import POD_NAME_ENV, AssignmentError
 from diloco_trainer.runtime.procs import Child, StopFlag, Supervisor, child_env, diloco_argv
-from diloco_trainer.runtime.sparepod import POD_NAME_ENV, AssignmentWait
+from diloco_trainer.runtime.sparepod import AssignmentWait
 from diloco_trainer.runtime.spares import SparePool
 
 NO_RESTART_CODES = {2: "a usage or configuration error", 3: "the syncer refused this learner"}

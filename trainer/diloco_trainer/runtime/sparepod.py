@@ -7,8 +7,6 @@ from pathlib import Path
 
 from diloco_trainer.protocol.assignment import Assignment, AssignmentError, decode_key, unseal
 
-POD_NAME_ENV = "DILOCO_POD_NAME"  # the pod's own name (downward API): assignments are sealed for one pod
-
 
 class AssignmentWait:
     """Reads `path` on each `poll` until it holds an assignment for `pod`; the spare key is read once, up front, so

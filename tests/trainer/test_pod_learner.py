@@ -143,8 +143,8 @@ def test_a_learner_killed_past_the_restart_limit_fails_the_pod_with_its_code(tmp
 
 def test_a_spare_pod_waits_warm_and_becomes_the_learner_its_sealed_assignment_names(tmp_path):
     """A spare pod's entrypoint (`--assignment-file`, what the operator's spares run): warm and idle until the
-    downward-API file holds an assignment; one sealed for another pod's name, or under another key, is refused with
-    exit 2 and no learner started; the right one becomes learner `l1` of shard 1 with the unit's own token (the
+    downward-API file holds an assignment; one sealed for another pod's name is refused with exit 2 and no learner
+    started; the right one becomes learner `l1` of shard 1 with the unit's own token (the
     syncer books it as l1), trains, and SIGTERM still drains it and exits 0."""
     from diloco_trainer.protocol.assignment import Assignment, encode_key, seal, spare_key
     from diloco_trainer.protocol.tokens import learner_token
@@ -155,7 +155,7 @@ def test_a_spare_pod_waits_warm_and_becomes_the_learner_its_sealed_assignment_na
     (tmp_path / "key").write_text(encode_key(key))
     assignment = Assignment("l1", 1, 2, learner_token(TOKEN, "l1", 3))
 
-    def spare(name: str, pod: str, learner_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path, Path]:
+    def spare(name: str, pod: str) -> tuple[subprocess.Popen, Path, Path]:
         work, state, log, file = (tmp_path / f"{name}-sup", tmp_path / f"{name}-state", tmp_path / f"{name}.log",
                                   tmp_path / f"{name}-assignment")
         file.write_text("")  # the downward-API file of a pod without the annotation: empty
@@ -165,7 +165,7 @@ def test_a_spare_pod_waits_warm_and_becomes_the_learner_its_sealed_assignment_na
         cmd = [sys.executable, "-m", "diloco_trainer.cli", "pod-learner", "--work-dir", str(work),
                "--assignment-file", str(file), "--spare-key-file", str(tmp_path / "key"), "--",
                "--syncer", syncer.url, "--state-dir", str(state), "--device", "cpu", "--log-every", "1",
-               "--poll-s", "0.1", "--drain-s", str(DRAIN_S), *learner_args]
+               "--poll-s", "0.1", "--drain-s", str(DRAIN_S)]
         return subprocess.Popen(cmd, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=ROOT), file, state
 
     try:

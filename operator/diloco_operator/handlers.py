@@ -126,8 +126,14 @@ def _key(kind: str, body: kopf.Body) -> tuple[str, str, str]:
     return kind, body["metadata"]["namespace"], body["metadata"]["name"]
 
 
+def _observed(memo: kopf.Memo, plural: str, event: dict, body: kopf.Body) -> None:
+    """The cache's own writes stop shadowing what the watch has now delivered (kopf indexes before it runs these)."""
+    memo["controller"].cache.observed(plural, event.get("type"), body)
+
+
 @kopf.on.event(api.GROUP, api.VERSION, "dilocojobs")
 async def job_event(event: dict, body: kopf.Body, memo: kopf.Memo, **_) -> None:
+    _observed(memo, "dilocojobs", event, body)
     if event.get("type") != "DELETED":
         memo["controller"].enqueue(_key("job", body))
 
@@ -135,6 +141,7 @@ async def job_event(event: dict, body: kopf.Body, memo: kopf.Memo, **_) -> None:
 @kopf.on.event(api.GROUP, api.VERSION, "learnerunits")
 async def unit_event(event: dict, body: kopf.Body, memo: kopf.Memo, **_) -> None:
     controller: Controller = memo["controller"]
+    _observed(memo, "learnerunits", event, body)
     ns = body["metadata"]["namespace"]
     job = body.get("spec", {}).get("jobName")
     if event.get("type") != "DELETED":
@@ -144,7 +151,8 @@ async def unit_event(event: dict, body: kopf.Body, memo: kopf.Memo, **_) -> None
 
 
 @kopf.on.event("", "v1", "pods", labels={O.LABEL_COMPONENT: _ours})
-async def pod_event(body: kopf.Body, memo: kopf.Memo, **_) -> None:
+async def pod_event(event: dict, body: kopf.Body, memo: kopf.Memo, **_) -> None:
+    _observed(memo, "pods", event, body)
     labels = body["metadata"].get("labels", {})
     if labels.get(O.LABEL_COMPONENT) == "syncer" or labels.get(LABEL_SPARE):  # the job keeps its spares
         if labels.get(O.LABEL_JOB):
@@ -173,8 +181,9 @@ def diloco_workloads(body: kopf.Body, namespace: str, name: str, **_) -> dict:
     return {(namespace, name): _snapshot(body)}
 
 
-async def workload_event(body: kopf.Body, memo: kopf.Memo, **_) -> None:
+async def workload_event(event: dict, body: kopf.Body, memo: kopf.Memo, **_) -> None:
     """Kueue admitted, evicted or requeued a unit's Workload: the unit follows at once."""
+    _observed(memo, "workloads", event, body)
     unit = body["metadata"].get("labels", {}).get(O.LABEL_UNIT)
     if unit:
         memo["controller"].enqueue(("unit", body["metadata"]["namespace"], unit))
@@ -188,7 +197,8 @@ if WATCH_WORKLOADS:
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={O.LABEL_COMPONENT: "syncer"})
-async def syncer_event(body: kopf.Body, memo: kopf.Memo, **_) -> None:
+async def syncer_event(event: dict, body: kopf.Body, memo: kopf.Memo, **_) -> None:
+    _observed(memo, "deployments", event, body)
     job = body["metadata"].get("labels", {}).get(O.LABEL_JOB)
     if job:
         memo["controller"].enqueue(("job", body["metadata"]["namespace"], job))

@@ -62,6 +62,40 @@ def test_a_pod_being_deleted_shows_its_deletion_until_it_is_gone():
     assert names(cache) == []
 
 
+def test_a_created_pod_the_watch_saw_come_and_go_before_any_lookup_is_not_resurrected():
+    """The operator creates a pod; before any reconcile looks, the watch delivers it and then its deletion (someone
+    deleted it at once). The lookup must not show the created pod from the overlay (its unit would wait the overlay's
+    30 s to heal: a CI failure of test_a_deleted_learner_pod_is_replaced_and_other_units_are_untouched)."""
+    watched: list[dict] = []
+    cache = pod_cache(watched)
+    cache.wrote("pods", obj("p0", 10))
+    watched.append(obj("p0", 12))
+    cache.observed("pods", "ADDED", obj("p0", 12))
+    watched.clear()
+    cache.observed("pods", "DELETED", obj("p0", 14))
+    assert names(cache) == [] and cache.overlay == {}
+
+
+def test_a_write_recorded_after_the_watch_delivered_its_deletion_is_ignored():
+    watched: list[dict] = []
+    cache = pod_cache(watched)
+    cache.observed("pods", "DELETED", obj("p0", 14))  # the create's answer (rv 10) was recorded only after this
+    cache.wrote("pods", obj("p0", 10))
+    assert names(cache) == []
+    cache.wrote("pods", obj("p0", 20))  # a pod of that name created again later is the operator's new write
+    assert names(cache) == ["p0"]
+
+
+def test_a_watch_event_older_than_the_own_write_keeps_the_write_shadowing():
+    watched = [obj("p0", 5)]
+    cache = pod_cache(watched)
+    cache.wrote("pods", obj("p0", 9, annotations={"x": "new"}))
+    cache.observed("pods", "MODIFIED", obj("p0", 5))
+    assert cache.pods_of_unit("ns", "u", "unit")[0]["metadata"]["annotations"] == {"x": "new"}
+    cache.observed("pods", "MODIFIED", obj("p0", 9))
+    assert cache.overlay == {}
+
+
 def test_a_lookup_sees_only_the_writes_of_its_own_unit_and_unasked_writes_expire(monkeypatch):
     cache = Cache({"pods": {("ns", "u"): [], ("ns", "v"): []}})
     other = obj("q0", 3)

@@ -49,6 +49,9 @@ class Cache:
         self._unlabeled: dict[tuple[str, str], set[str]] = {}  # deletions of objects never seen: match any label
         self._labels: dict[Key, list[tuple[str, str]]] = {}
         self._swept = time.monotonic()
+        # Deletions the watch delivered: key -> (resourceVersion of the deletion, when). A write answered before
+        # its object's deletion but recorded after the watch delivered it is not made to shadow the watch again.
+        self._tombstones: dict[Key, tuple[int, float]] = {}
 
     # --- writes ----------------------------------------------------------------------------------------------
     def _put(self, key: Key, entry: tuple[dict | str, int, float], labels: Mapping | None) -> None:
@@ -62,16 +65,24 @@ class Cache:
             self._labels[key] = [(k, str(v)) for k, v in labels.items()]
             for k, v in self._labels[key]:
                 self._by_label.setdefault((plural, ns, k, v), set()).add(name)
-        if entry[2] - self._swept > OVERLAY_TTL_S:  # entries no lookup asked for expire too
-            self._swept = entry[2]
-            for old in [k for k, (_, _, at) in self.overlay.items() if entry[2] - at > OVERLAY_TTL_S]:
+        self._sweep(entry[2])
+
+    def _sweep(self, now: float) -> None:
+        """Entries no lookup asked for expire too (and the watch's deletions, past the same time)."""
+        if now - self._swept > OVERLAY_TTL_S:
+            self._swept = now
+            for old in [k for k, (_, _, at) in self.overlay.items() if now - at > OVERLAY_TTL_S]:
                 self._drop(old)
+            for old in [k for k, (_, at) in self._tombstones.items() if now - at > OVERLAY_TTL_S]:
+                del self._tombstones[old]
 
     def wrote(self, plural: str, obj: dict | None) -> None:
         """Remember the object the API answered a create/patch with (not a Status)."""
         if obj and obj.get("kind") not in (None, "Status") and obj.get("metadata", {}).get("name"):
             meta = obj["metadata"]
             key = (plural, meta.get("namespace") or "", meta["name"])
+            if key in self._tombstones and self._tombstones[key][0] >= _rv(obj):
+                return  # the watch already delivered this object's deletion
             self._put(key, (obj, _rv(obj), time.monotonic()), meta.get("labels") or {})
 
     def deleted(self, plural: str, namespace: str, name: str, answer: dict | None, last_seen: dict | None) -> None:
@@ -79,10 +90,25 @@ class Cache:
         answered with a Status, a 404, or the object's last state)."""
         if answer and answer.get("kind") not in (None, "Status") and answer["metadata"].get("deletionTimestamp"):
             self.wrote(plural, answer)
-            self.deleting.add((plural, namespace or "", name))
+            if (plural, namespace or "", name) in self.overlay:  # (not if the watch already had it gone)
+                self.deleting.add((plural, namespace or "", name))
         else:
             labels = ((last_seen or {}).get("metadata") or {}).get("labels") if last_seen else None
             self._put((plural, namespace or "", name), (GONE, _rv(last_seen), time.monotonic()), labels)
+
+    def observed(self, plural: str, event_type: str | None, obj: Mapping) -> None:
+        """A watch event (after kopf indexed it): an own write the watch has now caught up with stops shadowing it.
+        Without this, a pod the operator created and the watch then saw created and deleted before any lookup
+        would be shown from the overlay, as created, until OVERLAY_TTL_S: its unit would wait that long to heal."""
+        meta = obj.get("metadata") or {}
+        key = (plural, meta.get("namespace") or "", meta.get("name") or "")
+        rv, now = _rv(obj), time.monotonic()
+        if event_type == "DELETED":
+            self._tombstones[key] = (rv, now)
+            self._sweep(now)
+        entry = self.overlay.get(key)
+        if entry is not None and (event_type == "DELETED" or (rv and entry[1] and rv >= entry[1])):
+            self._drop(key)
 
     # --- reads -----------------------------------------------------------------------------------------------
     def _merge(self, plural: str, namespace: str, seen: list[dict], match, candidates: Iterable[str]) -> list[dict]:

@@ -4,8 +4,9 @@ The operator writes it into the spare pod's annotation `diloco.dev/assignment` i
 pod as the unit's; the kubelet shows it to the pod through a downward-API file, and `diloco pod-learner
 --assignment-file` starts the unit's learner from its warm process. An annotation is readable by anyone who may read
 pods, so the token inside is sealed (AES-256-GCM) under the job's spare key, which only the operator (it derives it
-from the job's token) and the job's spare pods (a Secret they mount) hold, and bound to the pod's name: a copy pasted
-onto another pod does not open. Torch-free; JSON only.
+from the job's token) and the job's spare pods (a Secret they mount) hold, and bound to the pod's name and to the
+identity beside it: a copy pasted onto another pod does not open, nor does one whose learner id or data shard was
+edited. Torch-free; JSON only.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 ANNOTATION = "diloco.dev/assignment"
 POD_NAME_ENV = "DILOCO_POD_NAME"  # a spare pod's own name (downward API): assignments are sealed for one pod
 _KEY_CONTEXT = b"diloco spare key v1:"
-_AAD_CONTEXT = "diloco assignment v1:"
+_AAD_CONTEXT = "diloco assignment v2:"
 MAX_TEXT = 8192  # an assignment is ~300 bytes; anything far larger is not one
 
 
@@ -68,11 +69,17 @@ def decode_key(text: str) -> bytes:
     return key
 
 
+def _aad(pod: str, learner_id: str, unit: int, units: int) -> bytes:
+    """What the seal binds the token to: the pod's name and the identity in the clear."""
+    return _AAD_CONTEXT.encode() + json.dumps([pod, learner_id, unit, units], separators=(",", ":")).encode()
+
+
 def seal(key: bytes, pod: str, assignment: Assignment) -> str:
     """The annotation's value: the identity in the clear (a person reading the pod sees what it became), the token
     sealed for `pod` alone."""
     nonce = os.urandom(12)
-    sealed = AESGCM(key).encrypt(nonce, assignment.token.encode(), (_AAD_CONTEXT + pod).encode())
+    a = assignment
+    sealed = AESGCM(key).encrypt(nonce, a.token.encode(), _aad(pod, a.learner_id, a.unit, a.units))
     return json.dumps({"learnerId": assignment.learner_id, "unit": assignment.unit, "units": assignment.units,
                        "token": base64.b64encode(nonce + sealed).decode()}, sort_keys=True, separators=(",", ":"))
 
@@ -96,7 +103,9 @@ def unseal(key: bytes, pod: str, text: str) -> Assignment:
         raise AssignmentError("token must be a string")
     try:
         raw = base64.b64decode(token, validate=True)
-        plain = AESGCM(key).decrypt(raw[:12], raw[12:], (_AAD_CONTEXT + pod).encode())
+        plain = AESGCM(key).decrypt(raw[:12], raw[12:], _aad(pod, learner_id, unit, units))
     except (ValueError, InvalidTag):
-        raise AssignmentError(f"its token does not open under this job's spare key for pod {pod}") from None
+        raise AssignmentError(f"its token does not open under this job's spare key for pod {pod} as learner "
+                              f"{learner_id} (unit {unit} of {units}): sealed under another key, for another pod, "
+                              "or its identity was edited") from None
     return Assignment(learner_id, unit, units, plain.decode())

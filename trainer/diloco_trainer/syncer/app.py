@@ -358,6 +358,8 @@ class Syncer:
         st.add_pending(c)
         st.seen(meta.learner_id)
         m.accepted.inc()
+        if c.rides:
+            m.resends.inc()
         self._kicks[p].set()
         return json_answer(SubmitAnswer(accepted=True, duplicate=False, pending=len(st.pending[p])), status=202)
 

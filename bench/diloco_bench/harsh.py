@@ -92,7 +92,9 @@ def measure(ctx: report.Context, extra: tuple[str, ...] = (), only_seeds: tuple[
                          # moved by the machine's other work (seen: the twins' tokens/s 1.5x apart at load 8-21).
                          "goodput_drop_per_kill": (ff_rates["goodput"] - rates["goodput"]) / len(kills)
                          if kills else None,
-                         "breakdown": kills, "phases": phases})
+                         "breakdown": kills, "phases": phases,
+                         "steps_went": kill_cost.steps_went(Path(ch["run_dir"])),
+                         "failure_free_steps_went": kill_cost.steps_went(Path(ff["run_dir"]))})
     all_kills = [k for s in per_seed for k in s["breakdown"]]
     phases = kill_cost.phase_summary(all_kills)
     n = sum(s["kills"] for s in per_seed)
@@ -180,6 +182,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"seed {s['seed']}: {s['kills']} kills, useful tokens/s kept {100 * s['keep_goodput']:.1f}%, goodput "
               f"{100 * s['failure_free']['goodput']:.1f}% failure-free vs {100 * s['rates']['goodput']:.1f}%, "
               f"-{100 * (s['goodput_drop_per_kill'] or 0):.1f} points per kill")
+        for label, went in (("chaos run", s["steps_went"]), ("its twin", s["failure_free_steps_went"])):
+            if went:
+                print(f"  {label}: of {went['trained']} fragment-steps trained, {100 * went['acked']:.0f}% "
+                      f"acknowledged, {100 * went['discarded']:.0f}% discarded by an adoption, "
+                      f"{100 * went['lost']:.0f}% neither (lost with a process)")
     print(kill_cost.describe(h["phases"]))
     (args.out / "harsh.json").write_text(json.dumps(h, indent=1, default=str))
 

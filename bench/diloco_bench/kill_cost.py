@@ -118,6 +118,33 @@ def kills(run_dir: Path, record: list[ChaosEntry], overwritten: float = 0.0) -> 
     return out
 
 
+def _lives(metrics: list[dict]) -> list[dict]:
+    """The last metrics line of each life of one learner (a life's step count goes back down at the next start)."""
+    out: list[dict] = []
+    for prev, cur in zip(metrics, metrics[1:]):
+        if int(cur.get("step", 0)) < int(prev.get("step", 0)):
+            out.append(prev)
+    return out + metrics[-1:]
+
+
+def steps_went(run_dir: Path) -> dict | None:
+    """Where a run's trained fragment-steps went, summed over learners and lives (each life's last metrics line):
+    acknowledged by the syncer (`acked`), discarded by an adoption (`discarded`, `adopt: overwrite`), or neither
+    (`lost`: with a process, or trained after its last line). Fractions of `trained`; None without metrics."""
+    run_dir = Path(run_dir)
+    fragments = int(yaml.safe_load((run_dir / "config.yaml").read_text())["outer"]["fragments"])
+    trained = acked = discarded = 0
+    for path in sorted(run_dir.glob("learners/*/metrics.jsonl")):
+        for r in _lives(read_jsonl(path)):
+            trained += int(r.get("step", 0)) * fragments
+            acked += int(r.get("acked_steps", 0))
+            discarded += int(r.get("steps_discarded", 0))
+    if not trained:
+        return None
+    return {"trained": trained, "acked": acked / trained, "discarded": discarded / trained,
+            "lost": max(0, trained - acked - discarded) / trained}
+
+
 def phase_summary(breakdown: list[dict]) -> dict:
     """Median and max of every phase over kills (seconds after the kill), and of the work lost at a kill."""
     out: dict = {"kills": len(breakdown), "on_spare": sum(1 for k in breakdown if k["spare"])}

@@ -64,3 +64,16 @@ def test_a_kill_is_broken_down_into_the_phases_of_its_recovery_and_the_work_it_l
     summary = kill_cost.phase_summary([k])
     assert summary["kills"] == 1 and summary["first_step"]["median"] == pytest.approx(4.0)
     assert "first step 4.0" in kill_cost.describe(summary)
+
+
+def test_where_the_steps_went_counts_each_life_once_at_its_last_line(tmp_path):
+    run, _ = _run_dir(tmp_path)
+    path = run / "learners" / "learner-1" / "metrics.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    lines[0]["steps_discarded"], lines[-1]["steps_discarded"] = 40, 3
+    path.write_text("".join(json.dumps(m) + "\n" for m in lines))
+    went = kill_cost.steps_went(run)
+    # Two lives: 40 and 8 steps of 4 fragments; 80 + 5 acknowledged, 40 + 3 discarded, the rest lost.
+    assert went["trained"] == 192
+    assert went["acked"] == pytest.approx(85 / 192) and went["discarded"] == pytest.approx(43 / 192)
+    assert went["lost"] == pytest.approx(64 / 192)

@@ -155,20 +155,22 @@ async def test_a_clean_stop_merges_acknowledged_contributions_still_waiting_for_
         torch.testing.assert_close(resumed.theta[n], want, rtol=1e-5, atol=1e-6)
 
 
-async def test_a_resend_acknowledged_before_a_crash_still_waits_for_its_fragments_next_merge(aiohttp_client, tmp_path):
+async def test_a_rider_acknowledged_before_a_crash_still_waits_for_its_fragments_next_merge(aiohttp_client, tmp_path):
     cfg = tiny_config(quorum=1)
     live, crashed = tmp_path / "live", tmp_path / "crashed"
     syncer = make_syncer(live, cfg)
     client = await start(aiohttp_client, syncer)
     st = syncer.state
     r = await client.post("/v1/fragments/0/outer-gradient",
-                          data=body(st, 0, deltas_for(st, 0, seed=1), sid="resent", resend=True), headers=AUTH)
+                          data=body(st, 0, deltas_for(st, 0, seed=1), sid="resent", rider=True), headers=AUTH)
     assert r.status == 202 and st.versions == [0, 0]
     shutil.copytree(live, crashed)  # a kill -9 now
     replayed = SyncerState(cfg, crashed)
     (c,) = replayed.pending[0].values()
     assert c.submission_id == "resent" and c.rides, "replayed as a resend"
-    assert replayed.decide(0, 30.0) > 0, "it still waits for the fragment's next merge"
+    assert replayed.decide(0, 30.0) > 0, "it still waits for the fragment's next merge (nobody seen yet)"
+    replayed.seen("learner-b")  # another learner alive: the next merge will come
+    assert replayed.decide(0, 30.0) > 0
     again = make_syncer(crashed, cfg)
     client2 = await start(aiohttp_client, again)
     r = await client2.post("/v1/fragments/0/outer-gradient",

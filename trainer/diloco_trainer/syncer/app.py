@@ -359,7 +359,7 @@ class Syncer:
         st.seen(meta.learner_id)
         m.accepted.inc()
         if c.rides:
-            m.resends.inc()
+            m.riders.inc()
         self._kicks[p].set()
         return json_answer(SubmitAnswer(accepted=True, duplicate=False, pending=len(st.pending[p])), status=202)
 

@@ -40,8 +40,9 @@ class SyncerMetrics:
                                        buckets=_SECONDS, registry=r)
         self.accepted = Counter("diloco_syncer_submissions_accepted", "Outer gradients acknowledged (202)",
                                 registry=r)
-        self.resends = Counter("diloco_syncer_resends_accepted", "Restarted learners' resends of their previous "
-                               "life's unsent work acknowledged (each joins its fragment's next merge)", registry=r)
+        self.riders = Counter("diloco_syncer_riders_accepted", "Riders acknowledged: restarted learners' resends of "
+                              "their previous life's unsent work and first outer gradients (each joins its "
+                              "fragment's next merge)", registry=r)
         self.duplicates = Counter("diloco_syncer_submissions_duplicate", "Retried submissions already known",
                                   registry=r)
         self.rejected = Counter("diloco_syncer_submissions_rejected", "Outer gradients rejected, by reason",

@@ -59,8 +59,8 @@ class Contribution:
     delta: dict[str, Tensor] | None
     received_at: float  # monotonic
     spool_name: str
-    # A restarted learner's resend of its predecessor's work (SubmissionMeta.resend): it joins the fragment's next
-    # merge and never makes one alone, unless none comes within RIDER_WAIT_PERIODS sync periods.
+    # A rider (SubmissionMeta.rider): it joins the fragment's next merge and never makes one alone, unless none
+    # comes within RIDER_WAIT_PERIODS sync periods or every live learner has a contribution pending.
     rides: bool = False
 
     def learner_params(self) -> dict[str, Tensor]:
@@ -124,7 +124,7 @@ class _Version:
     tensors: dict[str, Tensor]
 
 
-# Resends (Contribution.rides) wait this many sync periods for their fragment's next merge before merging alone
+# Riders (Contribution.rides) wait this many sync periods for their fragment's next merge before merging alone
 # (every live learner sends each fragment once a period; a run whose learners all died still takes their work).
 RIDER_WAIT_PERIODS = 1.5
 RIDER_WAIT_UNKNOWN_S = 30.0
@@ -206,7 +206,7 @@ class SyncerState:
 
     def has_pending(self, learner_id: str, p: int) -> bool:
         """Whether learner `learner_id` has an acknowledged contribution to fragment p waiting for a merge (its
-        resend of a previous life's work does not hold its own next Δ back)."""
+        rider, e.g. the resend of a previous life's work, does not hold its own next Δ back)."""
         return any(c.learner_id == learner_id and not c.rides for c in self.pending[p].values())
 
     def _first_counted_at(self, p: int) -> float | None:
@@ -266,9 +266,10 @@ class SyncerState:
             raise Rejected(400, f"parameters do not match fragment {p}", "bad_parameters")
         base = self.check_base(p, meta.base_version)
         version = meta.base_version
-        if meta.resend:
-            # Decision: a rebased Δ (a restarted learner's resend of its predecessor's unsent work, built from a
-            # version others have since moved on) is taken as built from the current version: θ_m := Θ_current − Δ̂.
+        if meta.rider:
+            # Decision: a rider (a restarted learner's resend of its predecessor's unsent work or its first Δ, maybe
+            # built from a version others have since moved on from) is taken as built from the current version:
+            # θ_m := Θ_current − Δ̂.
             # Re-anchored against its own stale base instead, Δ' = Θ_current − θ_m would carry the others' updates
             # since that base back out of Θ (learner/loop.py, _adopt_updates, measured that drag). Its base must
             # still be kept (bounded staleness); from here on it is an ordinary contribution (spool, journal, replay).
@@ -276,7 +277,7 @@ class SyncerState:
             base = self.history[p][version]
         return Contribution(meta.submission_id, meta.learner_id, p, version, base.step, meta.c_steps,
                             meta.c_tokens, base.tensors, deltas, self.clock(), self.spool.reserve_name(),
-                            rides=meta.resend)
+                            rides=meta.rider)
 
     def add_pending(self, c: Contribution) -> None:
         """Register an acknowledged (already spooled) contribution for its fragment's next merge."""
@@ -290,7 +291,7 @@ class SyncerState:
             self.policy.observe_quorum_time(self.quorum_reached_at[p] - self.first_pending_at[p])
 
     def rider_wait_s(self) -> float:
-        """How long resends wait for their fragment's next merge: RIDER_WAIT_PERIODS sync periods (H steps at the
+        """How long riders wait for their fragment's next merge: RIDER_WAIT_PERIODS sync periods (H steps at the
         learners' step time), RIDER_WAIT_UNKNOWN_S before a step time is known."""
         step = self.policy.step_time.value
         if step is None:
@@ -299,13 +300,18 @@ class SyncerState:
 
     def decide(self, p: int, live_timeout_s: float) -> float | None:
         """MergePolicy's answer for fragment p now: None (wait for contributions), 0.0 (merge), or seconds.
-        Riders (resends) only join a merge; alone, they wait for the next one, at most rider_wait_s()."""
-        riders = [c.received_at for c in self.pending[p].values() if c.rides]
+        Riders only join a merge: alone, they wait for the next one, at most rider_wait_s(), unless every live
+        learner has a contribution pending (nobody else can come: e.g. a lone learner, or all restarted at once)."""
+        pending = self.pending[p].values()
+        live = self.live_ids(live_timeout_s)
+        riders = [c.received_at for c in pending if c.rides]
+        if riders and live and live <= {c.learner_id for c in pending}:
+            return 0.0  # as MergePolicy does when every live learner is pending (riders' learners included)
         if riders and len(riders) == len(self.pending[p]):
             left = min(riders) + self.rider_wait_s() - self.clock()
             return left if left > 0 else 0.0
         # A learner with a pending contribution counts as alive (MergePolicy's contract: |live ∪ pending|).
-        alive = self.live_ids(live_timeout_s) | {c.learner_id for c in self.pending[p].values() if not c.rides}
+        alive = live | {c.learner_id for c in pending if not c.rides}
         return self.policy.decide(self.pending_learners(p), self.first_pending_at[p], self.quorum_reached_at[p],
                                   self.clock(), n_live=len(alive))
 

@@ -52,21 +52,6 @@ def test_fragments_go_out_staggered_every_h_steps_with_the_work_since_adoption()
     assert sent == [(2, 1, 2), (4, 0, 4), (6, 1, 6), (8, 0, 8)]
 
 
-def test_a_life_started_into_a_running_cycle_sends_riders_until_it_adopted_a_version_of_the_fragment():
-    params = {"a": torch.zeros(4), "b": torch.zeros(2, 2)}
-    sync = OuterSync(PLAN, {0: 0, 1: 3}, params, sync_every=4, adopt="overwrite", compression="none", block_size=8)
-    train(sync, params, 4)
-    riders = {s.fragment: decoded(s)[0].rider for s in [*sync.send_due(2, "l0", "n0"), *sync.send_due(4, "l0", "n0")]}
-    assert riders == {1: True, 0: False}, "fragment 1 was merged by others before: its first Δ rides; 0 never was"
-    leaving = OuterSync(PLAN, {0: 0, 1: 3}, {"a": torch.zeros(4), "b": torch.zeros(2, 2)}, sync_every=4,
-                        adopt="overwrite", compression="none", block_size=8)
-    train(leaving, leaving.params, 1)
-    assert [decoded(s)[0].rider for s in leaving.flush("l0", "n0")] == [False, False], "a leaving learner's aren't"
-    sync.adopt(1, 4, {"b": torch.zeros(2, 2)}, step=4)
-    train(sync, params, 4)
-    assert not decoded(sent_of(sync, 8, 1))[0].rider, "in the cycle after its first adoption"
-
-
 def test_an_acknowledged_fragment_is_not_sent_again_from_the_same_base():
     sync, params = make("overwrite", sync_every=2)
     train(sync, params, 1)

@@ -331,6 +331,9 @@ async def test_a_rider_is_applied_to_the_current_version_as_it_is_and_joins_the_
     metrics = (await (await client.get("/metrics")).read()).decode()
     assert 'diloco_syncer_staleness_versions_bucket{le="0.0"} 3.0' in metrics, "taken as built from the current one"
     assert "diloco_syncer_riders_accepted_total 1.0" in metrics
+    assert 'diloco_syncer_riders_merged_total{alone="false"} 1.0' in metrics
+    status = await (await client.get("/v1/status", headers=AUTH)).json()
+    assert status["riders_merged"] == {"with_others": 1}
     await client.post("/v1/fragments/0/outer-gradient", data=body(st, 0, d1, sid="s3", base=2), headers=AUTH)
     await wait_for_async(lambda: st.versions[0] == 3)  # versions 2 and 3 kept: 0 is gone
     before = snapshot(st)
@@ -353,6 +356,8 @@ async def test_a_rider_alone_merges_once_no_other_merge_came_within_its_wait(aio
     await asyncio.sleep(0.2)
     assert st.versions[0] == 0, "a rider alone waits for the fragment's next merge"
     await wait_for_async(lambda: st.versions[0] == 1, timeout=5, what="the rider merged after its wait")
+    status = await (await client.get("/v1/status", headers=AUTH)).json()
+    assert status["riders_merged"] == {"alone": 1}
 
 
 async def test_a_rider_merges_at_once_when_every_live_learner_has_one_pending(aiohttp_client, tmp_path):

@@ -52,9 +52,6 @@ class FragmentState:
     sent: dict[str, Tensor] | None = None  # θ_p when the outstanding (or acknowledged) Δ was built
     sent_steps: int = 0  # what that Δ covered
     sent_tokens: int = 0
-    # In the fragment's merge cycle: this life adopted a version of p from the syncer, or p had none merged yet when
-    # it started (a new job's learners start in step). Until then its Δs of p are riders (SubmissionMeta.rider).
-    joined: bool = True
 
 
 class OuterSync:
@@ -79,7 +76,7 @@ class OuterSync:
         self.ef = ErrorFeedback()
         P = len(plan)
         self.frags = [FragmentState(versions[p], self._copy(names) if sends else {},
-                                    next_due=step + first_due_step(p, sync_every, P), joined=versions[p] == 0)
+                                    next_due=step + first_due_step(p, sync_every, P))
                       for p, names in enumerate(plan)]
         self.queued = 0  # outer gradients built and handed to the client (a superseding one included)
         self.adoptions = 0
@@ -130,8 +127,7 @@ class OuterSync:
     def flush(self, learner_id: str, nonce: str, queue: QueueFn | None = None) -> list[Submission]:
         """Δs of the fragments with work no sent Δ covers (the learner is leaving). A fragment whose Δ is still
         unanswered keeps it (its answer comes during the drain; superseding it there could race its delivery)."""
-        return [s for p in self.flushable()
-                if (s := self.outer_gradient(p, learner_id, nonce, queue, leaving=True)) is not None]
+        return [s for p in self.flushable() if (s := self.outer_gradient(p, learner_id, nonce, queue)) is not None]
 
     def unsettled(self) -> list[int]:
         """The fragments a leaving learner still has trained work on that no acknowledged Δ covers: unsent, or
@@ -145,17 +141,11 @@ class OuterSync:
                 if fs.c_steps > 0 and not fs.refused
                 and (not fs.acked or (keep and fs.c_steps > fs.sent_steps))]
 
-    def outer_gradient(self, p: int, learner_id: str, nonce: str, queue: QueueFn | None = None,
-                       leaving: bool = False) -> Submission | None:
+    def outer_gradient(self, p: int, learner_id: str, nonce: str, queue: QueueFn | None = None) -> Submission | None:
         """Δ_p = Θ_p(base) − θ_p, compressed with error feedback, handed to `queue` (when given); None when there is
         nothing to send, or when `queue` refuses it: a Δ from this base may already have reached the syncer, which
         merges at most one Δ per id, so that one stands and the steps since count as trained after it (a newer
-        version discards them with overwrite and carries them with keep, as after any acknowledged Δ).
-
-        Decision: until this life has joined p's merge cycle (FragmentState.joined), its Δ is a rider: its own
-        clock is not the others', and merged alone it would make a version in the middle of their sync period
-        that every other learner's adoption (`overwrite`) drops its unsent progress for. A leaving learner's
-        (`leaving`) is not: nobody waits for it to join."""
+        version discards them with overwrite and carries them with keep, as after any acknowledged Δ)."""
         fs = self.frags[p]
         if not self.sends or fs.acked or fs.c_steps == 0:
             return None
@@ -168,8 +158,7 @@ class OuterSync:
             deltas = {n: fs.base[n] - self._local(n) for n in names}
         parts = self.ef.compress(deltas, self.compression, self.block_size)
         sid = submission_id(learner_id, nonce, p, fs.version)
-        meta = SubmissionMeta(learner_id, sid, p, fs.version, fs.c_steps, fs.c_tokens,
-                              rider=not (fs.joined or leaving))
+        meta = SubmissionMeta(learner_id, sid, p, fs.version, fs.c_steps, fs.c_tokens)
         body = encode_submission(meta, parts, self.compression, self.block_size,
                                  {n: tuple(self.params[n].shape) for n in names})
         sub = Submission(p, fs.version, sid, body, fs.c_steps, fs.c_tokens)
@@ -235,7 +224,6 @@ class OuterSync:
             carried_steps = carried_tokens = 0
             self.steps_discarded += unsent_steps
         fs.version = version
-        fs.joined = True
         fs.c_steps, fs.c_tokens = carried_steps, carried_tokens
         # Decision: the H-step clock of a fragment restarts at adoption. Every learner adopts a new version within
         # about one poll of the others, so their next sends of p line up and land in the same merge (quorum +

@@ -162,10 +162,9 @@ class SubmissionMeta:
     base_version: int
     c_steps: int
     c_tokens: int
-    # A rider: a Δ sent outside its fragment's merge cycle by a learner that has not joined that cycle (a restarted
-    # learner's resend of its predecessor's unsent work, or its first Δ of a fragment others already merge). The
-    # syncer applies it to the fragment's current version as it is (base_version may be older) and merges it with
-    # the fragment's next merge rather than alone (syncer/state.py, SyncerState.new_contribution and decide).
+    # A rider: a Δ sent outside its fragment's merge cycle, a restarted learner's resend of its predecessor's unsent
+    # work. The syncer applies it to the fragment's current version as it is (base_version may be older) and merges
+    # it with the fragment's next merge rather than alone (syncer/state.py, SyncerState.new_contribution, decide).
     rider: bool = False
 
     def __post_init__(self) -> None:

@@ -267,8 +267,8 @@ class SyncerState:
         base = self.check_base(p, meta.base_version)
         version = meta.base_version
         if meta.rider:
-            # Decision: a rider (a restarted learner's resend of its predecessor's unsent work or its first Δ, maybe
-            # built from a version others have since moved on from) is taken as built from the current version:
+            # Decision: a rider (a restarted learner's resend of its predecessor's unsent work, maybe built from a
+            # version others have since moved on from) is taken as built from the current version:
             # θ_m := Θ_current − Δ̂.
             # Re-anchored against its own stale base instead, Δ' = Θ_current − θ_m would carry the others' updates
             # since that base back out of Θ (learner/loop.py, _adopt_updates, measured that drag). Its base must

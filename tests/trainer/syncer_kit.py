@@ -35,6 +35,12 @@ async def start(aiohttp_client, syncer: Syncer):
     return await aiohttp_client(make_app(syncer))
 
 
+async def serve(aiohttp_client, state_dir: Path, config: TrainConfig):
+    """A syncer on `state_dir` behind aiohttp's test client: (syncer, client, its state)."""
+    syncer = make_syncer(state_dir, config)
+    return syncer, await start(aiohttp_client, syncer), syncer.state
+
+
 def deltas_for(state: SyncerState, p: int, seed: int, scale: float = 1e-2) -> dict[str, torch.Tensor]:
     """A random outer gradient for fragment p (reproducible from seed)."""
     g = torch.Generator().manual_seed(seed)

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from diloco_trainer.config import MODEL_PRESETS
 from diloco_trainer.syncer.state import SyncerState
 from polling import wait_for_async
-from syncer_kit import (AUTH, assert_unchanged, body, deltas_for, first_outer_step, make_syncer, register_body,
+from syncer_kit import (AUTH, assert_unchanged, body, deltas_for, first_outer_step, make_syncer, register_body, serve,
                         snapshot, start, tiny_config)
 
 
@@ -24,9 +24,7 @@ def _spooled(state_dir):
 async def test_an_acknowledged_submission_is_merged_exactly_once_after_a_crash(aiohttp_client, tmp_path):
     cfg = tiny_config(quorum=1)
     live, crashed = tmp_path / "live", tmp_path / "crashed"
-    syncer = make_syncer(live, cfg)
-    client = await start(aiohttp_client, syncer)
-    st = syncer.state
+    syncer, client, st = await serve(aiohttp_client, live, cfg)
     theta0 = st.fragment(0)
     d = deltas_for(st, 0, seed=1)
     payload = body(st, 0, d, sid="acked-before-crash", c_tokens=777)
@@ -158,9 +156,7 @@ async def test_a_clean_stop_merges_acknowledged_contributions_still_waiting_for_
 async def test_a_rider_acknowledged_before_a_crash_still_waits_for_its_fragments_next_merge(aiohttp_client, tmp_path):
     cfg = tiny_config(quorum=1)
     live, crashed = tmp_path / "live", tmp_path / "crashed"
-    syncer = make_syncer(live, cfg)
-    client = await start(aiohttp_client, syncer)
-    st = syncer.state
+    syncer, client, st = await serve(aiohttp_client, live, cfg)
     r = await client.post("/v1/fragments/0/outer-gradient",
                           data=body(st, 0, deltas_for(st, 0, seed=1), sid="resent", rider=True), headers=AUTH)
     assert r.status == 202 and st.versions == [0, 0]

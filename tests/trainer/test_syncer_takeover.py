@@ -25,7 +25,7 @@ from diloco_trainer.syncer.journal import JournalEntry, MergeJournal
 from diloco_trainer.syncer.takeover import StateLock, read_incarnations, wait_out_hold
 from diloco_trainer.protocol.wire import SubmissionMeta, decode_tensors, encode_submission, quantize
 from polling import wait_for, wait_for_async
-from syncer_kit import AUTH, TOKEN, body, deltas_for, make_syncer, start, tiny_config
+from syncer_kit import AUTH, TOKEN, body, deltas_for, make_syncer, serve, start, tiny_config
 
 
 # --------------------------------------------------------------------------- the lock
@@ -95,9 +95,7 @@ def test_a_torn_last_journal_line_is_dropped_and_the_next_merge_starts_a_line_of
 async def test_versions_published_before_a_crash_are_published_again_under_their_own_ids(aiohttp_client, tmp_path):
     cfg = tiny_config(quorum=1)
     live, crashed = tmp_path / "live", tmp_path / "crashed"
-    syncer = make_syncer(live, cfg)
-    client = await start(aiohttp_client, syncer)
-    st = syncer.state
+    syncer, client, st = await serve(aiohttp_client, live, cfg)
     for i, learner in enumerate(["learner-a", "learner-b"]):
         r = await client.post("/v1/fragments/0/outer-gradient", headers=AUTH,
                               data=body(st, 0, deltas_for(st, 0, seed=i), learner=learner, sid=f"s{i}", base=i,

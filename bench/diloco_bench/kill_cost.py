@@ -17,7 +17,7 @@ import yaml
 
 from diloco_trainer.protocol.chaos_record import ChaosEntry
 from diloco_trainer.protocol.runfiles import read_events
-from diloco_trainer.runtime.rundir import read_jsonl
+from diloco_trainer.runtime.rundir import learner_totals, metrics_records, read_jsonl
 
 PHASES = ("exit_seen", "restarted", "assigned", "registered", "corpus", "ready", "first_step", "first_acked",
           "merged_again")
@@ -118,27 +118,21 @@ def kills(run_dir: Path, record: list[ChaosEntry], overwritten: float = 0.0) -> 
     return out
 
 
-def _lives(metrics: list[dict]) -> list[dict]:
-    """The last metrics line of each life of one learner (a life's step count goes back down at the next start)."""
-    out: list[dict] = []
-    for prev, cur in zip(metrics, metrics[1:]):
-        if int(cur.get("step", 0)) < int(prev.get("step", 0)):
-            out.append(prev)
-    return out + metrics[-1:]
-
-
 def steps_went(run_dir: Path) -> dict | None:
-    """Where a run's trained fragment-steps went, summed over learners and lives (each life's last metrics line):
-    acknowledged by the syncer (`acked`), discarded by an adoption (`discarded`, `adopt: overwrite`), or neither
-    (`lost`: with a process, or trained after its last line). Fractions of `trained`; None without metrics."""
+    """Where a run's trained fragment-steps went, summed over learners and lives (rundir.learner_totals: each
+    life's last metrics line): acknowledged by the syncer (`acked`), discarded by an adoption (`discarded`, `adopt:
+    overwrite`), or neither (`lost`: with a process, or trained after its last line). Fractions of `trained`; None
+    without metrics."""
     run_dir = Path(run_dir)
     fragments = int(yaml.safe_load((run_dir / "config.yaml").read_text())["outer"]["fragments"])
+    events = read_events(run_dir)
     trained = acked = discarded = 0
     for path in sorted(run_dir.glob("learners/*/metrics.jsonl")):
-        for r in _lives(read_jsonl(path)):
-            trained += int(r.get("step", 0)) * fragments
-            acked += int(r.get("acked_steps", 0))
-            discarded += int(r.get("steps_discarded", 0))
+        starts = [e.time for e in events if e.name == path.parent.name and e.event == "start"]
+        totals = learner_totals(metrics_records(path), starts)
+        trained += totals["step"] * fragments
+        acked += totals["acked_steps"]
+        discarded += totals["steps_discarded"]
     if not trained:
         return None
     return {"trained": trained, "acked": acked / trained, "discarded": discarded / trained,

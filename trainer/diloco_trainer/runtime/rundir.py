@@ -111,8 +111,9 @@ def steps_in_incarnation(rec: dict | MetricsRecord) -> int:
 
 
 def learner_totals(records: list, starts: list[float]) -> dict:
-    """Totals over all incarnations of one learner: steps, tokens, acked tokens/steps, sent, rejected."""
-    keys = ("step", "tokens", "acked_tokens", "acked_steps", "sent", "acked", "rejected", "adoptions")
+    """Totals over all incarnations of one learner: steps, tokens, acked tokens/steps, sent, rejected, adoptions and
+    the fragment-steps they discarded."""
+    keys = ("step", "tokens", "acked_tokens", "acked_steps", "sent", "acked", "rejected", "adoptions", "steps_discarded")
     total = {k: 0 for k in keys}
     for group in split_incarnations(records, starts):
         if group:

@@ -27,7 +27,7 @@ LOG_MARKS = {"assigned": "warm spare took over", "registered": "syncer reachable
              "ready": "starting at versions"}
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
 # The next life's resend of the unsent work its predecessor's snapshot held (learner/loop.py, Learner._resend).
-_RESENT = re.compile(r"resending the unsent work of the previous start: \d+ of \d+ fragment\(s\) .*\((\d+) steps\)")
+_RESENT = re.compile(r"resending the unsent work of the previous start: \d+ of \d+ fragment\(s\).*\((\d+) steps\)")
 
 
 def log_time(line: str) -> float | None:

@@ -40,7 +40,7 @@ def _run_dir(tmp_path):
            f"{_stamp(kill + 3.1)} INFO learner-1[0] diloco_trainer.data.corpus: corpus from cache x.train.npy (1 / 1 bytes)",
            f"{_stamp(kill + 3.2)} INFO learner-1[0] diloco_trainer.learner.loop: learner learner-1 (...) starting at versions",
            f"{_stamp(kill + 3.3)} INFO learner-1[0] diloco_trainer.learner.loop: resending the unsent work of the "
-           "previous start: 3 of 4 fragment(s) still at its base version (24 steps)"]
+           "previous start: 3 of 4 fragment(s), 1 of them rebased onto a newer version (24 steps)"]
     (run / "logs" / "learner-1.log").write_text("\n".join(log) + "\n")
     record = [ChaosEntry(event="fault", time=kill, unit="learner-1", fault=1),
               ChaosEntry(event="recovery", time=kill + 7.5, fault=1, unit="learner-1", merged_again_s=7.5)]

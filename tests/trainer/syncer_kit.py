@@ -48,9 +48,9 @@ def deltas_for(state: SyncerState, p: int, seed: int, scale: float = 1e-2) -> di
 
 
 def body(state: SyncerState, p: int, deltas: dict, *, learner="learner-a", sid="sub-1", base=0, c_steps=4,
-         c_tokens=1024, scheme="none", fragment=None) -> bytes:
+         c_tokens=1024, scheme="none", fragment=None, rider=False) -> bytes:
     """An outer-gradient body as a learner's wire.encode_submission makes it."""
-    meta = SubmissionMeta(learner, sid, p if fragment is None else fragment, base, c_steps, c_tokens)
+    meta = SubmissionMeta(learner, sid, p if fragment is None else fragment, base, c_steps, c_tokens, rider=rider)
     parts = {n: quantize(d, scheme, 64) for n, d in deltas.items()}
     return encode_submission(meta, parts, scheme, 64, {n: tuple(d.shape) for n, d in deltas.items()})
 

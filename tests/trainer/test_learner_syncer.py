@@ -243,7 +243,7 @@ def test_a_sigkilled_learner_loses_at_most_its_last_step_and_resumes_its_data_ri
     # the data resumes exactly after the steps its resent work covers.
     assert resumed and int(resumed[-1]) >= 8 * (trained - 1), (trained, resumed, text[-3000:])
     snapshot_steps = int(resumed[-1]) // 8
-    found = re.search(r"resending the unsent work of the previous start: (\d+) of (\d+) fragment\(s\) .*\((\d+) steps\)",
+    found = re.search(r"resending the unsent work of the previous start: (\d+) of (\d+) fragment\(s\).*\((\d+) steps\)",
                       text)
     assert found and int(found.group(1)) >= 1, text[-3000:]
     # Each fragment's Δ covers its steps from the version it last adopted (by `stopped_at`) to the snapshot.

@@ -238,7 +238,7 @@ def test_keep_with_a_fraction_carries_that_share_of_the_progress_and_of_its_coun
                   keep_fraction=0.0)
 
 
-def test_unsent_work_comes_back_as_the_previous_incarnations_delta_only_where_the_base_is_still_current():
+def test_unsent_work_comes_back_as_the_previous_incarnations_resends_also_where_the_base_moved_on():
     sync, params = make("overwrite", sync_every=4, compression="none")
     train(sync, params, 4)
     sync.book([answer(sent_of(sync, 4, 0))])  # fragment 0's work is acknowledged: nothing to carry over
@@ -253,5 +253,11 @@ def test_unsent_work_comes_back_as_the_previous_incarnations_delta_only_where_th
     meta, deltas = decoded(sub)
     assert (meta.base_version, meta.c_steps, meta.c_tokens) == (1, 5, 5 * TOKENS)
     assert torch.equal(deltas["b"], torch.full((2, 2), 5.0))
-    assert after.resend(tensors, fragments, {0: 1, 1: 2}, "l0", "oldnonce") == [], \
-        "fragment 1 moved on: an adoption would have dropped that work"
+    assert meta.rider, "a resend: the syncer holds it for the fragment's next merge"
+    (moved,) = after.resend(tensors, fragments, {0: 1, 1: 3}, "l0", "oldnonce")
+    meta, deltas = decoded(moved)
+    assert meta.rider and moved.submission_id == "l0.oldnonce.p1.v1", \
+        "fragment 1 moved on: its work still goes (the syncer applies it to the current version), under the same id"
+    assert (meta.base_version, meta.c_steps) == (1, 5) and torch.equal(deltas["b"], torch.full((2, 2), 5.0))
+    assert after.resend(tensors, fragments, {0: 1, 1: 0}, "l0", "oldnonce") == [], \
+        "fragment 1 went back (a syncer shard lost state): nothing to rebase onto"

@@ -299,6 +299,79 @@ async def test_a_stale_but_kept_base_is_reanchored_to_the_current_version(aiohtt
     assert 'diloco_syncer_staleness_versions_bucket{le="1.0"} 2.0' in metrics  # s2: one version behind
 
 
+async def test_a_rider_is_applied_to_the_current_version_as_it_is_and_joins_the_next_merge(aiohttp_client, tmp_path):
+    """A restarted learner's resend of its predecessor's work (SubmissionMeta.resend), from a base others moved on:
+    no merge of its own; the next live Δ's merge takes it as Δ itself (not Θ1 − θ_b); a retry of its id is a
+    duplicate; a base no longer kept is 409 as for any Δ."""
+    cfg = tiny_config(quorum=1, versions_kept=2, merge="mean")
+    syncer = make_syncer(tmp_path, cfg)
+    client = await start(aiohttp_client, syncer)
+    st = syncer.state
+    lr, mu = cfg.outer.lr, cfg.outer.momentum
+    d1, d2, d3 = (deltas_for(st, 0, seed=s) for s in (1, 2, 3))
+    await client.post("/v1/fragments/0/outer-gradient", data=body(st, 0, d1, sid="s1"), headers=AUTH)
+    await wait_for_async(lambda: st.versions[0] == 1)
+    theta1 = st.fragment(0)
+    resend = body(st, 0, d2, learner="learner-b", sid="s2", base=0, rider=True)
+    r = await client.post("/v1/fragments/0/outer-gradient", data=resend, headers=AUTH)
+    assert r.status == 202 and (await r.json())["pending"] == 1
+    own = await client.post("/v1/fragments/0/outer-gradient",
+                            data=body(st, 0, d3, learner="learner-b", sid="s2b", base=1), headers=AUTH)
+    assert own.status == 202, "a learner's rider does not hold its own next Δ back (no 429)"
+    await wait_for_async(lambda: st.versions[0] == 2)
+    assert st.contributions_merged == 3
+    for n in st.plan[0]:
+        merged = (d2[n] + d3[n]) / 2  # equal token weights
+        buf = mu * d1[n] + merged
+        torch.testing.assert_close(st.theta[n], theta1[n] - lr * (merged + mu * buf), rtol=1e-5, atol=1e-6)
+    merged_state = snapshot(st)
+    again = await client.post("/v1/fragments/0/outer-gradient", data=resend, headers=AUTH)
+    assert again.status == 202 and (await again.json())["duplicate"] is True
+    assert_unchanged(merged_state, snapshot(st))
+    metrics = (await (await client.get("/metrics")).read()).decode()
+    assert 'diloco_syncer_staleness_versions_bucket{le="0.0"} 3.0' in metrics, "taken as built from the current one"
+    assert "diloco_syncer_riders_accepted_total 1.0" in metrics
+    assert 'diloco_syncer_riders_merged_total{alone="false"} 1.0' in metrics
+    status = await (await client.get("/v1/status", headers=AUTH)).json()
+    assert status["riders_merged"] == {"with_others": 1}
+    await client.post("/v1/fragments/0/outer-gradient", data=body(st, 0, d1, sid="s3", base=2), headers=AUTH)
+    await wait_for_async(lambda: st.versions[0] == 3)  # versions 2 and 3 kept: 0 is gone
+    before = snapshot(st)
+    r = await client.post("/v1/fragments/0/outer-gradient",
+                          data=body(st, 0, d2, learner="learner-b", sid="s4", base=0, rider=True), headers=AUTH)
+    assert r.status == 409 and "older than the versions kept" in (await r.json())["error"]
+    assert_unchanged(before, snapshot(st))
+
+
+async def test_a_rider_alone_merges_once_no_other_merge_came_within_its_wait(aiohttp_client, tmp_path):
+    syncer = make_syncer(tmp_path, tiny_config(quorum=1))
+    client = await start(aiohttp_client, syncer)
+    st = syncer.state
+    st.rider_wait_s = lambda: 0.5
+    await register(client, "learner-a")
+    await register(client, "learner-b")  # alive, and may send fragment 0 any moment
+    r = await client.post("/v1/fragments/0/outer-gradient",
+                          data=body(st, 0, deltas_for(st, 0, seed=1), sid="s1", rider=True), headers=AUTH)
+    assert r.status == 202
+    await asyncio.sleep(0.2)
+    assert st.versions[0] == 0, "a rider alone waits for the fragment's next merge"
+    await wait_for_async(lambda: st.versions[0] == 1, timeout=5, what="the rider merged after its wait")
+    status = await (await client.get("/v1/status", headers=AUTH)).json()
+    assert status["riders_merged"] == {"alone": 1}
+
+
+async def test_a_rider_merges_at_once_when_every_live_learner_has_one_pending(aiohttp_client, tmp_path):
+    """A lone learner restarted (or all of them): nobody else will make the merge its riders wait for."""
+    syncer = make_syncer(tmp_path, tiny_config(quorum=2))
+    client = await start(aiohttp_client, syncer)
+    st = syncer.state
+    await register(client, "learner-a")
+    r = await client.post("/v1/fragments/0/outer-gradient",
+                          data=body(st, 0, deltas_for(st, 0, seed=1), sid="s1", rider=True), headers=AUTH)
+    assert r.status == 202
+    await wait_for_async(lambda: st.versions[0] == 1, timeout=2, what="the lone learner's rider merged")
+
+
 async def test_a_base_older_than_the_versions_kept_is_409_and_changes_nothing(aiohttp_client, tmp_path):
     syncer = make_syncer(tmp_path, tiny_config(quorum=1, versions_kept=2))
     client = await start(aiohttp_client, syncer)

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from diloco_trainer.config import MODEL_PRESETS
 from diloco_trainer.syncer.state import SyncerState
 from polling import wait_for_async
-from syncer_kit import (AUTH, assert_unchanged, body, deltas_for, first_outer_step, make_syncer, register_body,
+from syncer_kit import (AUTH, assert_unchanged, body, deltas_for, first_outer_step, make_syncer, register_body, serve,
                         snapshot, start, tiny_config)
 
 
@@ -24,9 +24,7 @@ def _spooled(state_dir):
 async def test_an_acknowledged_submission_is_merged_exactly_once_after_a_crash(aiohttp_client, tmp_path):
     cfg = tiny_config(quorum=1)
     live, crashed = tmp_path / "live", tmp_path / "crashed"
-    syncer = make_syncer(live, cfg)
-    client = await start(aiohttp_client, syncer)
-    st = syncer.state
+    syncer, client, st = await serve(aiohttp_client, live, cfg)
     theta0 = st.fragment(0)
     d = deltas_for(st, 0, seed=1)
     payload = body(st, 0, d, sid="acked-before-crash", c_tokens=777)
@@ -153,6 +151,30 @@ async def test_a_clean_stop_merges_acknowledged_contributions_still_waiting_for_
     for n in resumed.plan[1]:
         want = first_outer_step(theta0[n], d[n], cfg.outer.lr, cfg.outer.momentum)
         torch.testing.assert_close(resumed.theta[n], want, rtol=1e-5, atol=1e-6)
+
+
+async def test_a_rider_acknowledged_before_a_crash_still_waits_for_its_fragments_next_merge(aiohttp_client, tmp_path):
+    cfg = tiny_config(quorum=1)
+    live, crashed = tmp_path / "live", tmp_path / "crashed"
+    syncer, client, st = await serve(aiohttp_client, live, cfg)
+    r = await client.post("/v1/fragments/0/outer-gradient",
+                          data=body(st, 0, deltas_for(st, 0, seed=1), sid="resent", rider=True), headers=AUTH)
+    assert r.status == 202 and st.versions == [0, 0]
+    shutil.copytree(live, crashed)  # a kill -9 now
+    replayed = SyncerState(cfg, crashed)
+    (c,) = replayed.pending[0].values()
+    assert c.submission_id == "resent" and c.rides, "replayed as a resend"
+    assert replayed.decide(0, 30.0) > 0, "it still waits for the fragment's next merge (nobody seen yet)"
+    replayed.seen("learner-b")  # another learner alive: the next merge will come
+    assert replayed.decide(0, 30.0) > 0
+    again = make_syncer(crashed, cfg)
+    client2 = await start(aiohttp_client, again)
+    r = await client2.post("/v1/fragments/0/outer-gradient",
+                           data=body(again.state, 0, deltas_for(st, 0, seed=2), learner="learner-b", sid="live"),
+                           headers=AUTH)
+    assert r.status == 202
+    await wait_for_async(lambda: again.state.versions[0] == 1)
+    assert again.state.contributions_merged == 2 and again.state.tokens_merged == 2048
 
 
 async def test_checkpoints_and_spool_hold_only_safetensors_and_json(aiohttp_client, tmp_path):

@@ -268,6 +268,13 @@ def test_decode_rejects_negative_counters(field):
     _reject(_with_metadata(**{field: "-3"}), f"{field} must be non-negative")
 
 
+def test_a_rebased_submission_says_so_and_any_other_value_of_the_flag_is_refused():
+    meta, _ = decode_submission(_with_metadata(rider="1"), SHAPES)
+    assert meta.rider and not META.rider and "rider" not in _parts_of(_body())[1], "absent unless set"
+    for bad in ("true", "2", ""):
+        _reject(_with_metadata(rider=bad), "rider.*'0' or '1'")
+
+
 def test_decode_rejects_zero_steps_and_zero_tokens():
     _reject(_with_metadata(c_steps="0"), "c_steps must be >= 1")
     _reject(_with_metadata(c_tokens="0"), "c_tokens must be >= 1")

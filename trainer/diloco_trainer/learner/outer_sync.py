@@ -266,20 +266,25 @@ class OuterSync:
     def resend(self, tensors: dict[str, Tensor], fragments: list[dict], versions_now: dict[int, int],
                learner_id: str, nonce: str) -> list[Submission]:
         """Δs of a previous incarnation's unsent work, under that incarnation's ids (`nonce`): a Δ it had sent from
-        the same base already is then a duplicate, never merged twice. Only fragments still at the version that
-        work started from: had a newer version come, adopting it would have dropped the work anyway, and a Δ
-        against a moved base would drag Θ back."""
+        the same base already is then a duplicate, never merged twice. Each goes as a rider
+        (SubmissionMeta.rider): the syncer applies it to the fragment's current version as it is (where re-anchored
+        against a base others have since moved on, it would drag Θ back) and holds it for the fragment's next merge
+        (merged alone at once, it would make a version that every other learner's adoption drops its own unsent
+        progress for). Had the learner lived, it would have sent that work at its next due step and joined that
+        merge. The syncer refuses a base older than the versions it keeps (409), as for any late Δ. A fragment
+        whose version went back (a syncer shard lost state) is left out."""
         out = []
         for f in fragments:
             p, version = int(f["fragment"]), int(f["version"])
-            if versions_now.get(p) != version:
+            now = versions_now.get(p)
+            if now is None or now < version:
                 continue
             names = self.plan[p]
             deltas = {n: tensors[f"base.{p}.{n}"] - tensors[f"theta.{p}.{n}"] for n in names}
             parts = ErrorFeedback().compress(deltas, self.compression, self.block_size)  # its residual died with it
             sid = submission_id(learner_id, nonce, p, version)
             c_steps, c_tokens = int(f["c_steps"]), int(f["c_tokens"])
-            meta = SubmissionMeta(learner_id, sid, p, version, c_steps, c_tokens)
+            meta = SubmissionMeta(learner_id, sid, p, version, c_steps, c_tokens, rider=True)
             body = encode_submission(meta, parts, self.compression, self.block_size,
                                      {n: tuple(self.params[n].shape) for n in names})
             out.append(Submission(p, version, sid, body, c_steps, c_tokens, recovered=True))

@@ -147,5 +147,6 @@ class Resumable:
             for sub in subs:
                 self.client.submit(sub)
             self.resent = {sub.submission_id for sub in subs}
-            log.info("resending the unsent work of the previous start: %d of %d fragment(s) still at its base "
-                     "version (%d steps)", len(subs), len(found.unsent), sum(s.c_steps for s in subs))
+            rebased = sum(1 for sub in subs if versions[sub.fragment] > sub.base_version)
+            log.info("resending the unsent work of the previous start: %d of %d fragment(s), %d of them rebased onto "
+                     "a newer version (%d steps)", len(subs), len(found.unsent), rebased, sum(s.c_steps for s in subs))

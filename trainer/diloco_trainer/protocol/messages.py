@@ -203,6 +203,9 @@ class SyncerStatus(_Document):
     merges: int = 0
     contributions_merged: int = 0
     tokens_merged: int = 0
+    # Riders (docs/protocol.md) this incarnation merged, with other learners' contributions or in merges of riders
+    # only: {"with_others": n, "alone": n}.
+    riders_merged: dict[str, int] = Field(default_factory=dict)
     learners: dict[str, LearnerStatus] = Field(default_factory=dict)
     live_learners: int = 0
     pending: dict[str, int] = Field(default_factory=dict)

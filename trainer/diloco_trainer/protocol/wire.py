@@ -162,6 +162,10 @@ class SubmissionMeta:
     base_version: int
     c_steps: int
     c_tokens: int
+    # A rider: a Δ sent outside its fragment's merge cycle, a restarted learner's resend of its predecessor's unsent
+    # work. The syncer applies it to the fragment's current version as it is (base_version may be older) and merges
+    # it with the fragment's next merge rather than alone (syncer/state.py, SyncerState.new_contribution, decide).
+    rider: bool = False
 
     def __post_init__(self) -> None:
         for field in ("learner_id", "submission_id"):
@@ -179,6 +183,8 @@ class SubmissionMeta:
             raise WireError("c_steps must be >= 1 (a submission follows at least one inner step)")
         if self.c_tokens == 0:
             raise WireError("c_tokens must be >= 1 (every inner step consumes tokens)")
+        if not isinstance(self.rider, bool):
+            raise WireError(f"rider must be a boolean, got {self.rider!r}")
 
 
 def _read_header(body: bytes, max_header: int = _MAX_HEADER) -> dict:
@@ -254,7 +260,9 @@ def encode_submission(meta: SubmissionMeta, parts: dict[str, dict[str, Tensor]],
             tensors[name] = p[""].reshape(shape)
         else:
             tensors[f"{name}.q"], tensors[f"{name}.scale"] = p["q"], p["scale"]
-    metadata = {k: str(v) for k, v in asdict(meta).items()}
+    metadata = {k: str(v) for k, v in asdict(meta).items() if k != "rider"}
+    if meta.rider:  # absent otherwise: the bodies of every other submission are unchanged
+        metadata["rider"] = "1"
     metadata |= {
         "compression": scheme,
         "block_size": str(block_size),
@@ -284,8 +292,11 @@ def decode_submission(body: bytes, expected_shapes: dict[str, tuple[int, ...]], 
     for field in ("learner_id", "submission_id", "compression", "shapes"):
         if field not in md:
             raise WireError(f"metadata field {field!r} is missing")
-    meta = SubmissionMeta(md["learner_id"], md["submission_id"],
-                          *(_int_field(md, f) for f in _META_INTS))  # validates ids and counters
+    rider = md.get("rider", "0")
+    if rider not in ("0", "1"):
+        raise WireError(f"metadata field 'rider' must be '0' or '1', got {rider[:40]!r}")
+    meta = SubmissionMeta(md["learner_id"], md["submission_id"], *(_int_field(md, f) for f in _META_INTS),
+                          rider=rider == "1")  # validates ids and counters
     scheme = md["compression"]
     if scheme not in SCHEMES:
         raise WireError(f"unknown compression {scheme!r}; expected one of {SCHEMES}")

@@ -61,6 +61,7 @@ class Syncer:
         self.state, self.opt = state, options
         self.metrics = SyncerMetrics()
         self.started = time.monotonic()
+        self.riders_merged: dict[str, int] = {}  # riders merged by this incarnation: "with_others" / "alone"
         self._kicks = [asyncio.Event() for _ in range(state.num_fragments)]
         self._inflight: dict[str, asyncio.Event] = {}
         self._ckpt_lock = asyncio.Lock()
@@ -168,6 +169,11 @@ class Syncer:
             m.staleness.observe(s)
         m.merge_seconds.observe(seconds)
         m.tokens_merged.inc(sum(c.c_tokens for c in contribs))
+        if riders := sum(1 for c in contribs if c.rides):
+            alone = riders == len(contribs)
+            m.riders_merged.labels("true" if alone else "false").inc(riders)
+            key = "alone" if alone else "with_others"
+            self.riders_merged[key] = self.riders_merged.get(key, 0) + riders
         log.info("fragment %d: merged %d contributions from %s -> version %d (%.3f s)", p, len(contribs),
                  sorted({c.learner_id for c in contribs}), version, seconds)
         return version
@@ -358,6 +364,8 @@ class Syncer:
         st.add_pending(c)
         st.seen(meta.learner_id)
         m.accepted.inc()
+        if c.rides:
+            m.riders.inc()
         self._kicks[p].set()
         return json_answer(SubmitAnswer(accepted=True, duplicate=False, pending=len(st.pending[p])), status=202)
 
@@ -453,6 +461,7 @@ class Syncer:
             merges=sum(st.outer_steps),
             contributions_merged=st.contributions_merged,
             tokens_merged=st.tokens_merged,
+            riders_merged=dict(self.riders_merged),
             learners=learners,
             live_learners=len(live),
             pending={str(p): len(st.pending[p]) for p in st.owned},

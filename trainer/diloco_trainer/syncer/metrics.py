@@ -40,6 +40,12 @@ class SyncerMetrics:
                                        buckets=_SECONDS, registry=r)
         self.accepted = Counter("diloco_syncer_submissions_accepted", "Outer gradients acknowledged (202)",
                                 registry=r)
+        self.riders = Counter("diloco_syncer_riders_accepted", "Riders acknowledged: restarted learners' resends of "
+                              "their previous life's unsent work (each joins its fragment's next merge)", registry=r)
+        self.riders_merged = Counter("diloco_syncer_riders_merged", "Riders merged: alone=false in a merge with "
+                                     "other learners' contributions (what they wait for), alone=true in one of riders "
+                                     "only (their wait ran out, or every live learner had one pending)", ["alone"],
+                                     registry=r)
         self.duplicates = Counter("diloco_syncer_submissions_duplicate", "Retried submissions already known",
                                   registry=r)
         self.rejected = Counter("diloco_syncer_submissions_rejected", "Outer gradients rejected, by reason",

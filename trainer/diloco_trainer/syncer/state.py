@@ -59,6 +59,9 @@ class Contribution:
     delta: dict[str, Tensor] | None
     received_at: float  # monotonic
     spool_name: str
+    # A rider (SubmissionMeta.rider): it joins the fragment's next merge and never makes one alone, unless none
+    # comes within RIDER_WAIT_PERIODS sync periods or every live learner has a contribution pending.
+    rides: bool = False
 
     def learner_params(self) -> dict[str, Tensor]:
         """θ_m = Θ_base − Δ̂: the learner's fragment as it reported it (what the spool stores)."""
@@ -77,7 +80,7 @@ class Contribution:
     def spool_meta(self) -> dict:
         return {"submission_id": self.submission_id, "learner_id": self.learner_id, "fragment": self.fragment,
                 "base_version": self.base_version, "base_step": self.base_step, "c_steps": self.c_steps,
-                "c_tokens": self.c_tokens, "accepted_at": time.time()}
+                "c_tokens": self.c_tokens, "accepted_at": time.time(), **({"rides": True} if self.rides else {})}
 
 
 @dataclass
@@ -119,6 +122,12 @@ class CheckpointJob:
 class _Version:
     step: int  # outer steps of the fragment when this version was published
     tensors: dict[str, Tensor]
+
+
+# Riders (Contribution.rides) wait this many sync periods for their fragment's next merge before merging alone
+# (every live learner sends each fragment once a period; a run whose learners all died still takes their work).
+RIDER_WAIT_PERIODS = 1.5
+RIDER_WAIT_UNKNOWN_S = 30.0
 
 
 class SyncerState:
@@ -192,11 +201,16 @@ class SyncerState:
         return {n: self.shapes[n] for n in self.plan[p]}
 
     def pending_learners(self, p: int) -> int:
-        return len({c.learner_id for c in self.pending[p].values()})
+        """Learners with a contribution pending for fragment p that counts towards its quorum (not a rider)."""
+        return len({c.learner_id for c in self.pending[p].values() if not c.rides})
 
     def has_pending(self, learner_id: str, p: int) -> bool:
-        """Whether learner `learner_id` has an acknowledged contribution to fragment p waiting for a merge."""
-        return any(c.learner_id == learner_id for c in self.pending[p].values())
+        """Whether learner `learner_id` has an acknowledged contribution to fragment p waiting for a merge (its
+        rider, e.g. the resend of a previous life's work, does not hold its own next Δ back)."""
+        return any(c.learner_id == learner_id and not c.rides for c in self.pending[p].values())
+
+    def _first_counted_at(self, p: int) -> float | None:
+        return min((c.received_at for c in self.pending[p].values() if not c.rides), default=None)
 
     def is_known(self, submission_id: str) -> bool:
         """Merged, or acknowledged and pending: a retry of it must not be merged again."""
@@ -251,24 +265,53 @@ class SyncerState:
         if set(deltas) != set(self.plan[p]):
             raise Rejected(400, f"parameters do not match fragment {p}", "bad_parameters")
         base = self.check_base(p, meta.base_version)
-        return Contribution(meta.submission_id, meta.learner_id, p, meta.base_version, base.step, meta.c_steps,
-                            meta.c_tokens, base.tensors, deltas, self.clock(), self.spool.reserve_name())
+        version = meta.base_version
+        if meta.rider:
+            # Decision: a rider (a restarted learner's resend of its predecessor's unsent work, maybe built from a
+            # version others have since moved on from) is taken as built from the current version:
+            # θ_m := Θ_current − Δ̂.
+            # Re-anchored against its own stale base instead, Δ' = Θ_current − θ_m would carry the others' updates
+            # since that base back out of Θ (learner/loop.py, _adopt_updates, measured that drag). Its base must
+            # still be kept (bounded staleness); from here on it is an ordinary contribution (spool, journal, replay).
+            version = self.versions[p]
+            base = self.history[p][version]
+        return Contribution(meta.submission_id, meta.learner_id, p, version, base.step, meta.c_steps,
+                            meta.c_tokens, base.tensors, deltas, self.clock(), self.spool.reserve_name(),
+                            rides=meta.rider)
 
     def add_pending(self, c: Contribution) -> None:
         """Register an acknowledged (already spooled) contribution for its fragment's next merge."""
         assert not self.is_known(c.submission_id), c.submission_id
         p = c.fragment
         self.pending[p][c.submission_id] = c
-        if self.first_pending_at[p] is None:
+        if self.first_pending_at[p] is None and not c.rides:
             self.first_pending_at[p] = c.received_at
         if self.quorum_reached_at[p] is None and self.pending_learners(p) >= self.config.outer.quorum:
             self.quorum_reached_at[p] = self.clock()
             self.policy.observe_quorum_time(self.quorum_reached_at[p] - self.first_pending_at[p])
 
+    def rider_wait_s(self) -> float:
+        """How long riders wait for their fragment's next merge: RIDER_WAIT_PERIODS sync periods (H steps at the
+        learners' step time), RIDER_WAIT_UNKNOWN_S before a step time is known."""
+        step = self.policy.step_time.value
+        if step is None:
+            return RIDER_WAIT_UNKNOWN_S
+        return RIDER_WAIT_PERIODS * self.config.outer.sync_every * step
+
     def decide(self, p: int, live_timeout_s: float) -> float | None:
-        """MergePolicy's answer for fragment p now: None (wait for contributions), 0.0 (merge), or seconds."""
+        """MergePolicy's answer for fragment p now: None (wait for contributions), 0.0 (merge), or seconds.
+        Riders only join a merge: alone, they wait for the next one, at most rider_wait_s(), unless every live
+        learner has a contribution pending (nobody else can come: e.g. a lone learner, or all restarted at once)."""
+        pending = self.pending[p].values()
+        live = self.live_ids(live_timeout_s)
+        riders = [c.received_at for c in pending if c.rides]
+        if riders and live and live <= {c.learner_id for c in pending}:
+            return 0.0  # as MergePolicy does when every live learner is pending (riders' learners included)
+        if riders and len(riders) == len(self.pending[p]):
+            left = min(riders) + self.rider_wait_s() - self.clock()
+            return left if left > 0 else 0.0
         # A learner with a pending contribution counts as alive (MergePolicy's contract: |live ∪ pending|).
-        alive = self.live_ids(live_timeout_s) | {c.learner_id for c in self.pending[p].values()}
+        alive = live | {c.learner_id for c in pending if not c.rides}
         return self.policy.decide(self.pending_learners(p), self.first_pending_at[p], self.quorum_reached_at[p],
                                   self.clock(), n_live=len(alive))
 
@@ -321,7 +364,7 @@ class SyncerState:
             self.tokens_merged += c.c_tokens
             self.contributions_merged += 1
         # Contributions that arrived during the merge start a new round: quorum is counted afresh.
-        self.first_pending_at[p] = min((c.received_at for c in self.pending[p].values()), default=None)
+        self.first_pending_at[p] = self._first_counted_at(p)
         self.quorum_reached_at[p] = None
         if self.first_pending_at[p] is not None and self.pending_learners(p) >= self.config.outer.quorum:
             self.quorum_reached_at[p] = self.clock()
@@ -427,7 +470,8 @@ class SyncerState:
                 log.error("spool file %s does not match this run's fragment plan; left in place", e.name)
                 continue
             c = Contribution(m["submission_id"], m["learner_id"], p, int(m["base_version"]), int(m["base_step"]),
-                             int(m["c_steps"]), int(m["c_tokens"]), e.tensors, None, self.clock(), e.name)
+                             int(m["c_steps"]), int(m["c_tokens"]), e.tensors, None, self.clock(), e.name,
+                             rides=m.get("rides") is True)
             if not self.is_known(c.submission_id):
                 self.add_pending(c)
                 replayed += 1

@@ -393,14 +393,19 @@ def test_an_evicted_learner_hands_over_its_unsent_work_exits_0_and_its_unit_show
           f" after {stopped_s:.1f}s (grace {grace}s)", file=sys.stderr)
     assert stopped_s < grace, f"the learner used its whole grace period ({stopped_s:.1f} s)"
     # Its unit had a fault before (the pod deleted above): the figures must be this fault's, not that one's.
-    lu = wait_for(lambda: (u := kubectl.get("lu", unit, ns=job.ns))["status"].get("lastFault", {}).get(
-        "lostTokens") is not None and u, 240, f"unit {unit}'s last fault with the work it lost", 1.0)
-    fault = lu["status"]["lastFault"]
+    def last_fault():
+        return (kubectl.get("lu", unit, ns=job.ns)["status"].get("lastFault") or {})
+    first = wait_for(lambda: (f := last_fault()).get("lostTokens") is not None and f, 240,
+                     f"unit {unit}'s last fault with the work it lost", 1.0)
+    # The figures are recomputed while they move: a resend of work on a fragment the others moved on waits (as a
+    # rider, at most 1.5 sync periods) for that fragment's next merge, and is lost work until then.
+    fault = wait_for(lambda: (f := last_fault()) and (f["lostSteps"], f["lostTokens"]) == (0, 0) and f, 60,
+                     f"unit {unit}'s last fault to show no work lost (first read: {first})", 1.0)
     print(f"[e2e] {unit}: last fault {fault['reason']}, recovery {fault.get('recoverySeconds')}s, "
-          f"lost {fault['lostSteps']} steps / {fault['lostTokens']} tokens", file=sys.stderr)
+          f"lost {first['lostSteps']} steps / {first['lostTokens']} tokens at first read, then 0 / 0",
+          file=sys.stderr)
     assert fault["incarnation"] == int(victim["metadata"]["labels"]["diloco.dev/incarnation"]) + 1, fault
     assert fault.get("recoveredAt", fault["time"]) >= fault["time"], fault  # ISO times, whole seconds
-    assert (fault["lostSteps"], fault["lostTokens"]) == (0, 0), fault
 
 
 def test_a_sigkilled_syncer_resumes_from_its_checkpoint_losing_no_acknowledged_update(job, kubectl):

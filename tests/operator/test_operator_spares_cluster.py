@@ -130,9 +130,10 @@ def test_the_unit_of_a_lost_node_takes_over_a_spare_on_another_node_once_the_nod
     took = time.monotonic() - started
     print(f"\nnode NotReady -> its unit on a warm spare on another node: {took:.1f}s (nodeLostSeconds {lost_s})")
     assert took >= lost_s - 1, "not before the node had been lost for nodeLostSeconds"
-    lu = wait_for(lambda: (u := kubectl.get("lu", "far-cpu-0", ns=ns))["status"].get("phase") == "Running" and u,
-                  10, "the unit Running again", 0.2)
-    assert lu["status"]["nodes"] == [spare["spec"]["nodeName"]] and lu["status"]["restarts"] == 1
+    # The status follows the pods at the unit's next reconcile: until then it may still say Running on the lost node.
+    wait_for(lambda: (st := kubectl.get("lu", "far-cpu-0", ns=ns)["status"]).get("phase") == "Running"
+             and st.get("nodes") == [spare["spec"]["nodeName"]] and st.get("restarts") == 1, 10,
+             f"the unit Running again on {spare['spec']['nodeName']}, one restart counted", 0.2)
     assert "warm spare pod takes over" in " ".join(e.get("message", "") for e in events(kubectl, ns, C.Reason.NODE_LOST))
 
 

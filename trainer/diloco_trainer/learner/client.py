@@ -379,6 +379,7 @@ class SyncerClient:
                         held = dataclasses.replace(sub, c_steps=0, c_tokens=0)
                 self._acked_ids.add(sub.submission_id)
                 self.stats.acked += 1
+                self.stats.duplicates += duplicate
                 self.stats.acked_tokens += held.c_tokens
                 self.stats.acked_steps += held.c_steps
             else:

@@ -270,6 +270,7 @@ class LinkCounters(_Document):
     acked: int = _counter("outer gradients acknowledged")
     acked_tokens: int = _counter("tokens covered by acknowledged submissions")
     acked_steps: int = _counter("steps covered by acknowledged submissions")
+    duplicates: int = _counter("of acked: resends the syncer already held (answered duplicate, never merged twice)")
     rejected: int = _counter("submissions rejected (4xx)")  # stale bases (409) included; those are dropped
     stale: int = 0
     syncer_up: bool = _gauge("1 if the last request to the syncer succeeded", False)

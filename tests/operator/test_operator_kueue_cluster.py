@@ -1,7 +1,8 @@
 """Kueue admission per learner unit against a real Kueue (hack/build-kueue.sh) on the local control plane: a job grows
 into the quota its ClusterQueue gives, grows further when the quota is raised or when its finished units free theirs,
 and loses one unit, not the job, when a higher-priority Workload preempts it; an autoscaled job keeps the units its
-quota lacks as queued Workloads (not parked) until Kueue admits them."""
+quota lacks as queued Workloads (not parked) until Kueue admits them; units in a remote cluster are admitted by that
+cluster's own Kueue (a second control plane with a second Kueue stands for it)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ import pytest
 from diloco_operator.api import conditions as C
 from diloco_operator.plan import kueue
 
+from diloco_kube.labels import POOL_LABEL
+
+from cluster_kit import Kubectl
 from kueue_kit import KUEUE_API, Kueue, cluster_queue, local_queue, priority_class, resource_flavor
 from polling import wait_for
 from test_operator_autoscale_cluster import GPU_TAINT, H100, POOL, Nodes, autoscaled_job, autoscaling, template
 from test_operator_cluster import condition, events, job, running, unit_pods, wait_events
+from test_operator_remote_cluster import kubeconfig_secret, remote, remote_pods  # noqa: F401 - remote: a fixture
 
 pytestmark = pytest.mark.cluster
 GPUS = "nvidia.com/gpu"
@@ -41,6 +46,15 @@ def kueue_operator(operator, kueue_manager):
     operator.stop()
     operator.args = before
     operator.start()
+
+
+@pytest.fixture(scope="module")
+def west_kueue(remote, tmp_path_factory):
+    """A Kueue manager of its own on the remote ("west") control plane."""
+    manager = Kueue(Kubectl(remote), tmp_path_factory.mktemp("kueue-west"))
+    manager.start()
+    yield manager
+    manager.stop()
 
 
 @pytest.fixture
@@ -225,3 +239,54 @@ def test_an_autoscaled_job_keeps_the_units_its_quota_lacks_as_queued_workloads_a
              and condition(kubectl.get("dj", "auto", ns=ns), C.SCALING_LIMITED).get("reason") == C.Reason.TARGET_MET,
              30, "3 running, none queued, ScalingLimited=False", 0.3)
     assert not events(kubectl, ns, C.Reason.UNITS_PARKED)
+
+
+def test_units_in_a_remote_cluster_are_admitted_by_that_clusters_kueue_and_grow_with_its_quota(
+        kubectl, kueue_operator, ns, remote, west_kueue):
+    far = Kubectl(remote)
+    far.run("create", "namespace", ns)  # the LocalQueue goes there before the job (the operator then finds it)
+    flavor, cq = f"{ns}-west-cpu", f"{ns}-west-cq"
+    far.apply(resource_flavor(flavor, {POOL_LABEL: "cpu"}))
+    far.apply(cluster_queue(cq, flavor, {"cpu": 2}, ns))
+    far.apply(local_queue("team", ns, cq))
+    try:
+        body = job("away", [{"name": "far", "count": 2, "cluster": "west", "nodeSelector": {POOL_LABEL: "cpu"},
+                             "resources": {"requests": {"cpu": "2"}}}], clusters=[kubeconfig_secret(kubectl, ns, remote)])
+        body["metadata"]["labels"] = {kueue.QUEUE_LABEL: "team"}
+        kubectl.apply(body, "-n", ns)
+        units = ["away-far-0", "away-far-1"]
+
+        def running_there() -> list[str]:
+            return sorted(u for u in units if (ps := remote_pods(far, ns, u)) and all(running(p) for p in ps))
+        # West's quota (2 CPUs) admits one unit of two; the other waits in west's queue, with no pod anywhere.
+        (first,) = wait_for(lambda: len(r := running_there()) == 1 and r, 90, "1 of 2 remote units running", 0.5)
+        (waiting,) = set(units) - {first}
+        assert admitted(workload(far, ns, first)) and not admitted(workload(far, ns, waiting))
+        assert all(workload(kubectl, ns, u) is None for u in units), "a Workload at home: home quota is not west's"
+        wl = workload(far, ns, first)
+        assert wl["spec"]["queueName"] == "team" and "ownerReferences" not in wl["metadata"], wl["metadata"]
+        assert wl["metadata"]["labels"]["diloco.dev/job"] == "away"
+        cond = wait_for(lambda: (c := condition(kubectl.get("lu", waiting, ns=ns), C.ADMITTED)).get("status") == "False"
+                        and c, 30, f"{waiting}'s Admitted=False", 0.3)
+        assert cond["reason"] == C.Reason.QUEUED_IN_KUEUE, cond
+        assert "insufficient quota" in cond["message"] or "couldn't assign flavors" in cond["message"], cond
+        assert remote_pods(far, ns, waiting) == [] and unit_pods(kubectl, ns, waiting) == []
+        (pod,) = remote_pods(far, ns, first)
+        assert pod["spec"]["nodeSelector"][POOL_LABEL] == "cpu", "placed by west's flavor"
+
+        # West's quota raised: its Kueue admits the waiting unit and it runs there.
+        raised = time.monotonic()
+        far.apply(cluster_queue(cq, flavor, {"cpu": 4}, ns))
+        wait_for(lambda: running_there() == units, 60, "both remote units running", 0.2)
+        print(f"[kueue] remote cluster: quota raised -> the waiting unit's pod Running there in "
+              f"{time.monotonic() - raised:.1f} s (units there are polled every 5 s)", file=sys.stderr)
+        wait_for(lambda: condition(kubectl.get("lu", waiting, ns=ns), C.ADMITTED).get("reason")
+                 == C.Reason.ADMITTED_BY_KUEUE, 30, f"{waiting} AdmittedByKueue", 0.3)
+
+        # The job's finalizer removes its Workloads there with its other objects: west's quota is free again.
+        kubectl.run("delete", "dj", "away", "-n", ns, "--wait=false")
+        wait_for(lambda: all(workload(far, ns, u) is None for u in units), 60, "the Workloads gone from west", 0.5)
+        wait_for(lambda: kubectl.get("dj", "away", ns=ns) is None, 60, "the job gone", 0.5)
+    finally:
+        far.run("delete", "clusterqueue", cq, "--wait=false", check=False)
+        far.run("delete", "resourceflavor", flavor, "--wait=false", check=False)

@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
-from diloco_kube.client import CONFIGMAPS, DILOCOJOBS, NODES, PODS, PVCS, SECRETS, SERVICES, Kube, Resource
+from diloco_kube.client import (CONFIGMAPS, DILOCOJOBS, NODES, PODS, PVCS, SECRETS, SERVICES, WORKLOADS, ApiError,
+                                  Kube, Resource)
 from diloco_operator.api import conditions as C
 from diloco_operator.api import models as api
 from diloco_operator.objects import builders as O
@@ -49,8 +50,12 @@ class JobRemote:
 
     async def _objects(self, remote: Remote, job: str) -> list[tuple[Resource, dict]]:
         out = []
-        for res in (PODS, SERVICES, SECRETS, CONFIGMAPS, PVCS):
-            out += [(res, o) for o in await remote.kube.list(res, remote.namespace, f"{O.LABEL_JOB}={job}")]
+        for res in (PODS, SERVICES, SECRETS, CONFIGMAPS, PVCS, WORKLOADS):
+            try:
+                out += [(res, o) for o in await remote.kube.list(res, remote.namespace, f"{O.LABEL_JOB}={job}")]
+            except ApiError as exc:
+                if not (res is WORKLOADS and exc.status == 404):  # a cluster without Kueue has no Workloads
+                    raise
         return out
 
     async def free(self, job: dict, spec: api.DilocoJobSpec) -> dict[str, int | None]:

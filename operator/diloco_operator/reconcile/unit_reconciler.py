@@ -187,10 +187,17 @@ class UnitReconciler:
             held = None  # a new unit of the same name
         # what this operator decided last, written or not
         old_status = held[1] if held else api.LearnerUnitStatus.read(written)
-        decided = await self._decide(unit, spec, job, old_status, pod_objs, remote)
+        try:
+            decided = await self._decide(unit, spec, job, old_status, pod_objs, remote)
+        except Exception as exc:  # its Workload there (Kueue) could not be read or written
+            if remote is None or not unreachable(exc):
+                raise
+            self.remotes.failed(ns, spec.jobName, spec.cluster, f"cluster {spec.cluster}: {exc!r}")
+            await self._unit_unreachable(unit, spec, f"cluster {spec.cluster} did not answer: {exc!r}")
+            return
         if not await self._apply(unit, spec, job, decided, pod_objs, remote):
             return
-        await self._record(unit, spec, job, decided, written, held, old_status)
+        await self._record(unit, spec, job, decided, written, held, old_status, remote)
 
     async def _decide(self, unit: dict, spec: api.LearnerUnitSpec, job: dict, old_status: api.LearnerUnitStatus,
                       pod_objs: dict[str, dict], remote: Remote | None) -> _Decided:
@@ -201,11 +208,11 @@ class UnitReconciler:
         pods = [unitplan.pod_view(p) for p in pod_objs.values()]
         now = datetime.now(timezone.utc)
         lost, lost_wait = self._lost_pods(spec, pods, now) if remote is None else ({}, None)
-        # A job queued in Kueue: the unit runs only while its Workload is admitted (units in remote clusters and
-        # units that ended are not gated; an ended unit's Workload is marked Finished below).
-        queue = kueue.queue_name(job) if remote is None else None
+        # A job queued in Kueue: the unit runs only while its Workload is admitted, by its own cluster's Kueue (units
+        # that ended are not gated; an ended unit's Workload is marked Finished below).
+        queue = kueue.queue_name(job)
         ended = job_finished or old_status.phase in unitplan.TERMINAL_UNIT
-        admission = await self.kueue.admission(unit, job, queue) if queue and not ended else None
+        admission = await self.kueue.admission(unit, job, queue, remote) if queue and not ended else None
         if admission is not None and admission.state != "admitted":
             plan = kueue.plan_held(spec, old_status, pods, admission, now, unit["metadata"].get("generation"))
         else:
@@ -242,7 +249,7 @@ class UnitReconciler:
         ns, name = unit["metadata"]["namespace"], unit["metadata"]["name"]
         plan, admission = decided.plan, decided.admission
         kube = remote.kube if remote else self.kube
-        flavors = await self.kueue.flavors(admission) if admission is not None and plan.create else []
+        flavors: list[dict] = []
 
         async def delete(pod: str, grace: int | None = None) -> None:
             answer = await kube.delete(PODS, remote.namespace if remote else ns, pod, grace_seconds=grace)
@@ -260,6 +267,8 @@ class UnitReconciler:
             else:
                 self.cache.wrote(PODS.plural, await kube.create(PODS, pod))
         try:
+            if admission is not None and plan.create:  # read in the unit's cluster: it may not answer
+                flavors[:] = await self.kueue.flavors(admission, remote)
             # A pod on a lost node goes at once (grace 0): its kubelet would never confirm a graceful delete.
             await bounded([delete(p, 0) for p in plan.force_delete] + [delete(p) for p in plan.delete])
             if plan.take_spare and await self.spares.take(unit, job, plan.status.incarnation) is None:
@@ -285,15 +294,21 @@ class UnitReconciler:
         return True
 
     async def _record(self, unit: dict, spec: api.LearnerUnitSpec, job: dict, decided: _Decided, written: dict,
-                      held: tuple | None, old_status: api.LearnerUnitStatus) -> None:
+                      held: tuple | None, old_status: api.LearnerUnitStatus, remote: Remote | None = None) -> None:
         """Kueue's Workload told (quota back, finished), the status written (a launch's may wait a moment, so one
         write carries both the launch and the pods running), metrics, Events and the next looks."""
         ns, name = unit["metadata"]["namespace"], unit["metadata"]["name"]
         plan, admission = decided.plan, decided.admission
-        if admission is not None and admission.state == "evicted" and not decided.pods:  # pods gone: quota back
-            await self.kueue.release(ns, name)
-        if decided.queue and plan.status.phase in unitplan.TERMINAL_UNIT:
-            await self.kueue.finish(ns, name, plan.status.phase, plan.status.message or "")
+        try:
+            if admission is not None and admission.state == "evicted" and not decided.pods:  # pods gone: quota back
+                await self.kueue.release(ns, name, remote)
+            if decided.queue and plan.status.phase in unitplan.TERMINAL_UNIT:
+                await self.kueue.finish(ns, name, plan.status.phase, plan.status.message or "", remote)
+        except Exception as exc:  # told on a later pass: the status below is still written
+            if remote is None or not unreachable(exc):
+                raise
+            self.remotes.failed(ns, spec.jobName, spec.cluster, f"cluster {spec.cluster}: {exc!r}")
+            self.enqueue(("unit", ns, name), REMOTE_RETRY_S)
         patch = None
         now_s = time.monotonic()
         if (plan.create or held) and unitplan.status_may_wait(plan.status, written) and (not held or now_s < held[2]):

@@ -174,10 +174,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m diloco_bench.harsh", description=main.__doc__)
     parser.add_argument("out", type=Path, help="results directory (runs already in it are reused)")
     parser.add_argument("--seeds", type=int, default=3, help="schedule seeds, from 101 (default 3)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run, chaos and twin (diloco local --set), e.g. "
+                             "outer.align_first_sends=false to measure without a setting; repeatable")
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error("--seeds must be >= 1")
-    h = measure(report.Context("full", args.out), only_seeds=tuple(SEEDS[0] + i for i in range(args.seeds)))
+    extra = tuple(x for kv in args.set for x in ("--set", kv))
+    h = measure(report.Context("full", args.out), extra, only_seeds=tuple(SEEDS[0] + i for i in range(args.seeds)))
     for s in h["seeds"]:
         print(f"seed {s['seed']}: {s['kills']} kills, useful tokens/s kept {100 * s['keep_goodput']:.1f}%, goodput "
               f"{100 * s['failure_free']['goodput']:.1f}% failure-free vs {100 * s['rates']['goodput']:.1f}%, "

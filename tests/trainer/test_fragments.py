@@ -158,3 +158,19 @@ def test_first_sends_after_a_start_are_staggered_within_one_window():
         assert all(1 <= f <= H for f in firsts)
         assert len(set(firsts)) == P  # never two fragments due on the same step after a start
         assert sorted(firsts) == sorted(s for s in range(1, H + 1) for _ in due_fragments(s, H, P))
+
+
+def test_a_joining_learner_first_sends_a_fragment_when_the_others_next_will():
+    from diloco_trainer.protocol.fragments import aligned_first_due
+
+    H, step_s = 16, 0.25
+    # Published 1 s ago (4 steps): the others, who adopted it then, send in 12 steps.
+    assert aligned_first_due(1.0, step_s, H) == 12
+    assert aligned_first_due(0.0, step_s, H) == H  # just published: a whole period, as they
+    # A part of a step passed counts as a step: sooner rather than after their merge.
+    assert aligned_first_due(1.1, step_s, H) == 11
+    # More than a period since: the others' cycle goes on (their sends every H steps), so does the answer.
+    assert aligned_first_due(H * step_s + 1.0, step_s, H) == 12
+    assert all(1 <= aligned_first_due(s / 10, step_s, H) <= H for s in range(0, 200))
+    with pytest.raises(ValueError):
+        aligned_first_due(1.0, 0.0, H)

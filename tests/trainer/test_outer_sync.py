@@ -52,6 +52,16 @@ def test_fragments_go_out_staggered_every_h_steps_with_the_work_since_adoption()
     assert sent == [(2, 1, 2), (4, 0, 4), (6, 1, 6), (8, 0, 8)]
 
 
+def test_a_learner_lined_up_with_the_others_first_sends_each_fragment_when_told_then_every_h_steps():
+    sync, params = make("overwrite", sync_every=4)
+    sync.align({0: 1, 1: 3}, step=0)  # the others send fragment 0 after our first step, fragment 1 after our third
+    sent = []
+    for step in range(1, 8):
+        train(sync, params, 1)
+        sent += [(step, s.fragment, s.c_steps) for s in sync.send_due(step, "l0", "n0")]
+    assert sent == [(1, 0, 1), (3, 1, 3), (5, 0, 5), (7, 1, 7)]
+
+
 def test_an_acknowledged_fragment_is_not_sent_again_from_the_same_base():
     sync, params = make("overwrite", sync_every=2)
     train(sync, params, 1)

@@ -54,6 +54,15 @@ async def test_register_hands_out_the_plan_config_and_versions(aiohttp_client, t
     assert me["live"] is True and me["step"] == 7 and me["tokens"] == 4096 and me["tokens_merged"] == 0
     assert status["live_learners"] == 1 and status["pending"] == {"0": 0, "1": 0}
     assert syncer.state.policy.step_time.value == pytest.approx(0.05)
+    assert reply["version_age_s"] == {} and reply["step_s"] is None  # nothing published, no step time yet
+    # Once it published a version: a learner that registers is told how long ago, and the learners' step time.
+    st = syncer.state
+    r = await client.post("/v1/fragments/1/outer-gradient", data=body(st, 1, deltas_for(st, 1, seed=1)), headers=AUTH)
+    assert r.status == 202
+    await wait_for_async(lambda: st.versions[1] == 1, what="fragment 1 version 1")
+    later = await register(client, "learner-b")
+    assert set(later["version_age_s"]) == {"1"} and 0 <= later["version_age_s"]["1"] < 60
+    assert later["step_s"] == pytest.approx(0.05)
 
 
 @pytest.mark.parametrize("path,payload,reason", [

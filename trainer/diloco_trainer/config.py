@@ -242,6 +242,11 @@ class OuterConfig(_Strict):
     keep_fraction: float = Field(1.0, gt=0.0, le=1.0, description="rho: share of the unsent progress adopt=keep "
                                                                    "carries over an adoption (0 < rho <= 1).")
 
+    # A learner that (re)starts while others train sends each fragment first when the others next will (they
+    # adopted its current version when the syncer published it and send H steps later), so its Δ joins their merge;
+    # off: after its fragment offset, as a learner starting with the job does (measured: docs/benchmarks.md).
+    align_first_sends: bool = True
+
     @model_validator(mode="after")
     def _overlap_below_sync_every(self) -> "OuterConfig":
         # A fragment sent every H steps cannot be expected back later than its next send.

@@ -227,6 +227,7 @@ class SyncerClient:
                 raise InterruptedError("stopped while waiting for the syncer")
             try:
                 reg = await self._register()
+                registered_at = time.monotonic()
                 theta, versions = await self._fetch_state(reg)
                 break
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -253,7 +254,8 @@ class SyncerClient:
                      "" if versions == saved else f"; adopting {sorted(p for p in versions if versions[p] != saved.get(p))}")
         if not self._tasks:  # a second bootstrap (re-pull of Θ) must not start a second set of tasks
             self._tasks = [asyncio.create_task(c) for c in (self._sender(), self._poller(), self._heartbeat())]
-        return Bootstrap(reg.config, plan, versions, self.heartbeat_s, theta)
+        published = {int(p): registered_at - age for p, age in reg.version_age_s.items() if int(p) in versions}
+        return Bootstrap(reg.config, plan, versions, self.heartbeat_s, theta, published, reg.step_s)
 
     async def _register(self) -> RegisterAnswer:
         async with self._get_session().post(f"{self.url}/v1/register", json=self._register_body) as resp:

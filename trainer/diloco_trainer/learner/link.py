@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -29,6 +29,10 @@ class Bootstrap:
     versions: dict[int, int]
     heartbeat_s: float
     theta: dict[str, Tensor]
+    # When (this process's monotonic clock) the current version of each fragment was published, where the syncer
+    # said, and the syncer's average learner step time: what lines this learner's first sends up with the others'.
+    published_at: dict[int, float] = field(default_factory=dict)
+    step_s: float | None = None
 
 
 @dataclass

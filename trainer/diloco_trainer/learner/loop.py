@@ -21,6 +21,7 @@ from diloco_trainer.learner import devices
 from diloco_trainer.learner.devices import UnitGroup
 from diloco_trainer.learner.link import FragmentUpdate, Submission, SyncerLink
 from diloco_trainer.learner.sharded_client import make_client
+from diloco_trainer.protocol.fragments import aligned_first_due
 from diloco_trainer.protocol.shardmap import split_syncer_urls
 from diloco_trainer.config import TrainConfig
 from diloco_trainer.data.source import open_tokens
@@ -162,6 +163,23 @@ class Learner(Resumable):
                                       self.cfg.model.seq_len, seed=self.cfg.seed)
         self._load_position()
         self.tokens_per_step = self.batch * self.group.world_size * self.cfg.model.seq_len
+        # Every rank sends (or gathers for a send of) the same fragments at the same steps: rank 0 decides.
+        due = self._aligned_first_sends(boot) if self.group.is_main else None
+        due = self.group.broadcast_json(due)
+        if due:
+            self.outer.align({int(p): d for p, d in due.items()}, self.step)
+            log.info("first sends lined up with the other learners': fragment -> steps from now %s",
+                     dict(sorted((int(p), d) for p, d in due.items())))
+
+    def _aligned_first_sends(self, boot) -> dict[str, int] | None:
+        """Steps until this life first sends each fragment the syncer published a version of while others trained
+        (outer.align_first_sends); None when there is nothing to line up with (a job's first start, a syncer that
+        restarted since, no step time known yet)."""
+        if not self.cfg.outer.align_first_sends or not boot.published_at or not boot.step_s:
+            return None
+        now = time.monotonic()
+        return {str(p): aligned_first_due(now - at, boot.step_s, self.cfg.outer.sync_every)
+                for p, at in boot.published_at.items()}
 
     def _held_fragments(self, config: dict, plan: list[list[str]]) -> dict[int, tuple[int, dict[str, torch.Tensor]]]:
         """The global Θ this learner saved before a restart, {p: (version, Θ_p)}: what it may train a fragment from

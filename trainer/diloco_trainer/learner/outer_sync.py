@@ -91,6 +91,11 @@ class OuterSync:
         t = self.params[name].detach()
         return t if self.state_device is None else t.to(self.state_device)
 
+    def align(self, first_due: dict[int, int], step: int) -> None:
+        """Send fragment p first `first_due[p]` steps after `step` (fragments.aligned_first_due), not after its offset."""
+        for p, due in first_due.items():
+            self.frags[p].next_due = step + due
+
     def versions(self) -> dict[str, int]:
         return {str(p): fs.version for p, fs in enumerate(self.frags)}
 

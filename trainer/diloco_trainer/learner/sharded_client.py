@@ -79,16 +79,18 @@ class ShardedSyncerClient:
                ) -> Bootstrap:
         """One Bootstrap of the shards' answers `boots` and the `saved` values of the fragments no answer has."""
         self._check_same_run(boots)
-        theta, versions = {}, {}
+        theta, versions, published = {}, {}, {}
         for b in boots:
             theta |= b.theta
             versions |= b.versions
+            published |= b.published_at
         for p, (version, tensors) in (saved or {}).items():
             theta |= tensors
             versions[p] = version
         assert sorted(versions) == list(range(self.num_fragments)), versions
         return Bootstrap(boots[0].config, boots[0].plan, dict(sorted(versions.items())),
-                         min(b.heartbeat_s for b in boots), theta)
+                         min(b.heartbeat_s for b in boots), theta, published,
+                         next((b.step_s for b in boots if b.step_s), None))
 
     def _owned(self, shard: int) -> list[int]:
         return owned_fragments(shard, self.num_fragments, len(self.shards))

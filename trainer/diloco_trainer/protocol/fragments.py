@@ -6,6 +6,7 @@ Torch-free: the syncer computes the plan once from (name, numel) pairs and hands
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
 
@@ -78,6 +79,19 @@ def fragment_offset(p: int, sync_every: int, num_fragments: int) -> int:
 def first_due_step(p: int, sync_every: int, num_fragments: int) -> int:
     """Steps after a (re)start until fragment p is first due: its offset, or H for offset 0 (staggered sends)."""
     return fragment_offset(p, sync_every, num_fragments) or sync_every
+
+
+def aligned_first_due(seconds_since_published: float, step_s: float, sync_every: int) -> int:
+    """Steps until a joining learner first sends a fragment whose current version was published
+    `seconds_since_published` ago, to land with the others' next sends of it: they adopted that version about when
+    it was published and send it again H steps (of ~`step_s` s) later. In [1, H]; rounded towards sooner, since a Δ
+    that arrives before the others' waits for them in the grace window while one that arrives after their merge
+    makes a version of its own."""
+    _check_schedule(sync_every, 1)
+    if step_s <= 0:
+        raise ValueError(f"step_s must be > 0, got {step_s}")
+    passed = max(0, math.ceil(seconds_since_published / step_s))
+    return sync_every - passed % sync_every
 
 
 def due_fragments(step: int, sync_every: int, num_fragments: int) -> list[int]:

@@ -138,6 +138,11 @@ class RegisterAnswer(_Document):
     shard: int = 0  # which syncer shard answered, of `shards`; it owns the fragments in `owned` (shardmap.py)
     shards: int = 1
     owned: list[int] | None = None  # None from a syncer older than sharding: every fragment
+    # Seconds since each owned fragment's current version was published, for those this syncer published (none
+    # after a restart until it merges again), and its average of the learners' inner-step time (None: unknown).
+    # A learner that joins lines its first sends up with the others' (fragments.aligned_first_due).
+    version_age_s: dict[str, float] = Field(default_factory=dict)
+    step_s: float | None = None
 
     def plan_lists(self) -> list[list[str]]:
         return [list(self.plan[str(p)]) for p in range(len(self.plan))]

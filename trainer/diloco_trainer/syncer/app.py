@@ -275,7 +275,9 @@ class Syncer:
         return json_answer(RegisterAnswer(config=st.config.model_dump(mode="json"),
                                     plan={str(p): names for p, names in enumerate(st.plan)},
                                     versions=self._versions(), heartbeat_s=self.opt.heartbeat_s,
-                                    shard=st.shard, shards=st.shards, owned=st.owned))
+                                    shard=st.shard, shards=st.shards, owned=st.owned,
+                                    version_age_s={str(p): age for p, age in st.version_ages().items()},
+                                    step_s=st.policy.step_time.value))
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         req: HeartbeatRequest = await self._json_body(request, HeartbeatRequest)

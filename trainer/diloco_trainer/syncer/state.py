@@ -174,6 +174,7 @@ class SyncerState:
         self.policy = MergePolicy(out.quorum, out.grace, out.overlap)
         self.first_pending_at: list[float | None] = [None] * P
         self.quorum_reached_at: list[float | None] = [None] * P
+        self.published_at: dict[int, float] = {}  # p -> when (clock) this syncer published its current version
         self.dirty = False  # merged since the last checkpoint snapshot
         self.last_checkpoint: float | None = None  # unix time of the last checkpoint written or loaded
         self.checkpoint_fallback: str | None = None  # why the latest checkpoint was passed over at start, if it was
@@ -223,6 +224,11 @@ class SyncerState:
                 if info.last_seen is not None and now - info.last_seen <= timeout_s}
 
     # --- learners ----------------------------------------------------------------------------------
+
+    def version_ages(self) -> dict[int, float]:
+        """Seconds since each owned fragment's current version was published, for those this syncer published."""
+        now = self.clock()
+        return {p: now - self.published_at[p] for p in self.owned if p in self.published_at}
 
     def seen(self, learner_id: str) -> LearnerInfo:
         info = self.learners.setdefault(learner_id, LearnerInfo())
@@ -350,6 +356,7 @@ class SyncerState:
             self.residual[p] = r.residual
         self.theta.update(r.theta)
         self.versions[p] = version
+        self.published_at[p] = self.clock()
         self.outer[p] = r.outer
         self.outer_steps[p] += 1
         self._remember(p, version, r.theta)

@@ -240,3 +240,21 @@ def test_an_unreadable_restart_hold_is_ignored_so_a_broken_tool_cannot_keep_a_ch
         os.killpg(sup.children["learner-0"].proc.pid, signal.SIGKILL)
         _wait(lambda: sup.children["learner-0"].restarts == 1, timeout=3.0, sup=sup)
         assert any(e.event == "hold-ignored" for e in sup.events)
+
+
+def test_the_supervisor_wakes_when_a_child_exits_or_its_restart_falls_due_not_a_tick_later(tmp_path):
+    with Supervisor() as sup:
+        sup.add(_child(tmp_path, "learner-0", "import time; time.sleep(60)", restart_delay=0.3))
+        sup.start("learner-0")
+        child = sup.children["learner-0"]
+        killed = time.monotonic()
+        os.kill(child.proc.pid, signal.SIGKILL)
+        sup.wait(5.0)  # wakes on the exit
+        woke = time.monotonic() - killed
+        sup.poll()
+        assert child.exits == [-signal.SIGKILL] and child.restart_at is not None
+        sup.wait(5.0)  # wakes when the restart is due (0.3 s after the exit was seen)
+        sup.poll()
+        restarted = time.monotonic() - killed
+        assert child.restarts == 1 and child.alive
+        assert woke < 1.0 and restarted < 1.5, (woke, restarted)  # not the 5 s either wait allowed

@@ -191,7 +191,7 @@ class RunSession:
                 if not fail_fast and self._crash_looping(sup, c.name):
                     raise SystemExit(f"{c.name} failed {CRASH_LOOP} times in a row within {CRASH_LOOP_S:.0f}s "
                                      f"of starting; see {c.log_path}")
-            time.sleep(0.25)
+            sup.wait(0.25)  # or less: an exit or a due restart wakes it
 
     @staticmethod
     def _crash_looping(sup: Supervisor, name: str) -> bool:

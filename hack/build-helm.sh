@@ -20,8 +20,9 @@ trap 'rm -rf "$tmp"' EXIT
 
 log "helm v$HELM_VERSION: downloading and compiling (cold: a few minutes on 2 cores)"
 # helm's go.mod has no replace directives, so `go install` of the released module builds it as upstream does;
-# the version is stamped as upstream's Makefile stamps a tagged release (`helm version` reports it).
-GOBIN="$tmp" go install -trimpath \
+# the version is stamped as upstream's Makefile stamps a tagged release (`helm version` reports it), and cgo is off
+# as there (CGO_ENABLED ?= 0).
+CGO_ENABLED=0 GOBIN="$tmp" go install -trimpath \
   -ldflags "-s -w -X helm.sh/helm/v4/internal/version.version=v$HELM_VERSION \
     -X helm.sh/helm/v4/internal/version.metadata= -X helm.sh/helm/v4/internal/version.gitTreeState=clean" \
   "helm.sh/helm/v4/cmd/helm@v$HELM_VERSION" >&2

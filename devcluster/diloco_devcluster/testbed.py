@@ -229,10 +229,30 @@ def _kubeconfig(server: str, ca: Path, token: str, user: str = "admin") -> dict:
     }
 
 
+PORT_ATTEMPTS = 3  # a start whose port was taken meanwhile is tried again on other ports, this often in all
+
+
 def start(testbed_dir: Path | None = None, workdir: Path | None = None, *, pools=DEFAULT_POOLS,
           real_node: bool = False, log: Callable[[str], None] = lambda _m: None, timeout_s: float = 120.0) -> Testbed:
     """Start the control plane, wait for /readyz, create the fake node pools; with `real_node`, also a real
-    node (pool `real-cpu`) that takes the place of the fake `cpu` pool. Stops everything on failure."""
+    node (pool `real-cpu`) that takes the place of the fake `cpu` pool. Stops everything on failure.
+
+    The ports are free when picked but only bound when each process starts: on a busy machine another process (an
+    outgoing connection's ephemeral port, often) can take one in between. A start that failed so is made again on
+    new ports (seen in CI: a second control plane's apiserver, `bind: address already in use`)."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _start(testbed_dir, workdir, pools=pools, real_node=real_node, log=log, timeout_s=timeout_s)
+        except TestbedUnavailable as exc:
+            if "address already in use" not in str(exc) or attempt == PORT_ATTEMPTS:
+                raise
+            log(f"a port was taken before its process bound it (attempt {attempt} of {PORT_ATTEMPTS}); "
+                "starting again on other ports")
+    raise AssertionError("unreachable")
+
+
+def _start(testbed_dir: Path | None, workdir: Path | None, *, pools, real_node: bool,
+           log: Callable[[str], None], timeout_s: float) -> Testbed:
     testbed_dir = Path(testbed_dir or default_dir())
     check_binaries(testbed_dir)
     bin_dir = testbed_dir / "bin"

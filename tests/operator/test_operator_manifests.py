@@ -116,6 +116,34 @@ def test_devcluster_up_gives_a_working_kubeconfig_and_down_stops_it(testbed, tmp
     assert not [name for name, pid in pids.items() if alive(pid)], "devcluster down left processes running"
 
 
+def test_a_control_plane_whose_port_was_taken_before_it_bound_starts_again_on_other_ports(testbed, monkeypatch):
+    """The apiserver's port is taken by someone else between being picked and being bound (a busy machine's
+    ephemeral ports): the start is made again on new ports instead of failing (seen once in CI)."""
+    import socket
+
+    from diloco_devcluster import testbed as testbed_mod
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    picks = iter([port] * 4)  # etcd, its peers, the apiserver, kwok: all taken the first time
+    real = testbed_mod._free_port
+    monkeypatch.setattr(testbed_mod, "_free_port", lambda: next(picks, None) or real())
+    said = []
+    try:
+        tb = testbed_mod.start(log=said.append)
+    finally:
+        taken.close()
+    try:
+        assert any("starting again on other ports" in m for m in said), said
+        assert tb.server != f"https://127.0.0.1:{port}"
+        assert subprocess.run([KUBECTL, "--kubeconfig", tb.kubeconfig, "get", "--raw", "/readyz"],
+                              capture_output=True, text=True).stdout == "ok"
+    finally:
+        tb.stop()
+
+
 def test_devcluster_status_without_a_cluster_says_so(tmp_path):
     env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     out = subprocess.run([sys.executable, "-m", "diloco_trainer.cli", "devcluster", "status", "--dir", str(tmp_path)],

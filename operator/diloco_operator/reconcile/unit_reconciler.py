@@ -115,6 +115,12 @@ class UnitReconciler:
         self.remotes.answered(ns, spec.jobName, spec.cluster)
         return remote, [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
+    async def _cluster_failed(self, unit: dict, spec: api.LearnerUnitSpec, exc: BaseException) -> None:
+        """A call in the unit's remote cluster got no answer: the cluster is marked failed and the unit says so."""
+        ns = unit["metadata"]["namespace"]
+        self.remotes.failed(ns, spec.jobName, spec.cluster, f"cluster {spec.cluster}: {exc!r}")
+        await self._unit_unreachable(unit, spec, f"cluster {spec.cluster} did not answer: {exc!r}")
+
     async def _unit_unreachable(self, unit: dict, spec: api.LearnerUnitSpec, why: str,
                                 reason: str = C.Reason.CLUSTER_UNREACHABLE) -> None:
         """A remote unit whose cluster cannot be used: its status says so (its pods there are left alone, they
@@ -192,8 +198,7 @@ class UnitReconciler:
         except Exception as exc:  # its Workload there (Kueue) could not be read or written
             if remote is None or not unreachable(exc):
                 raise
-            self.remotes.failed(ns, spec.jobName, spec.cluster, f"cluster {spec.cluster}: {exc!r}")
-            await self._unit_unreachable(unit, spec, f"cluster {spec.cluster} did not answer: {exc!r}")
+            await self._cluster_failed(unit, spec, exc)
             return
         if not await self._apply(unit, spec, job, decided, pod_objs, remote):
             return
@@ -288,8 +293,7 @@ class UnitReconciler:
         except Exception as exc:
             if remote is None or not unreachable(exc):
                 raise
-            self.remotes.failed(ns, spec.jobName, spec.cluster, f"cluster {spec.cluster}: {exc!r}")
-            await self._unit_unreachable(unit, spec, f"cluster {spec.cluster} did not answer: {exc!r}")
+            await self._cluster_failed(unit, spec, exc)
             return False
         return True
 

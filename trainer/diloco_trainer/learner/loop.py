@@ -164,12 +164,11 @@ class Learner(Resumable):
         self._load_position()
         self.tokens_per_step = self.batch * self.group.world_size * self.cfg.model.seq_len
         # Every rank sends (or gathers for a send of) the same fragments at the same steps: rank 0 decides.
-        due = self._aligned_first_sends(boot) if self.group.is_main else None
-        due = self.group.broadcast_json(due)
+        due = self.group.broadcast_json(self._aligned_first_sends(boot) if self.group.is_main else None)
         if due:
-            self.outer.align({int(p): d for p, d in due.items()}, self.step)
-            log.info("first sends lined up with the other learners': fragment -> steps from now %s",
-                     dict(sorted((int(p), d) for p, d in due.items())))
+            due = dict(sorted((int(p), d) for p, d in due.items()))  # JSON keys back to fragment numbers
+            self.outer.align(due, self.step)
+            log.info("first sends lined up with the other learners': fragment -> steps from now %s", due)
 
     def _aligned_first_sends(self, boot) -> dict[str, int] | None:
         """Steps until this life first sends each fragment the syncer published a version of while others trained

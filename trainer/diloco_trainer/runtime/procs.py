@@ -215,8 +215,8 @@ class Supervisor:
             timeout = min(timeout, max(0.0, min(due) - now))
         fds = []
         try:
-            for c in self.children.values():
-                if c.alive and hasattr(os, "pidfd_open"):
+            for c in self.children.values() if hasattr(os, "pidfd_open") else ():
+                if c.alive:
                     with contextlib.suppress(ProcessLookupError):  # exited since: the next poll reaps it
                         fds.append(os.pidfd_open(c.proc.pid))
             if fds:

@@ -24,6 +24,7 @@ from diloco_trainer.protocol.downlink import decode_answer, initial_theta, is_qu
 from diloco_trainer.protocol.tls import client_context, warn_if_plain
 from diloco_trainer.protocol.wire import WireError, decode_tensors
 from diloco_trainer.learner.link import Answer, Bootstrap, FragmentUpdate, HeldFn, Submission, SyncerRefused
+from diloco_trainer.learner.stop_flag import StopFlag
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +76,13 @@ class SyncerClient:
 
     # ------------------------------------------------------------------ compute-thread API
 
-    def bootstrap(self, stop_flag: threading.Event | None = None, held: HeldFn | None = None) -> Bootstrap:
+    def bootstrap(self, stop_flag: StopFlag | threading.Event | None = None, held: HeldFn | None = None) -> Bootstrap:
         """Register and pull all of Θ, retrying with backoff until the syncer answers; then start syncing.
         From a syncer shard: the fragments it owns (Bootstrap.theta and versions hold only those). `held` is not
         used: one syncer away means no Θ to train from (a sharded link starts without a shard: sharded_client.py)."""
         return self.start_bootstrap(stop_flag).result()
 
-    def start_bootstrap(self, stop_flag: threading.Event | None = None) -> concurrent.futures.Future:
+    def start_bootstrap(self, stop_flag: StopFlag | threading.Event | None = None) -> concurrent.futures.Future:
         """`bootstrap` without waiting: a future of its Bootstrap (several shards are bootstrapped at once)."""
         future = asyncio.run_coroutine_threadsafe(self._bootstrap(stop_flag or threading.Event()), self._loop)
         self._booting.append(future)
@@ -220,7 +221,7 @@ class SyncerClient:
 
     # ------------------------------------------------------------------ start-up
 
-    async def _bootstrap(self, stop_flag: threading.Event) -> Bootstrap:
+    async def _bootstrap(self, stop_flag: StopFlag | threading.Event) -> Bootstrap:
         attempt = 0
         while True:
             if stop_flag.is_set():

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from diloco_trainer.learner.stop_flag import StopFlag
+
 # The learner's saved Θ: called with the run's config and plan, returns {p: (version, Θ_p)} (inner_state.read_held).
 HeldFn = Callable[[dict, list[list[str]]], "dict[int, tuple[int, dict[str, Tensor]]]"]
 
@@ -84,7 +86,7 @@ class SyncerLink(Protocol):
     """What the learner loop needs of its link to the syncer. Every method is thread-safe and never blocks, except
     `bootstrap` (until the syncer answers or `stop_flag` is set) and `close` (up to `drain_s`)."""
 
-    def bootstrap(self, stop_flag: threading.Event | None = None, held: HeldFn | None = None) -> Bootstrap:
+    def bootstrap(self, stop_flag: StopFlag | threading.Event | None = None, held: HeldFn | None = None) -> Bootstrap:
         """Register and pull Θ, then start syncing. `held` gives the learner's saved Θ, which a sharded link may
         train from while a shard is away (a single syncer has nothing to start without)."""
 

@@ -31,6 +31,7 @@ from diloco_trainer.model.build import build_model, vocab_size_of
 from diloco_trainer.learner.outer_sync import OuterSync
 from diloco_trainer.learner.resume import Resumable
 from diloco_trainer.learner.snapshots import SnapshotWriter
+from diloco_trainer.learner.stop_flag import StopFlag
 from diloco_trainer.protocol.messages import LearnerRecord, LinkCounters
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class Learner(Resumable):
     def __init__(self, opts: LearnerOptions):
         self.opts = opts
         self.group = UnitGroup()  # joined in _start(), once the device (and so the backend) is known
-        self.stop_flag = threading.Event()
+        self.stop_flag = StopFlag()  # set by SIGTERM/SIGINT: stop_flag.py says why not a threading.Event
         self.client: SyncerLink | None = None
         self.nonce = secrets.token_hex(4)
         self.outer: OuterSync | None = None  # built in _start(), once the plan and versions are known
@@ -196,12 +197,13 @@ class Learner(Resumable):
         try:
             self._start()
         except InterruptedError:
-            log.info("stopped before the syncer answered")
+            log.info("%s: stopped before the syncer answered", self._stop_reason())
             if self.group.is_main and self.group.world_size > 1:
                 self.group.broadcast_json(None)  # release the other ranks waiting for the bootstrap
             if self.client is not None:
                 self.client.close()
             self.group.close()
+            self.stop_flag.close()
             return 0
         server = self._serve_metrics()
         window = Window()
@@ -242,7 +244,7 @@ class Learner(Resumable):
                 self._log(window)
                 window = Window()
             if stop:
-                log.info("stop requested: leaving the loop after step %d", self.step)
+                log.info("%s: stopping after step %d", self._stop_reason(), self.step)
                 break
         return self._finish(window, server)
 
@@ -352,6 +354,7 @@ class Learner(Resumable):
         if server is not None:
             server.shutdown()
         self.group.close()
+        self.stop_flag.close()
         log.info("learner %s stopped after %d steps (%d tokens)", self.opts.learner_id, self.step, self.tokens)
         return 0
 
@@ -387,13 +390,16 @@ class Learner(Resumable):
         tmp.write_bytes(encode_tensors({n: p.detach() for n, p in self.params.items()}, meta))
         tmp.replace(path)
 
+    def _stop_reason(self) -> str:
+        """What asked this rank to stop, for the log: the signal it received, or its unit's rank 0 (which did)."""
+        return f"received {self.stop_flag.reason}" if self.stop_flag.reason else "stop requested by the unit"
+
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
 
-        def handler(signum, _frame):
-            log.info("received %s: stopping after the current step", signal.Signals(signum).name)
-            self.stop_flag.set()
+        def handler(signum, _frame):  # no logging, no locks in here (stop_flag.py): the loop logs the reason
+            self.stop_flag.set(signal.Signals(signum).name)
 
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)

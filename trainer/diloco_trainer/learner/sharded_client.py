@@ -17,6 +17,7 @@ from torch import Tensor
 
 from diloco_trainer.learner.client import SyncerClient
 from diloco_trainer.learner.link import Answer, Bootstrap, FragmentUpdate, HeldFn, Submission, SyncerLink, SyncerRefused
+from diloco_trainer.learner.stop_flag import StopFlag
 from diloco_trainer.protocol.shardmap import owned_fragments, shard_of
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class ShardedSyncerClient:
         self._lock = threading.Lock()
         self._failure: Exception | None = None  # why such a shard cannot be used (raised in the learner's loop)
 
-    def bootstrap(self, stop_flag: threading.Event | None = None, held: HeldFn | None = None) -> Bootstrap:
+    def bootstrap(self, stop_flag: StopFlag | threading.Event | None = None, held: HeldFn | None = None) -> Bootstrap:
         """Register with every shard at once and pull the fragments each owns; returns the union.
 
         Waits for every shard, logging which ones it waits for, unless `held` (called once with the first answer's

@@ -107,6 +107,7 @@ class Testbed:
     server: str
     token: str
     pids: dict[str, int] = field(default_factory=dict)
+    commands: dict[str, list[str]] = field(default_factory=dict)  # each process's command line (start_process)
     etcd_dir: str = ""
     bin_dir: str = ""
     real_node: bool = False  # a kubelet runs pods for real (realnode.py)
@@ -132,6 +133,27 @@ class Testbed:
             if exc.code != 409:
                 raise
             return {}
+
+    def spawn(self, name: str, argv: list[str]) -> None:
+        """Start a process of the testbed, its output appended to logs/<name>.log; `stop` stops it."""
+        out = open(Path(self.workdir) / "logs" / f"{name}.log", "ab")
+        # A new session: the processes outlive `diloco devcluster up` and ignore the terminal's Ctrl-C.
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        out.close()
+        self.pids[name], self.commands[name] = proc.pid, argv
+        self.save()
+
+    def stop_process(self, name: str, grace_s: float = 10.0) -> None:
+        """Stop one process as its service manager would (SIGTERM, SIGKILL after `grace_s`), e.g. the real node's
+        kubelet: its containers keep running, as they do when a node's kubelet stops. `start_process` starts it again."""
+        stop_pids({name: self.pids[name]}, grace_s=grace_s)
+
+    def start_process(self, name: str) -> None:
+        """Start a process stopped by `stop_process` again, with the command line it had."""
+        if _pid_alive(self.pids[name]):
+            raise RuntimeError(f"{name} (pid {self.pids[name]}) is running")
+        self.spawn(name, self.commands[name])
 
     def alive(self) -> dict[str, bool]:
         """Which of the started processes are still running."""
@@ -279,13 +301,7 @@ def _start(testbed_dir: Path | None, workdir: Path | None, *, pools, real_node: 
     pki = work / "pki"
 
     def spawn(name: str, args: list[str]) -> None:
-        out = open(work / "logs" / f"{name}.log", "ab")
-        # A new session: the processes outlive `diloco devcluster up` and ignore the terminal's Ctrl-C.
-        proc = subprocess.Popen([str(bin_dir / name), *args], stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        out.close()
-        tb.pids[name] = proc.pid
-        tb.save()
+        tb.spawn(name, [str(bin_dir / name), *args])
 
     try:
         if real_node:

@@ -6,7 +6,8 @@ container runs as UID 10001 with no capability, no new privileges, a seccomp fil
 and learner pods talk over TLS with the certificate the operator issued (spec.syncer.tls Auto, the default); a killed
 learner pod (deleted, or by spec.chaos) restarts its unit while the others train on; an evicted one (a drain) hands
 over its unsent work and loses none, and so does a drain of the whole node (syncer and learners evicted at once),
-after which the job trains again once the node is uncordoned; a SIGKILLed syncer is replaced
+after which the job trains again once the node is uncordoned; a node whose kubelet stops is lost, its units move to
+new pods (force-deleted ones on the lost node) and train again once it is back; a SIGKILLed syncer is replaced
 by the other container of its pod (spec.syncer.standby), which resumes from the checkpoint, spool and merge journal
 on the PVC losing no acknowledged update; a real Prometheus on the host scrapes the pods where their prometheus.io
 annotations say and has data for every query of the Grafana dashboard; given a step budget, the units finish it
@@ -489,6 +490,78 @@ def test_a_drained_node_stops_the_job_cleanly_and_it_trains_again_once_the_node_
           f"uncordoned -> every learner training again in {again_s:.1f}s; outer steps {before} -> {after}",
           file=sys.stderr)
     assert after >= before, "the drained syncer's checkpoint lost merges"
+
+
+def node_ready(kubectl) -> str:
+    node = kubectl.get("nodes", realnode.NODE_NAME)
+    ready = next((c for c in node["status"].get("conditions", []) if c["type"] == "Ready"), {})
+    return ready.get("status", "Unknown")
+
+
+def test_a_node_whose_kubelet_stops_is_lost_its_units_are_replaced_and_the_job_trains_again_once_it_is_back(
+        job, kubectl, cluster):
+    """The real node's kubelet stops (as `systemctl stop kubelet`, a hung or partitioned node does): its containers go
+    on running, but nothing reports for them. The controller-manager marks the node not Ready after its grace period
+    (60 s in this testbed) and taints it; the job's pods tolerate that for failurePolicy.nodeLostSeconds and are then
+    deleted, which no kubelet confirms; nodeLostSeconds past their grace period the operator force-deletes them (this
+    namespaced operator has no right to read Nodes: the unconfirmed deletion is its sign of a lost node), and every
+    unit moves to a new incarnation with NodeLost on its status and an Event (issue 19 item 2). There is no other real
+    node here, so the new pods wait until the kubelet is back; it then stops the containers of the deleted pods, the
+    new ones start and the job trains again. The final test checks that no acknowledged work was lost."""
+    assert node_ready(kubectl) == "True"
+    wait_for(lambda: len(job.running("learner")) == UNITS and all((learner_step(p) or 0) >= 1
+             for p in job.running("learner")), 300, "every learner training before the kubelet stops", 1.0)
+    old = {f"{JOB}-cpu-{i}": job.unit_pod(f"{JOB}-cpu-{i}") for i in range(UNITS)}
+    old_uids = {p["metadata"]["uid"] for p in old.values()}
+    lost_s = job.obj()["spec"].get("failurePolicy", {}).get("nodeLostSeconds", 20)
+    (syncer,) = job.running("syncer")  # asked directly while the kubelet is down (its pod is then being deleted)
+    before = job.outer_steps()
+    stopped = time.monotonic()
+    cluster.stop_process("kubelet")
+    try:
+        wait_for(lambda: node_ready(kubectl) != "True", 180, "the node not Ready after its kubelet stopped", 1.0)
+        not_ready = time.monotonic()
+
+        def replaced():  # every unit on a new incarnation: its old pod force-deleted, the new one waiting for a node
+            for unit, pod in old.items():
+                if kubectl.get("pod", pod["metadata"]["name"], ns=job.ns) is not None:
+                    return False
+                lu = kubectl.get("lu", unit, ns=job.ns)["status"]
+                if lu.get("incarnation", 0) <= int(pod["metadata"]["labels"]["diloco.dev/incarnation"]):
+                    return False
+            return True
+        grace = max(p["spec"]["terminationGracePeriodSeconds"] for p in old.values())
+        wait_for(replaced, lost_s + grace + lost_s + 60, "the lost node's learner pods force-deleted and replaced", 1.0)
+        replaced_s = time.monotonic() - not_ready
+        for unit in old:
+            lu = kubectl.get("lu", unit, ns=job.ns)["status"]
+            lost = next((c for c in lu.get("conditions", []) if c["type"] == "NodeLost"), {})
+            assert lost.get("status") == "True" and lost.get("reason") == "NodeLost", lu
+            # This operator may not read Nodes: the taint manager's eviction (the pod's DisruptionTarget condition) is
+            # what it saw first, and a restart that is not the unit's failure.
+            assert (lu.get("lastFault") or {}).get("reason") == "EvictedByTaint", lu
+            assert lu.get("consecutiveFailures", 0) == 0, lu
+        events = [e for e in kubectl.get("events", ns=job.ns) if e["reason"] == "NodeLost"]
+        assert {e["involvedObject"]["name"] for e in events} >= set(old), events
+        # Nothing stalls meanwhile: the containers of the lost node still run (a partitioned node's would) and merge.
+        during = (syncer_status(syncer, f"{JOB}-syncer", job.ca(), job.token()) or {}).get("outer_steps", -1)
+        assert during > before, f"outer steps {before} -> {during} while the kubelet was down
+    finally:
+        cluster.start_process("kubelet")
+    restarted = time.monotonic()
+    wait_for(lambda: node_ready(kubectl) == "True", 180, "the node Ready again", 1.0)
+    wait_for(lambda: not (old_uids & running_pod_uids()), 120, "the deleted pods' containers stopped", 1.0)
+    wait_for(lambda: len(job.running("syncer")) == 1 and len(job.running("learner")) == UNITS and all(
+        (learner_step(p) or 0) >= 1 for p in job.running("learner")), 300, "the job training again", 1.0)
+    again_s = time.monotonic() - restarted
+    after = wait_outer_steps_advance(job, 1, 180, "merges after the kubelet is back")
+    for unit in old:
+        lost = next(c for c in kubectl.get("lu", unit, ns=job.ns)["status"]["conditions"] if c["type"] == "NodeLost")
+        assert lost["status"] == "False" and lost["reason"] == "RunningElsewhere", lost
+    print(f"[e2e] kubelet of {realnode.NODE_NAME} stopped -> node not Ready after {not_ready - stopped:.1f}s -> "
+          f"both learner pods force-deleted and replaced {replaced_s:.1f}s later (nodeLostSeconds {lost_s}, grace "
+          f"{grace}s); outer steps {before} -> {during} while it was down; kubelet back -> training again in "
+          f"{again_s:.1f}s, outer steps {after}", file=sys.stderr)
 
 
 def incarnations(metrics_jsonl: Path) -> list[list[dict]]:

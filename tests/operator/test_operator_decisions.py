@@ -68,6 +68,38 @@ def test_a_deleted_pod_restarts_the_whole_unit_with_backoff_and_counts_it():
     assert later.create == [0, 1] and later.status.launchedIncarnation == 1
 
 
+@pytest.mark.parametrize("disruption, reason", [
+    ("DeletionByTaintManager", C.Reason.EVICTED_BY_TAINT), ("EvictionByEvictionAPI", C.Reason.EVICTED),
+    ("PreemptionByScheduler", C.Reason.PREEMPTED)])
+def test_a_pod_kubernetes_deletes_and_says_why_restarts_the_unit_at_once_and_is_not_its_failure(disruption, reason):
+    """The taint manager evicting from a node not Ready past nodeLostSeconds (the sign of a lost node for an operator
+    that may not read Nodes), a drain, a preemption: counted in status, with the reason, but no backoff and not
+    towards maxRestarts (a unit that already used its restarts still restarts)."""
+    spec, raw = unit_spec(maxRestarts=1)
+    h = objects.pod_spec_hash(raw)
+    status = {"incarnation": 1, "launchedIncarnation": 1, "phase": "Running", "restarts": 1}
+    evicted = pod(1, 1, h=h, deleting=True, disruption=disruption)
+    plan = unitplan.plan_unit(spec, raw, status, [pod(0, 1, h=h), evicted], T0)
+    assert plan.status.phase != "Failed" and plan.status.incarnation == 2 and plan.status.restarts == 2
+    assert plan.status.consecutiveFailures == 0 and plan.status.restartAfter == C.now_iso(T0), "no backoff"
+    assert plan.status.lastFault.reason == reason and "demo-gpu-0-1-1" in plan.status.lastFault.message
+    assert plan.events[0][1] == reason and plan.delete == ["demo-gpu-0-1-0"], "the other rank goes with it"
+    # A node-pressure eviction by the kubelet stays the unit's failure (a learner over its requests goes first).
+    by_kubelet = pod(1, 1, "Failed", False, h=h, failure="Evicted", disruption="TerminationByKubelet")
+    failed = unitplan.plan_unit(spec, raw, status, [pod(0, 1, h=h), by_kubelet], T0)
+    assert failed.status.phase == "Failed" and failed.events[0][1] == C.Reason.BACKOFF_LIMIT_EXCEEDED
+
+
+def test_a_pods_disruption_target_condition_is_read():
+    manifest = {"metadata": {"name": "p", "labels": {}, "deletionTimestamp": "2026-01-01T00:00:30Z"},
+                "status": {"phase": "Running", "conditions": [
+                    {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager",
+                     "message": "Taint manager: deleting due to NoExecute taint"}]}}
+    assert unitplan.pod_view(manifest).disruption == "DeletionByTaintManager"
+    manifest["status"]["conditions"][0]["status"] = "False"
+    assert unitplan.pod_view(manifest).disruption is None
+
+
 def test_a_failed_pod_is_a_counted_restart_and_backoff_doubles():
     spec, raw = unit_spec(maxRestarts=5)
     status = {"incarnation": 3, "launchedIncarnation": 3, "restarts": 2, "consecutiveFailures": 2}

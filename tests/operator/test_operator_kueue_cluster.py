@@ -2,7 +2,7 @@
 into the quota its ClusterQueue gives, grows further when the quota is raised or when its finished units free theirs,
 and loses one unit, not the job, when a higher-priority Workload preempts it; an autoscaled job keeps the units its
 quota lacks as queued Workloads (not parked) until Kueue admits them; units in a remote cluster are admitted by that
-cluster's own Kueue (a second control plane with a second Kueue stands for it)."""
+cluster's own Kueue (a second control plane with a second Kueue stands for it), an autoscaled job's among them."""
 
 from __future__ import annotations
 
@@ -287,6 +287,58 @@ def test_units_in_a_remote_cluster_are_admitted_by_that_clusters_kueue_and_grow_
         kubectl.run("delete", "dj", "away", "-n", ns, "--wait=false")
         wait_for(lambda: all(workload(far, ns, u) is None for u in units), 60, "the Workloads gone from west", 0.5)
         wait_for(lambda: kubectl.get("dj", "away", ns=ns) is None, 60, "the job gone", 0.5)
+    finally:
+        far.run("delete", "clusterqueue", cq, "--wait=false", check=False)
+        far.run("delete", "resourceflavor", flavor, "--wait=false", check=False)
+
+
+def test_an_autoscaled_job_with_its_template_in_a_remote_cluster_keeps_what_that_quota_lacks_queued_there(
+        kubectl, kueue_operator, ns, remote, west_kueue):
+    """Autoscaling, a remote cluster and Kueue together: the autoscaler wants 3 units of a template in "west", whose
+    Kueue has quota for 1; the 2 others stay pending Workloads there (queued, never parked, however long past the
+    provisioning timeout), and run there once west's quota is raised."""
+    far = Kubectl(remote)
+    far.run("create", "namespace", ns)
+    flavor, cq = f"{ns}-west-cpu", f"{ns}-west-cq"
+    far.apply(resource_flavor(flavor, {POOL_LABEL: "cpu"}))
+    far.apply(cluster_queue(cq, flavor, {"cpu": 2}, ns))
+    far.apply(local_queue("team", ns, cq))
+    try:
+        far_template = {"name": "far", "count": 0, "maxCount": 3, "cluster": "west",
+                        "nodeSelector": {POOL_LABEL: "cpu"}, "resources": {"requests": {"cpu": "2"}}}
+        body = autoscaled_job("grow", [far_template], minUnits=1, maxUnits=3, provisioningTimeoutSeconds=1)
+        body["spec"]["clusters"] = [kubeconfig_secret(kubectl, ns, remote)]
+        body["metadata"]["labels"] = {kueue.QUEUE_LABEL: "team"}
+        kubectl.apply(body, "-n", ns)
+        applied = time.monotonic()
+        units = [f"grow-far-{i}" for i in range(3)]
+
+        def running_there() -> list[str]:
+            return sorted(u for u in units if (ps := remote_pods(far, ns, u)) and all(running(p) for p in ps))
+        wait_for(lambda: (a := autoscaling(kubectl, ns, "grow")).get("runningUnits") == 1 and a.get("queuedUnits") == 2,
+                 90, "1 remote unit running and 2 queued in the autoscaling status", 0.5)
+        (first,) = running_there()
+        waiting = sorted(set(units) - {first})
+        assert all(workload(far, ns, u) and not admitted(workload(far, ns, u)) for u in waiting), "pending there"
+        assert all(remote_pods(far, ns, u) == [] for u in waiting)
+        dj = kubectl.get("dj", "grow", ns=ns)
+        assert condition(dj, C.SCALING_LIMITED)["reason"] == C.Reason.WAITING_FOR_QUOTA, dj["status"]
+        # Five provisioning timeouts later nothing is parked: a unit Kueue holds is not one that cannot be placed.
+        wait_for(lambda: time.monotonic() - applied > 5, 10, "five provisioning timeouts", 0.5)
+        a = autoscaling(kubectl, ns, "grow")
+        assert a.get("parkedUnits", []) == [] and a.get("queuedUnits") == 2, a
+        assert not events(kubectl, ns, C.Reason.UNITS_PARKED)
+
+        raised = time.monotonic()
+        far.apply(cluster_queue(cq, flavor, {"cpu": 6}, ns))
+        wait_for(lambda: running_there() == units, 60, "all 3 remote units running", 0.2)
+        print(f"[kueue] autoscaled, remote: quota raised -> the 2 queued units' pods Running there in "
+              f"{time.monotonic() - raised:.1f} s (units there are polled every 5 s)", file=sys.stderr)
+        wait_for(lambda: (a := autoscaling(kubectl, ns, "grow")).get("runningUnits") == 3 and a.get("queuedUnits") == 0
+                 and condition(kubectl.get("dj", "grow", ns=ns), C.SCALING_LIMITED).get("reason")
+                 == C.Reason.TARGET_MET, 30, "3 running, none queued, ScalingLimited=False", 0.3)
+        kubectl.run("delete", "dj", "grow", "-n", ns, "--wait=false")
+        wait_for(lambda: all(workload(far, ns, u) is None for u in units), 60, "the Workloads gone from west", 0.5)
     finally:
         far.run("delete", "clusterqueue", cq, "--wait=false", check=False)
         far.run("delete", "resourceflavor", flavor, "--wait=false", check=False)

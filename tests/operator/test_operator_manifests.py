@@ -14,7 +14,7 @@ from diloco_devcluster.pools import DEFAULT_POOLS
 from diloco_kube.labels import POOL_LABEL
 
 from cluster_kit import KUBECTL, PYTHONPATH, ROOT
-from polling import alive
+from polling import alive, wait_for
 
 MANIFESTS = sorted((ROOT / "manifests").glob("*.yaml"))
 
@@ -149,3 +149,29 @@ def test_devcluster_status_without_a_cluster_says_so(tmp_path):
     out = subprocess.run([sys.executable, "-m", "diloco_trainer.cli", "devcluster", "status", "--dir", str(tmp_path)],
                          env=env, capture_output=True, text=True)
     assert out.returncode == 1 and "no dev cluster" in out.stderr
+
+
+def test_a_control_plane_process_stops_and_starts_again_with_its_own_command_line(testbed):
+    """What the real-node test does to its kubelet (tests/e2e: a node whose kubelet stops), on the scheduler here:
+    `stop_process` stops one process and leaves the others serving; `start_process` runs the same command line
+    again, in the same place of the stop order, and the cluster schedules again."""
+    from diloco_devcluster import testbed as testbed_mod
+
+    tb = testbed_mod.start()
+    try:
+        order, first = list(tb.pids), tb.pids["kube-scheduler"]
+        tb.stop_process("kube-scheduler")
+        assert tb.alive() == {name: name != "kube-scheduler" for name in order}
+        tb.start_process("kube-scheduler")
+        with pytest.raises(RuntimeError, match="is running"):
+            tb.start_process("kube-scheduler")
+        assert list(tb.pids) == order and tb.pids["kube-scheduler"] != first and all(tb.alive().values())
+        saved = testbed_mod.Testbed.load(tb.workdir)
+        assert saved.pids == tb.pids and saved.commands["kube-scheduler"] == tb.commands["kube-scheduler"]
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "after-restart"},
+               "spec": {"containers": [{"name": "c", "image": "none"}], "tolerations": [{"operator": "Exists"}]}}
+        tb.create("/api/v1/namespaces/default/pods", pod)
+        wait_for(lambda: tb.request("GET", "/api/v1/namespaces/default/pods/after-restart")["spec"].get("nodeName"),
+                 60, "the pod bound by the restarted scheduler", 0.5)
+    finally:
+        tb.stop()

@@ -88,6 +88,10 @@ class Reason:
     BACKOFF = "BackOff"
     POD_FAILED = "PodFailed"
     POD_DELETED = "PodDeleted"
+    # Deleted by Kubernetes, which said why (the pod's DisruptionTarget condition): a restart, not the unit's failure
+    EVICTED_BY_TAINT = "EvictedByTaint"  # the taint manager: e.g. a node not Ready past failurePolicy.nodeLostSeconds
+    EVICTED = "Evicted"  # the Eviction API: kubectl drain, a cluster autoscaler's scale-down, a descheduler
+    PREEMPTED = "Preempted"  # the scheduler made room for a pod of higher priority
     SPEC_CHANGED = "SpecChanged"
     BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
     COMPLETED = "Completed"

@@ -30,6 +30,7 @@ class PodView:
     failure: str | None = None  # why the container ended (reason, exit code)
     spec_hash: str | None = None
     deletion_deadline: datetime | None = None  # being deleted: when its grace period ends (deletionTimestamp)
+    disruption: str | None = None  # who is deleting it: the reason of its DisruptionTarget condition, if any
 
     @property
     def terminal(self) -> bool:
@@ -45,6 +46,7 @@ def pod_view(pod: dict) -> PodView:
     sched = next((c for c in conds if c.get("type") == "PodScheduled"), None)
     unschedulable = sched.get("message", "unschedulable") if sched and sched.get("status") == "False" \
         and sched.get("reason") == "Unschedulable" else None
+    disrupted = next((c for c in conds if c.get("type") == "DisruptionTarget" and c.get("status") == "True"), None)
     failure = None
     for cs in status.get("containerStatuses", []):
         term = cs.get("state", {}).get("terminated")
@@ -57,6 +59,7 @@ def pod_view(pod: dict) -> PodView:
         failure=failure or (status.get("reason") if status.get("phase") == "Failed" else None),
         spec_hash=meta.get("annotations", {}).get(O.ANNOTATION_SPEC_HASH),
         deletion_deadline=C.parse_time(meta.get("deletionTimestamp")),
+        disruption=disrupted.get("reason") if disrupted else None,
     )
 
 
@@ -81,6 +84,18 @@ def backoff_seconds(policy: api.RestartPolicy, consecutive_failures: int) -> flo
     return min(policy.backoffSeconds * 2 ** (consecutive_failures - 1), policy.maxBackoffSeconds)
 
 
+# Deletions Kubernetes makes and marks with a DisruptionTarget condition (its reason) that are not the unit's failure:
+# a restart counted in status (lastFault), without backoff and not towards restartPolicy.maxRestarts. Not the
+# kubelet's node-pressure eviction (TerminationByKubelet): a learner over its requests is evicted first, so that one
+# stays the unit's failure (PodFailed), with backoff.
+DISRUPTIONS = {
+    "DeletionByTaintManager": (C.Reason.EVICTED_BY_TAINT, "evicted from node {node} by a NoExecute taint it does not "
+                               "tolerate (a node not Ready or unreachable for failurePolicy.nodeLostSeconds has one)"),
+    "EvictionByEvictionAPI": (C.Reason.EVICTED, "evicted from node {node} (the Eviction API: a drain, a scale-down)"),
+    "PreemptionByScheduler": (C.Reason.PREEMPTED, "preempted on node {node} by a pod of higher priority"),
+}
+
+
 @dataclass(frozen=True)
 class Cause:
     """Why the launched pod group can no longer run as a whole. `counted`: a restart in status.restarts; `failure`:
@@ -98,6 +113,11 @@ def _failure_cause(spec: api.LearnerUnitSpec, current: list[PodView], want_hash:
     if on_lost:  # before "deleted": a pod evicted from a lost node is that node's doing, not the unit's
         p = on_lost[0]
         return Cause(C.Reason.NODE_LOST, f"{lost[p.name]}: pod {p.name} force-deleted", True, False)
+    disrupted = [p for p in current if p.deleting and p.disruption in DISRUPTIONS]
+    if disrupted:  # before "failed" and "deleted": Kubernetes' doing, not the unit's
+        p = disrupted[0]
+        reason, what = DISRUPTIONS[p.disruption]
+        return Cause(reason, f"pod {p.name} {what.format(node=p.node or '-')}", True, False)
     by_rank = {p.rank: p for p in current if not p.deleting}
     failed = [p for p in current if p.phase == "Failed"]
     if failed:
@@ -202,7 +222,8 @@ def _stop(u: _Pass, phase: str | None) -> None:
         u.plan.events.append(("Normal", C.Reason.JOB_FINISHED, u.st.message))
 
 
-SPARE_CAUSES = (C.Reason.POD_DELETED, C.Reason.POD_FAILED, C.Reason.NODE_LOST)
+SPARE_CAUSES = (C.Reason.POD_DELETED, C.Reason.POD_FAILED, C.Reason.NODE_LOST, C.Reason.EVICTED_BY_TAINT,
+                C.Reason.EVICTED, C.Reason.PREEMPTED)
 
 
 def spare_takeover(spec: api.LearnerUnitSpec, st: api.LearnerUnitStatus, cause: Cause, spare: bool) -> bool:

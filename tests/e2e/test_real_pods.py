@@ -503,9 +503,10 @@ def test_a_node_whose_kubelet_stops_is_lost_its_units_are_replaced_and_the_job_t
     """The real node's kubelet stops (as `systemctl stop kubelet`, a hung or partitioned node does): its containers go
     on running, but nothing reports for them. The controller-manager marks the node not Ready after its grace period
     (60 s in this testbed) and taints it; the job's pods tolerate that for failurePolicy.nodeLostSeconds and are then
-    deleted, which no kubelet confirms; nodeLostSeconds past their grace period the operator force-deletes them (this
-    namespaced operator has no right to read Nodes: the unconfirmed deletion is its sign of a lost node), and every
-    unit moves to a new incarnation with NodeLost on its status and an Event (issue 19 item 2). There is no other real
+    evicted by the taint manager (each unit restarts as EvictedByTaint, not its failure), which no kubelet confirms;
+    nodeLostSeconds past their grace period the operator force-deletes them (this namespaced operator has no right to
+    read Nodes: the unconfirmed deletion is its sign of a lost node), with NodeLost on the unit's status and an Event
+    (issue 19 item 2). There is no other real
     node here, so the new pods wait until the kubelet is back; it then stops the containers of the deleted pods, the
     new ones start and the job trains again. The final test checks that no acknowledged work was lost."""
     assert node_ready(kubectl) == "True"
@@ -545,7 +546,7 @@ def test_a_node_whose_kubelet_stops_is_lost_its_units_are_replaced_and_the_job_t
         assert {e["involvedObject"]["name"] for e in events} >= set(old), events
         # Nothing stalls meanwhile: the containers of the lost node still run (a partitioned node's would) and merge.
         during = (syncer_status(syncer, f"{JOB}-syncer", job.ca(), job.token()) or {}).get("outer_steps", -1)
-        assert during > before, f"outer steps {before} -> {during} while the kubelet was down
+        assert during > before, f"outer steps {before} -> {during} while the kubelet was down"
     finally:
         cluster.start_process("kubelet")
     restarted = time.monotonic()

@@ -42,6 +42,7 @@ from cluster_kit import KUBECTL
 from dashboard_kit import wait_for_data_in_every_query
 from prometheus_kit import Prometheus, annotated_pods, prometheus_binary
 from diloco_devcluster import realnode
+from diloco_operator.api import conditions as C
 from diloco_trainer.syncer.takeover import read_incarnations
 from e2e_kit import (SYNCER_PORT, container_id, container_of, job_namespace, learner_step, metric_of, pid_of,
                      process_of, pv_dir, supervised_learner, syncer_status)
@@ -493,8 +494,7 @@ def test_a_drained_node_stops_the_job_cleanly_and_it_trains_again_once_the_node_
 
 
 def node_ready(kubectl) -> str:
-    node = kubectl.get("nodes", realnode.NODE_NAME)
-    ready = next((c for c in node["status"].get("conditions", []) if c["type"] == "Ready"), {})
+    ready = C.get_condition(kubectl.get("nodes", realnode.NODE_NAME)["status"].get("conditions"), C.READY) or {}
     return ready.get("status", "Unknown")
 
 
@@ -536,13 +536,13 @@ def test_a_node_whose_kubelet_stops_is_lost_its_units_are_replaced_and_the_job_t
         replaced_s = time.monotonic() - not_ready
         for unit in old:
             lu = kubectl.get("lu", unit, ns=job.ns)["status"]
-            lost = next((c for c in lu.get("conditions", []) if c["type"] == "NodeLost"), {})
-            assert lost.get("status") == "True" and lost.get("reason") == "NodeLost", lu
+            lost = C.get_condition(lu.get("conditions"), C.NODE_LOST) or {}
+            assert lost.get("status") == "True" and lost.get("reason") == C.Reason.NODE_LOST, lu
             # This operator may not read Nodes: the taint manager's eviction (the pod's DisruptionTarget condition) is
             # what it saw first, and a restart that is not the unit's failure.
-            assert (lu.get("lastFault") or {}).get("reason") == "EvictedByTaint", lu
+            assert (lu.get("lastFault") or {}).get("reason") == C.Reason.EVICTED_BY_TAINT, lu
             assert lu.get("consecutiveFailures", 0) == 0, lu
-        events = [e for e in kubectl.get("events", ns=job.ns) if e["reason"] == "NodeLost"]
+        events = [e for e in kubectl.get("events", ns=job.ns) if e["reason"] == C.Reason.NODE_LOST]
         assert {e["involvedObject"]["name"] for e in events} >= set(old), events
         # Nothing stalls meanwhile: the containers of the lost node still run (a partitioned node's would) and merge.
         during = (syncer_status(syncer, f"{JOB}-syncer", job.ca(), job.token()) or {}).get("outer_steps", -1)
@@ -557,8 +557,8 @@ def test_a_node_whose_kubelet_stops_is_lost_its_units_are_replaced_and_the_job_t
     again_s = time.monotonic() - restarted
     after = wait_outer_steps_advance(job, 1, 180, "merges after the kubelet is back")
     for unit in old:
-        lost = next(c for c in kubectl.get("lu", unit, ns=job.ns)["status"]["conditions"] if c["type"] == "NodeLost")
-        assert lost["status"] == "False" and lost["reason"] == "RunningElsewhere", lost
+        lost = C.get_condition(kubectl.get("lu", unit, ns=job.ns)["status"]["conditions"], C.NODE_LOST)
+        assert lost["status"] == "False" and lost["reason"] == C.Reason.RUNNING_ELSEWHERE, lost
     print(f"[e2e] kubelet of {realnode.NODE_NAME} stopped -> node not Ready after {not_ready - stopped:.1f}s -> "
           f"both learner pods force-deleted and replaced {replaced_s:.1f}s later (nodeLostSeconds {lost_s}, grace "
           f"{grace}s); outer steps {before} -> {during} while it was down; kubelet back -> training again in "

@@ -209,6 +209,29 @@ def test_a_crashed_child_the_policy_declines_is_marked_finished_not_restarted(tm
         assert child.finished and child.restart_at is None and child.restarts == 0
 
 
+def test_a_child_that_died_since_the_last_poll_is_not_down_until_a_poll_has_decided_its_restart(tmp_path):
+    """`down` (what `diloco pod-learner` and `diloco local` stop on): a learner killed between two polls is dead but
+    not down, so the loop does not end the pod before the next poll restarts it (seen in CI: a pod-learner that
+    exited with the previous life's code and never decided on the second kill)."""
+    with Supervisor() as sup:
+        sup.add(_child(tmp_path, "learner-0", "import time; time.sleep(30)", restart_delay=5.0))
+        child = sup.start("learner-0")
+        sup.poll()
+        child.proc.kill()
+        child.proc.wait()
+        assert not child.alive and child.restart_at is None, "dead, and no poll has seen it yet"
+        assert not child.down
+        sup.poll()
+        assert child.exits == [-signal.SIGKILL] and child.restart_at is not None and not child.down
+        sup.should_restart = lambda c: False  # the next death is declined: that one stays down
+        sup.start("learner-0")
+        child.proc.kill()
+        child.proc.wait()
+        assert not child.down
+        sup.poll()
+        assert child.down and child.finished
+
+
 def test_a_restart_hold_keeps_a_killed_child_down_until_it_ends_and_a_lifted_hold_frees_it_early(tmp_path):
     holds = tmp_path / "holds"
     holds.mkdir()

@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
                 if event.event == "start" and child.restarts:
                     _say(f"learner {parsed.learner_id} restarted in place (pid {event.pid}, "
                          f"{'warm spare' if event.spare else 'cold start'}; restart {child.restarts})")
-            if child.finished or (not child.alive and child.restart_at is None):
+            if child.finished or child.down:
                 break
             time.sleep(POLL_S)
         if flag and child.alive:

@@ -99,6 +99,12 @@ class Child:
     def pid(self) -> int | None:
         return self.proc.pid if self.alive else None
 
+    @property
+    def down(self) -> bool:
+        """Exited, that exit seen by `Supervisor.poll` (which decides on a restart), and no restart due: it stays
+        down. Not merely `not alive`: a process that died since the last poll has had no restart decided yet."""
+        return bool(self.starts) and len(self.exits) == len(self.starts) and self.restart_at is None
+
 
 class Supervisor:
     """Owns the children of one run. Use as a context manager: leaving it kills every child."""

@@ -183,7 +183,7 @@ class RunSession:
             # every worker is down in the same poll, and the cause is still that a worker failed.
             if fail_fast and any(c.exits and len(c.exits) == len(c.starts) and c.exits[-1] != 0 for c in learners):
                 return "a worker failed; a synchronous job cannot continue without it"
-            if learners and all(c.finished or (c.exits and not c.alive and c.restart_at is None) for c in learners):
+            if learners and all(c.finished or c.down for c in learners):
                 return "no learner is left running (the failed ones are not restarted)"
             if now - started >= budget_s:
                 return f"time budget of {budget_s / 60:.1f} min used"

@@ -530,6 +530,8 @@ def test_a_node_whose_kubelet_stops_is_lost_its_units_are_replaced_and_the_job_t
                 lu = kubectl.get("lu", unit, ns=job.ns)["status"]
                 if lu.get("incarnation", 0) <= int(pod["metadata"]["labels"]["diloco.dev/incarnation"]):
                     return False
+                if not C.is_true(lu.get("conditions"), C.NODE_LOST):  # written just after the force-delete
+                    return False
             return True
         grace = max(p["spec"]["terminationGracePeriodSeconds"] for p in old.values())
         wait_for(replaced, lost_s + grace + lost_s + 60, "the lost node's learner pods force-deleted and replaced", 1.0)

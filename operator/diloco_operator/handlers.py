@@ -15,6 +15,7 @@ from prometheus_client import start_http_server
 from diloco_kube.client import Kube
 from diloco_kube.labels import LABEL_SPARE
 from diloco_operator.api import models as api
+from diloco_operator.kopf_bodies import SlimDiffBaseStorage, tree_copy
 from diloco_operator.objects import builders as O
 from diloco_operator.reconcile.cache import Cache
 from diloco_operator.reconcile.chaosrun import run_job_chaos
@@ -41,6 +42,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     settings.watching.label_selectors["", "v1", "pods"] = f"{O.LABEL_COMPONENT} in (learner,syncer)"
     settings.watching.label_selectors["apps", "v1", "deployments"] = f"{O.LABEL_COMPONENT}=syncer"
     settings.watching.label_selectors["kueue.x-k8s.io", "v1beta2", "workloads"] = O.LABEL_UNIT  # only units' (--kueue)
+    # kopf's diff base is built on every event of every watched kind; ours skips its deep copy of whole bodies.
+    settings.persistence.diffbase_storage = SlimDiffBaseStorage()
     settings.posting.level = logging.WARNING  # our own Events carry the decisions; kopf posts only its errors
     settings.peering.standalone = True  # one replica (Deployment with Recreate); no peering objects needed
     # The CRDs are installed before the operator starts and the namespaces are given by name (or all): no
@@ -80,7 +83,7 @@ async def cleanup(memo: kopf.Memo, **_) -> None:
 
 # --- the cache: kopf indexes (kopf lists and indexes every kind before it runs any event handler) ---------------
 def _snapshot(body: kopf.Body) -> dict:
-    return copy.deepcopy(dict(body))
+    return tree_copy(body)
 
 
 @kopf.index(api.GROUP, api.VERSION, "dilocojobs")
@@ -117,8 +120,8 @@ def diloco_deployments(body: kopf.Body, namespace: str, labels: kopf.Labels, **_
 def diloco_nodes(body: kopf.Body, name: str, **_) -> dict:
     return {name: {"metadata": {"name": name, "labels": dict(body.get("metadata", {}).get("labels") or {}),
                                 "resourceVersion": body.get("metadata", {}).get("resourceVersion")},
-                   "spec": copy.deepcopy(dict(body.get("spec") or {})),
-                   "status": {k: copy.deepcopy(body.get("status", {}).get(k))
+                   "spec": tree_copy(body.get("spec") or {}),
+                   "status": {k: tree_copy(body.get("status", {}).get(k))
                               for k in ("allocatable", "capacity", "conditions")}}}
 
 

@@ -13,6 +13,13 @@ if [ -x "$HELM" ]; then echo "$HELM"; exit 0; fi
 command -v go >/dev/null || { echo "build-helm: 'go' is not on PATH; install Go >= 1.26" >&2; exit 1; }
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
 log() { printf '[build-helm %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+mkdir -p "$CACHE_ROOT"
+# One build at a time: a whole-suite ./hack/test.sh starts one in the background, and the chart tests run this
+# script again (tests/operator/helm_kit.py); that second run waits here for the first (hack/build-wait.sh), then
+# finds the binary.
+source "$(dirname "$0")/build-wait.sh"
+wait_for_build "$CACHE_ROOT/helm-$HELM_VERSION.lock" build-helm
+if [ -x "$HELM" ]; then echo "$HELM"; exit 0; fi
 started=$(date +%s)
 mkdir -p "$OUT/bin"
 tmp=$(mktemp -d "$OUT/build.XXXXXX")

@@ -4,6 +4,20 @@
 # the container engine and builds the images (hack/build-images.sh, cached): it needs root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# helm (the chart tests: tests/operator/helm_kit.py) and Kueue (tests/operator/kueue_kit.py), cached by version. A
+# whole-suite run whose cache lacks them compiles them in the background at a low priority (~5 min of both cores
+# cold), in the CPU that the set-up's downloads and the tests leave idle; the tests that need them run the same scripts, which wait for that build
+# (and raise it to full priority: hack/build-wait.sh). A run of chosen tests builds them first, as before.
+tools_pid=""
+if [ $# -eq 0 ]; then
+  setsid nice -n 10 bash -c 'bash hack/build-helm.sh && bash hack/build-kueue.sh' \
+    >/dev/null 2>"${TMPDIR:-/tmp}/diloco-build-tools.log" &
+  tools_pid=$!
+else
+  DILOCO_HELM=$(bash hack/build-helm.sh | tail -n 1)
+  DILOCO_KUEUE=$(bash hack/build-kueue.sh | tail -n 1)
+  export DILOCO_HELM DILOCO_KUEUE
+fi
 bash hack/setup.sh
 # The whole suite needs the XLA environment (tests/trainer/test_learner_xla.py): on a first run its ~3 GB install
 # goes on in the background meanwhile. The test runs hack/xla-env.sh itself, which waits for this install (a lock)
@@ -22,9 +36,7 @@ if [ $# -eq 0 ] && [ "$(id -u)" = 0 ]; then
   images_pid=$!
 fi
 DILOCO_TESTBED_DIR=$(bash hack/build-testbed.sh | tail -n 1)
-DILOCO_HELM=$(bash hack/build-helm.sh | tail -n 1)   # the chart tests' helm (tests/operator/helm_kit.py)
-DILOCO_KUEUE=$(bash hack/build-kueue.sh | tail -n 1)  # the Kueue tests' manager and CRDs (tests/operator/kueue_kit.py)
-export DILOCO_TESTBED_DIR DILOCO_HELM DILOCO_KUEUE
+export DILOCO_TESTBED_DIR
 # The suite starts a few hundred Python processes (syncers, learners, workers, operators): each compiles the
 # checkout's modules it imports unless their bytecode is cached. With PYTHONDONTWRITEBYTECODE=1 (containers often
 # set it, our images too) every one of them compiled from source again (~0.2 CPU-s a learner). The cache goes to
@@ -34,6 +46,9 @@ unset PYTHONDONTWRITEBYTECODE
 # DILOCO_TEST_WORKERS=0 runs everything in this one process, in order.
 rc=0
 .venv/bin/python -m pytest -n "${DILOCO_TEST_WORKERS:-2}" --dist loadgroup "$@" || rc=$?
+if [ -n "$tools_pid" ]; then
+  wait "$tools_pid" || echo "[test] the background helm/Kueue build failed: ${TMPDIR:-/tmp}/diloco-build-tools.log" >&2
+fi
 if [ -n "$images_pid" ]; then
   wait "$images_pid" || echo "[test] the background image build failed: ${TMPDIR:-/tmp}/diloco-build-images.log" >&2
   [ "$engine_was_up" = 1 ] || bash hack/container-engine.sh down >&2

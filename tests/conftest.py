@@ -10,6 +10,9 @@ import pytest
 
 TIERS = ("slow", "cluster", "e2e")
 E2E = Path(__file__).resolve().parent / "e2e"
+# Fixtures of binaries that ./hack/test.sh compiles in the background on a cold cache (hack/build-helm.sh,
+# hack/build-kueue.sh); their tests wait for that build.
+BUILT_IN_BACKGROUND = {"helm", "kueue_manager"}
 
 
 # ./hack/test.sh runs the suite on two pytest-xdist workers (--dist loadgroup), one stream of each kind: the `slow`
@@ -32,5 +35,7 @@ def pytest_collection_modifyitems(config, items):
         elif not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(STREAMS[tiers[-1]]))
     # The e2e tier runs last in its stream: by then the images it needs, which ./hack/test.sh starts building in the
-    # background at the start of a whole-suite run, are built and in containerd.
-    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)
+    # background at the start of a whole-suite run, are built and in containerd. Just before it, the tests that need
+    # helm or Kueue, which a whole-suite run on a cold cache also compiles in the background (hack/test.sh).
+    items.sort(key=lambda item: (item.get_closest_marker("e2e") is not None,
+                                 bool(BUILT_IN_BACKGROUND & set(item.fixturenames))))

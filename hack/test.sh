@@ -5,9 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # helm (the chart tests: tests/operator/helm_kit.py) and Kueue (tests/operator/kueue_kit.py), cached by version. A
-# whole-suite run whose cache lacks them compiles them in the background at a low priority (~5 min of both cores
-# cold), in the CPU that the set-up's downloads and the tests leave idle; the tests that need them run the same scripts, which wait for that build
-# (and raise it to full priority: hack/build-wait.sh). A run of chosen tests builds them first, as before.
+# whole-suite run whose cache lacks them compiles them in the background at a low priority (~5.5 min of both cores
+# cold), in the CPU that the set-up and the tests leave idle; the tests that need them run last before the e2e tier
+# (tests/conftest.py) and run the same scripts, which wait for that build and raise it to full priority
+# (hack/build-wait.sh). A run of chosen tests builds them first.
 tools_pid=""
 if [ $# -eq 0 ]; then
   setsid nice -n 10 bash -c 'bash hack/build-helm.sh && bash hack/build-kueue.sh' \

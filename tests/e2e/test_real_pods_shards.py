@@ -123,7 +123,15 @@ def test_a_sigkilled_shard_syncer_is_replaced_by_its_standby_in_place_while_the_
     # Shard 0 never stopped, shard 1 merges again, and the pod of shard 1 is the same one, its dead container back.
     wait_for(lambda: job.merges(0) > other_before, 120, "shard 0 merging across shard 1's kill", 1.0)
     wait_for(lambda: job.merges(1) > after["outer_steps"], 180, "shard 1 merging again", 1.0)
-    pod = wait_for(lambda: job.shard_pod(1), 120, "shard 1's pod with both containers running", 1.0)
+    # The kubelet reports the killed container's restart when it has noticed it (a fresh-clone run read the pod
+    # while both containers still showed running with 0 restarts): wait for the restart to show, then check it.
+    def restarted_in_place() -> dict | None:  # or replaced: the assertions below then say which
+        pod = job.shard_pod(1)
+        if pod is None:
+            return None
+        counts = {c["name"]: c.get("restartCount", 0) for c in pod["status"].get("containerStatuses", [])}
+        return pod if counts.get(serving, 0) >= 1 or pod["metadata"]["uid"] != victim["metadata"]["uid"] else None
+    pod = wait_for(restarted_in_place, 120, f"shard 1's pod with both containers running, {serving} restarted", 1.0)
     assert pod["metadata"]["uid"] == victim["metadata"]["uid"], "shard 1's pod was replaced, not healed in place"
     restarts = {c["name"]: c.get("restartCount", 0) for c in pod["status"]["containerStatuses"]}
     assert restarts[serving] >= 1, restarts

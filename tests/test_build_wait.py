@@ -28,14 +28,13 @@ def _nice(pid: int) -> int | None:
 
 
 def test_a_second_build_waits_for_the_first_and_raises_it_to_priority_0_meanwhile(tmp_path):
-    lock, log = tmp_path / "tool.lock", tmp_path / "order"
+    lock, log, pgid = tmp_path / "tool.lock", tmp_path / "order", tmp_path / "tool.lock.pgid"
     # The background build, as hack/test.sh starts it: its own process group, nice 10, holding the lock.
     first = subprocess.Popen(["setsid", "nice", "-n", "10", "bash", "-c",
                               _script(lock, f'echo first-start >> "{log}"; sleep 3; echo first-end >> "{log}"')])
     try:
-        wait_for(lambda: log.exists() and (lock.parent / "tool.lock.pgid").exists(), timeout=10,
-                 what="the first build to hold the lock")
-        assert int((tmp_path / "tool.lock.pgid").read_text()) == os.getpgid(first.pid)
+        wait_for(lambda: log.exists() and pgid.exists(), timeout=10, what="the first build to hold the lock")
+        assert int(pgid.read_text()) == os.getpgid(first.pid)
         assert _nice(first.pid) == 10
         started = time.monotonic()
         second = subprocess.run(["bash", "-c", _script(lock, f'echo second >> "{log}"')],

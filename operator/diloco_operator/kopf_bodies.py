@@ -24,8 +24,8 @@ def tree_copy(value: Any) -> Any:
 
 
 # The metadata kopf's annotation storage reads when it builds an essence: the labels and annotations it keeps, and
-# what its storage-key conventions look at.
-_ESSENCE_METADATA = ("name", "namespace", "labels", "annotations")
+# the owners its storage-key convention looks at (`mark_key`: a Deployment's ReplicaSet gets its own key).
+_ESSENCE_METADATA = ("labels", "annotations", "ownerReferences")
 
 
 class SlimDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):

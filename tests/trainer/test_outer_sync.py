@@ -169,6 +169,22 @@ def test_a_leaving_learner_is_settled_once_every_step_is_acknowledged_or_would_b
     assert sync.unsettled() == [] and sync.flushable() == []
 
 
+@pytest.mark.parametrize("adopt", ["keep", "overwrite"])
+def test_a_learner_leaving_before_the_version_that_merges_its_delta_counts_the_steps_after_it_as_discarded(adopt):
+    sync, params = make(adopt, sync_every=4)
+    train(sync, params, 2)
+    sub = sent_of(sync, 2, 1)
+    train(sync, params, 3)  # fragment 1: 3 steps after its Δ; fragment 0: 5 steps, none sent
+    sync.book([answer(sub)])
+    # Overwrite: the version that merges fragment 1's Δ would discard its 3 later steps; the learner leaves first,
+    # so it counts them itself (else they would be neither merged nor discarded). Keep sends them from that version
+    # (unsettled), and fragment 0's unsent work is never counted as discarded.
+    assert sync.discard_after_acknowledged() == (3 if adopt == "overwrite" else 0)
+    assert sync.steps_discarded == (3 if adopt == "overwrite" else 0)
+    assert sync.discard_after_acknowledged() == 0, "counted once"
+    assert sync.unsettled() == ([0, 1] if adopt == "keep" else [0])
+
+
 def test_a_refused_fragment_is_not_flushed_again_from_the_same_base():
     sync, params = make("keep", sync_every=4)
     train(sync, params, 2)

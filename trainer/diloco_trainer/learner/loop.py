@@ -336,6 +336,7 @@ class Learner(Resumable):
         self._save_position()
         started = time.monotonic()
         drained = self._hand_over(started + self.opts.drain_s)
+        self.outer.discard_after_acknowledged()  # what the next adoption would drop (overwrite): not work lost
         if self.opts.save_params is not None:
             with self.inner.full(self.names):
                 self._dump_params(self.opts.save_params / f"params-rank{self.group.rank}.safetensors")

@@ -146,6 +146,21 @@ class OuterSync:
                 if fs.c_steps > 0 and not fs.refused
                 and (not fs.acked or (keep and fs.c_steps > fs.sent_steps))]
 
+    def discard_after_acknowledged(self) -> int:
+        """Leaving with adopt=overwrite: count the steps trained on each fragment after its acknowledged Δ as
+        discarded, as the adoption of the version that merges that Δ would have (`unsettled` already treats them as
+        settled), since this process will not live to see it. Without this a learner that left before that version
+        arrived would report those steps as neither merged nor discarded. Returns how many it counted."""
+        if not self.sends or self.adopt_mode != "overwrite":
+            return 0
+        counted = 0
+        for fs in self.frags:
+            if fs.acked and fs.c_steps > fs.sent_steps:
+                counted += fs.c_steps - fs.sent_steps
+                fs.c_steps, fs.c_tokens = fs.sent_steps, fs.sent_tokens
+        self.steps_discarded += counted
+        return counted
+
     def outer_gradient(self, p: int, learner_id: str, nonce: str, queue: QueueFn | None = None) -> Submission | None:
         """Δ_p = Θ_p(base) − θ_p, compressed with error feedback, handed to `queue` (when given); None when there is
         nothing to send, or when `queue` refuses it: a Δ from this base may already have reached the syncer, which

@@ -413,7 +413,7 @@ def _create_storage_and_nodes(tb: Testbed, work: Path, stages: Path, pools, real
         tb.create("/api/v1/nodes", node)
 
 
-def _tail_logs(work: Path, lines: int = 15) -> str:
+def tail_logs(work: Path, lines: int = 15) -> str:
     parts = []
     for f in sorted((work / "logs").glob("*.log")):
         tail = f.read_text(errors="replace").splitlines()[-lines:]
@@ -427,7 +427,7 @@ def _wait_ready(tb: Testbed, deadline: float, log: Callable[[str], None]) -> Non
         dead = [n for n, ok in tb.alive().items() if not ok]
         if dead:
             raise TestbedUnavailable(f"{', '.join(dead)} exited during start-up; see {tb.workdir}/logs\n"
-                                     + _tail_logs(Path(tb.workdir)))
+                                     + tail_logs(Path(tb.workdir)))
         try:
             if tb.request("GET", "/readyz", timeout=2).get("raw", "").strip() == "ok":
                 return
@@ -435,7 +435,7 @@ def _wait_ready(tb: Testbed, deadline: float, log: Callable[[str], None]) -> Non
             last = str(exc)
         time.sleep(0.25)
     raise TestbedUnavailable(f"kube-apiserver not ready at {tb.server}/readyz in time ({last})\n"
-                             + _tail_logs(Path(tb.workdir)))
+                             + tail_logs(Path(tb.workdir)))
 
 
 def _wait_nodes_ready(tb: Testbed, expected: int, deadline: float, log: Callable[[str], None]) -> None:
@@ -447,6 +447,6 @@ def _wait_nodes_ready(tb: Testbed, expected: int, deadline: float, log: Callable
             return
         dead = [n for n, ok in tb.alive().items() if not ok]
         if dead:
-            raise TestbedUnavailable(f"{', '.join(dead)} exited; see {tb.workdir}/logs\n" + _tail_logs(Path(tb.workdir)))
+            raise TestbedUnavailable(f"{', '.join(dead)} exited; see {tb.workdir}/logs\n" + tail_logs(Path(tb.workdir)))
         time.sleep(0.25)
-    raise TestbedUnavailable(f"fake nodes not Ready in time (kwok); see {tb.workdir}/logs\n" + _tail_logs(Path(tb.workdir)))
+    raise TestbedUnavailable(f"fake nodes not Ready in time (kwok); see {tb.workdir}/logs\n" + tail_logs(Path(tb.workdir)))

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -38,6 +39,16 @@ def remote():
     yield tb
     os.kill(tb.pids["kube-apiserver"], signal.SIGCONT)  # in case a failed test left it frozen
     tb.stop()
+
+
+@pytest.fixture(autouse=True)
+def remote_logs_on_failure(request, remote):
+    """A test that fails here prints the tail of the remote control plane's logs (its work directory goes with it)."""
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed:
+        print(f"[remote testbed] logs, last lines:\n{testbed_mod.tail_logs(Path(remote.workdir), 40)}",
+              file=sys.stderr)
 
 
 def kubeconfig_secret(kubectl: Kubectl, ns: str, remote, user: dict | None = None,

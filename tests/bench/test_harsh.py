@@ -21,6 +21,17 @@ def test_the_harsh_schedule_is_a_valid_experiment_killing_each_learner_every_60_
     assert "--restart-delay" in chaos.extra and chaos.extra[chaos.extra.index("--restart-delay") + 1] == "2"
 
 
+def test_the_seeds_together_give_the_median_kept_and_the_points_per_kill_pooled_over_every_kill():
+    h = {"seeds": [{"keep_goodput": 1.006, "kills": 10, "goodput_drop_per_kill": 0.001},
+                   {"keep_goodput": 0.934, "kills": 20, "goodput_drop_per_kill": 0.004},
+                   {"keep_goodput": 1.069, "kills": 5, "goodput_drop_per_kill": -0.003}]}
+    line = harsh.overall(h)
+    # Median of 100.6, 93.4, 106.9; pooled: (10 × 0.1 + 20 × 0.4 − 5 × 0.3) points over 35 kills = 0.21.
+    assert "kept 100.6% median (93.4–106.9%" in line
+    assert "0.10 points lost per kill median" in line and "0.21 points lost pooled over 35 kills" in line
+    assert harsh.points(-0.003) == "0.30 points gained" and harsh.points(None) == "-"
+
+
 def test_steps_behind_finds_where_the_reference_had_the_same_loss():
     reference = [10.0 - 0.1 * i for i in range(60)]  # one loss unit per 10 steps
     assert restart_state.steps_behind(reference, reference) == pytest.approx(0.0, abs=1e-9)

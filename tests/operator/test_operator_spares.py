@@ -104,3 +104,41 @@ def test_a_running_units_deleted_pod_takes_a_spare_at_once_while_a_failing_one_b
     failing = {**running, "consecutiveFailures": 1}
     plan = _plan(failing, spare=True)
     assert not plan.take_spare and plan.requeue_after and plan.requeue_after > 0, "a crash loop backs off"
+
+
+def _killed_pod(spec: api.DilocoJobSpec, unit: dict, exit_code: int) -> dict:
+    """The unit's pod as the kubelet first reports its container SIGKILLed: the container `terminated`, the phase
+    still Running (the phase follows ~1 s later, once the kubelet has stopped the pod; measured on the real node)."""
+    return {"metadata": {"name": f"{unit['metadata']['name']}-0-0",
+                         "labels": {O.LABEL_INCARNATION: "0", O.LABEL_RANK: "0"},
+                         "annotations": {O.ANNOTATION_SPEC_HASH: O.pod_spec_hash(unit["spec"])}},
+            "spec": {"restartPolicy": "Never", "nodeName": "n1", "containers": [{"name": "learner"}]},
+            "status": {"phase": "Running", "containerStatuses": [
+                {"name": "learner", "state": {"terminated": {"exitCode": exit_code, "reason": "Error"}}}]}}
+
+
+def test_a_units_pod_whose_container_was_killed_takes_a_spare_before_the_kubelet_moves_its_phase():
+    spec = job_spec()
+    unit = unit_of(spec, 0)
+    uspec = api.LearnerUnitSpec.model_validate(unit["spec"])
+    running = {"incarnation": 0, "launchedIncarnation": 0, "phase": "Running", "restarts": 0}
+    view = unitplan.pod_view(_killed_pod(spec, unit, 137))
+    assert view.phase == "Failed" and view.failure == "learner: Error (exit code 137)"
+    plan = unitplan.plan_unit(uspec, unit["spec"], running, [view], T0, spare=True)
+    assert plan.take_spare and plan.events[0][1] == C.Reason.POD_FAILED and "exit code 137" in plan.events[0][2]
+    assert plan.status.incarnation == 1
+
+
+def test_a_pods_phase_is_the_one_the_kubelet_will_report_once_every_container_has_ended():
+    spec = job_spec()
+    unit = unit_of(spec, 0)
+    assert unitplan.effective_phase(_killed_pod(spec, unit, 137)) == "Failed"
+    assert unitplan.effective_phase(_killed_pod(spec, unit, 0)) == "Succeeded", "a learner that finished its steps"
+    two = _killed_pod(spec, unit, 137)
+    two["spec"]["containers"].append({"name": "sidecar"})
+    assert unitplan.effective_phase(two) == "Running", "a container not reported ended yet: still Running"
+    two["status"]["containerStatuses"].append({"name": "sidecar", "state": {"running": {}}})
+    assert unitplan.effective_phase(two) == "Running", "another container still runs"
+    restarts = _killed_pod(spec, unit, 137)
+    restarts["spec"]["restartPolicy"] = "OnFailure"
+    assert unitplan.effective_phase(restarts) == "Running", "the kubelet restarts that container: not ended"

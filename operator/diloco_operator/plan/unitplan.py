@@ -37,8 +37,25 @@ class PodView:
         return self.phase in ("Succeeded", "Failed")
 
 
+def effective_phase(pod: dict) -> str:
+    """The pod's phase, or the terminal phase it is bound for: a `restartPolicy: Never` pod whose every container has
+    terminated will never run again, and the kubelet reports that (the container's `terminated` state, with its
+    exit code) about a second before it moves the phase: it first finishes stopping the pod (measured on the real
+    node: container SIGKILLed -> state terminated at +0.32 s, phase Failed at +1.43 s). Failed when any container
+    failed, else Succeeded, as the kubelet will decide."""
+    status = pod.get("status") or {}
+    phase = status.get("phase", "Pending")
+    if phase in ("Succeeded", "Failed") or (pod.get("spec") or {}).get("restartPolicy") != "Never":
+        return phase
+    containers = (pod.get("spec") or {}).get("containers") or []
+    states = [(cs.get("state") or {}).get("terminated") for cs in status.get("containerStatuses") or []]
+    if not containers or len(states) != len(containers) or not all(states):
+        return phase
+    return "Failed" if any(t.get("exitCode", 0) != 0 for t in states) else "Succeeded"
+
+
 def pod_view(pod: dict) -> PodView:
-    """Read a Pod manifest into a PodView."""
+    """Read a Pod manifest into a PodView (its phase as `effective_phase` says)."""
     meta, status = pod["metadata"], pod.get("status", {})
     labels = meta.get("labels", {})
     conds = status.get("conditions", [])
@@ -54,7 +71,7 @@ def pod_view(pod: dict) -> PodView:
             failure = f"{cs.get('name')}: {term.get('reason', 'Error')} (exit code {term.get('exitCode')})"
     return PodView(
         name=meta["name"], incarnation=int(labels.get(O.LABEL_INCARNATION, -1)), rank=int(labels.get(O.LABEL_RANK, -1)),
-        phase=status.get("phase", "Pending"), ready=ready, deleting=bool(meta.get("deletionTimestamp")),
+        phase=effective_phase(pod), ready=ready, deleting=bool(meta.get("deletionTimestamp")),
         node=pod.get("spec", {}).get("nodeName"), unschedulable=unschedulable,
         failure=failure or (status.get("reason") if status.get("phase") == "Failed" else None),
         spec_hash=meta.get("annotations", {}).get(O.ANNOTATION_SPEC_HASH),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+from diloco_kube.pod_phase import effective_phase
 from diloco_operator.api import conditions as C
 from diloco_operator.api import models as api
 from diloco_operator.objects import builders as O
@@ -65,7 +66,9 @@ def test_a_unit_takes_the_warmest_running_waiting_spare_of_its_template_only():
     pending["status"]["phase"] = "Pending"
     going = running_spare(spec, "going", "2026-01-01T00:00:00Z", deletionTimestamp="2026-01-01T00:06:00Z")
     stale = running_spare(job_spec(image="img:0"), "stale", "2026-01-01T00:00:00Z")
-    picked = S.usable_spares([new, pending, going, stale, old], unit["spec"])
+    dead = running_spare(spec, "dead", "2026-01-01T00:00:00Z")  # its container ended; the phase not moved yet
+    dead["status"]["containerStatuses"] = [{"name": "learner", "state": {"terminated": {"exitCode": 137}}}]
+    picked = S.usable_spares([new, pending, going, stale, dead, old], unit["spec"])
     assert [p["metadata"]["name"] for p in picked] == ["old", "new"]
 
 
@@ -132,13 +135,13 @@ def test_a_units_pod_whose_container_was_killed_takes_a_spare_before_the_kubelet
 def test_a_pods_phase_is_the_one_the_kubelet_will_report_once_every_container_has_ended():
     spec = job_spec()
     unit = unit_of(spec, 0)
-    assert unitplan.effective_phase(_killed_pod(spec, unit, 137)) == "Failed"
-    assert unitplan.effective_phase(_killed_pod(spec, unit, 0)) == "Succeeded", "a learner that finished its steps"
+    assert effective_phase(_killed_pod(spec, unit, 137)) == "Failed"
+    assert effective_phase(_killed_pod(spec, unit, 0)) == "Succeeded", "a learner that finished its steps"
     two = _killed_pod(spec, unit, 137)
     two["spec"]["containers"].append({"name": "sidecar"})
-    assert unitplan.effective_phase(two) == "Running", "a container not reported ended yet: still Running"
+    assert effective_phase(two) == "Running", "a container not reported ended yet: still Running"
     two["status"]["containerStatuses"].append({"name": "sidecar", "state": {"running": {}}})
-    assert unitplan.effective_phase(two) == "Running", "another container still runs"
+    assert effective_phase(two) == "Running", "another container still runs"
     restarts = _killed_pod(spec, unit, 137)
     restarts["spec"]["restartPolicy"] = "OnFailure"
-    assert unitplan.effective_phase(restarts) == "Running", "the kubelet restarts that container: not ended"
+    assert effective_phase(restarts) == "Running", "the kubelet restarts that container: not ended"

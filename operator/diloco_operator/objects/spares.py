@@ -15,6 +15,7 @@ import secrets
 from diloco_trainer.protocol.assignment import ANNOTATION as ANNOTATION_ASSIGNMENT, POD_NAME_ENV
 
 from diloco_kube.labels import LABEL_SPARE, SPARE_WAITING
+from diloco_kube.pod_phase import effective_phase
 from diloco_operator.api import models as api
 from diloco_operator.objects import builders as O
 
@@ -113,13 +114,14 @@ def takeover_patch(spare: dict, unit: dict, incarnation: int, assignment_text: s
 
 
 def usable_spares(spares: list[dict], unit_spec: dict) -> list[dict]:
-    """The spare pods that can become a unit of `unit_spec`: its template's, running, not being deleted, not taken;
+    """The spare pods that can become a unit of `unit_spec`: its template's, running (not one whose container ended
+    and whose phase has not followed yet: pod_phase.effective_phase), not being deleted, not taken;
     those that have been running longest (warmest) first."""
     want = spare_hash(unit_spec)
     ok = [p for p in spares
           if (p["metadata"].get("labels") or {}).get(LABEL_SPARE) == SPARE_WAITING
           and (p["metadata"].get("annotations") or {}).get(ANNOTATION_SPARE_HASH) == want
-          and not p["metadata"].get("deletionTimestamp") and (p.get("status") or {}).get("phase") == "Running"]
+          and not p["metadata"].get("deletionTimestamp") and effective_phase(p) == "Running"]
     return sorted(ok, key=lambda p: ((p.get("status") or {}).get("startTime") or "", p["metadata"]["name"]))
 
 

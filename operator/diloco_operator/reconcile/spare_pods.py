@@ -11,6 +11,7 @@ from diloco_trainer.protocol.assignment import Assignment, encode_key, seal, spa
 from diloco_trainer.protocol.tokens import learner_token
 
 from diloco_kube.client import PODS, SECRETS, ApiError, Kube
+from diloco_kube.pod_phase import effective_phase
 from diloco_operator import metrics
 from diloco_operator.api import conditions as C
 from diloco_operator.api import models as api
@@ -51,7 +52,7 @@ class SparePods:
             if meta.get("deletionTimestamp"):
                 continue
             template = (meta.get("labels") or {}).get(O.LABEL_TEMPLATE, "")
-            phase = (pod.get("status") or {}).get("phase")
+            phase = effective_phase(pod)
             if phase in ("Failed", "Succeeded"):
                 self.failed_at[(ns, name, template)] = now
                 log.warning("spare pod %s/%s ended (%s): replacing it in %gs", ns, meta["name"], phase,

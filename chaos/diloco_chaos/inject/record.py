@@ -50,9 +50,10 @@ class RecoveryTracker:
 
     Trained again: the first training report after the fault from a new incarnation (kill, fail) or after the
     resume (pause). Merged again: the unit's merged-contribution counter rises above its value when the
-    replacement started (or the pause ended), so work acknowledged before the fault does not count. The work the
-    killed process had not got acknowledged counts: the replacement resends it at its start, so merged again can
-    come before trained again.
+    replacement started (or the pause ended), so merges before that moment do not count. Merges after it count
+    whichever life sent the work: the predecessor's unacknowledged work, which the replacement resends at its
+    start, or a Δ acknowledged just before the fault that the syncer merges only then; so merged again can come
+    before trained again.
     """
 
     def __init__(self) -> None:

@@ -287,3 +287,84 @@ def test_unsent_work_comes_back_as_the_previous_incarnations_resends_also_where_
     assert (meta.base_version, meta.c_steps) == (1, 5) and torch.equal(deltas["b"], torch.full((2, 2), 5.0))
     assert after.resend(tensors, fragments, {0: 1, 1: 0}, "l0", "oldnonce") == [], \
         "fragment 1 went back (a syncer shard lost state): nothing to rebase onto"
+
+
+# ------------------------------------------------------------------ the ledger (docs/protocol.md, Ledger)
+
+
+def total(ledger: dict[str, int]) -> int:
+    return sum(ledger.values())
+
+
+def test_a_refused_deltas_work_lands_in_refused_not_discarded_at_the_next_adoption():
+    sync, params = make("overwrite", sync_every=4)
+    train(sync, params, 4)
+    sub = sent_of(sync, 4, 0)  # fragment 0's Δ covers 4 steps (fragment 1's, also due, stays unanswered)
+    sync.book([answer(sub, 409)])
+    train(sync, params, 2)  # 2 more steps on both fragments after the Δs
+    ledger = sync.ledger()
+    assert (ledger["refused_stale"], ledger["in_flight"], ledger["unsent"]) == (4, 4, 2 + 2)
+    sync.adopt(0, 2, {"a": torch.zeros(4)}, step=6)
+    ledger = sync.ledger()
+    assert ledger["refused_stale"] == 4, "the refused Δ's steps are refused, not discarded"
+    assert ledger["discarded"] == 2 and sync.steps_discarded == 2, "only the steps after it"
+    assert ledger["refused_other"] == 0 and total(ledger) == 2 * 6
+
+
+def test_a_refusal_other_than_stale_is_its_own_class_and_a_later_delta_from_the_base_settles_it():
+    sync, params = make("overwrite", sync_every=2)
+    train(sync, params, 1)
+    sync.book([answer(sent_of(sync, 1, 1), 422)])
+    assert sync.ledger()["refused_other"] == 1
+    train(sync, params, 2)
+    (again,) = [s for s in sync.send_due(3, "l0", "n0") if s.fragment == 1]  # due again: covers all 3 steps
+    assert again.c_steps == 3 and sync.ledger()["refused_other"] == 0 and sync.ledger()["in_flight"] >= 3
+    sync.book([answer(again)])
+    assert sync.ledger()["acked"] == 3 and sync.ledger()["refused_other"] == 0
+
+
+@pytest.mark.parametrize("adopt", ["keep", "overwrite"])
+def test_an_unanswered_delta_at_an_adoption_is_settled_by_its_late_answer(adopt):
+    sync, params = make(adopt, sync_every=4)
+    train(sync, params, 4)
+    sub = sent_of(sync, 4, 0)
+    train(sync, params, 1)
+    sync.adopt(0, 2, {"a": torch.zeros(4)}, step=5)
+    assert sync.ledger()["in_flight"] == 4 + 4, "fragment 0's Δ of version 1, and fragment 1's"
+    sync.book([answer(sub, 409)])
+    ledger = sync.ledger()
+    assert ledger["in_flight"] == 4 and ledger["refused_stale"] == 4 and total(ledger) == 2 * 5
+
+
+@pytest.mark.parametrize("adopt,keep_fraction", [("overwrite", 1.0), ("keep", 1.0), ("keep", 0.5)])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_ledger_always_sums_to_the_fragment_steps_trained(adopt, keep_fraction, seed):
+    """A random walk of steps, sends, answers (accepted, stale, other, late), adoptions and a leaving learner's
+    flush: at every point the buckets sum to P·steps exactly."""
+    import random
+
+    rng = random.Random(seed)
+    params = {"a": torch.zeros(4), "b": torch.zeros(2, 2)}
+    sync = OuterSync(PLAN, {0: 1, 1: 1}, params, sync_every=3, adopt=adopt, compression="none", block_size=8,
+                     keep_fraction=keep_fraction)
+    outstanding, steps, versions = [], 0, {0: 1, 1: 1}
+    for step in range(1, 120):
+        train(sync, params, 1)
+        steps += 1
+        rng.shuffle(outstanding)
+        k = rng.randint(0, len(outstanding))
+        answered, outstanding = outstanding[:k], outstanding[k:]
+        sync.book([answer(s, rng.choice([202, 202, 409, 422])) for s in answered])
+        outstanding += sync.send_due(step, "l0", "n0")
+        outstanding = list({s.submission_id: s for s in outstanding}.values())  # a superseded Δ keeps its id
+        for p in (0, 1):
+            if rng.random() < 0.15:
+                versions[p] += 1
+                sync.adopt(p, versions[p], {n: torch.zeros(SHAPES[n]) for n in PLAN[p]}, step)
+        assert total(sync.ledger()) == 2 * steps, sync.ledger()
+    outstanding += sync.flush("l0", "n0")
+    sync.discard_after_acknowledged()
+    assert total(sync.ledger()) == 2 * steps
+    sync.book([answer(s) for s in outstanding])
+    ledger = sync.ledger()
+    assert total(ledger) == 2 * steps and ledger["in_flight"] == 0

@@ -52,6 +52,10 @@ class FragmentState:
     sent: dict[str, Tensor] | None = None  # θ_p when the outstanding (or acknowledged) Δ was built
     sent_steps: int = 0  # what that Δ covered
     sent_tokens: int = 0
+    # Of c_steps, the steps a refused Δ from this base covered, by answer class ("stale": 409, "other"): booked as
+    # refused until a later Δ from this base covers them again (its own answer settles them) or an adoption settles
+    # them (overwrite: refused, not discarded; keep: what is carried rides on, the rest is refused).
+    refused_pending: dict[str, int] | None = None
 
 
 class OuterSync:
@@ -82,6 +86,12 @@ class OuterSync:
         self.adoptions = 0
         self.steps_kept = 0  # steps carried over an adoption instead of being discarded ("keep")
         self.steps_discarded = 0  # steps trained on a fragment and overwritten by an adoption
+        # The ledger (docs/protocol.md, Ledger), in fragment-steps: every step trained on a fragment ends in exactly
+        # one of acknowledged, discarded, refused (by class), or, while the learner runs or when it leaves,
+        # unanswered (`in_flight`) or not sent (`unsent`). See `ledger()`.
+        self.steps_acked = 0  # covered by Δs the syncer acknowledged (2xx)
+        self.refused_settled = {"stale": 0, "other": 0}  # covered by refused Δs, settled by an adoption or an answer
+        self.limbo: dict[tuple[int, int], int] = {}  # (fragment, base) -> steps of an unanswered Δ of an older base
 
     def _copy(self, names: list[str]) -> dict[str, Tensor]:
         return {n: self._local(n).clone() for n in names}
@@ -187,6 +197,7 @@ class OuterSync:
             return None
         fs.ef_before = start
         fs.in_flight = True
+        fs.refused_pending = None  # this Δ covers the work an earlier refused one did: its answer settles it
         if self.adopt_mode == "keep":
             fs.sent = self._copy(names)
         fs.sent_steps, fs.sent_tokens = fs.c_steps, fs.c_tokens
@@ -205,11 +216,28 @@ class OuterSync:
         """Apply the syncer's answers to the fragments they concern (an answer for an older base is history)."""
         for ans in answers:
             fs = self.frags[ans.fragment]
-            if ans.base_version != fs.version:
-                continue
+            klass = "stale" if ans.status == 409 else "other"
+            key = (ans.fragment, ans.base_version)
+            if ans.base_version != fs.version or (not fs.in_flight and key in self.limbo):
+                # The fate of a Δ that was unanswered when its fragment adopted another version.
+                steps = self.limbo.pop(key, 0)
+                if ans.accepted:
+                    self.steps_acked += steps
+                else:
+                    self.refused_settled[klass] += steps
+                if ans.base_version != fs.version:
+                    continue
+            elif fs.in_flight and self.sends:
+                if ans.accepted:
+                    self.steps_acked += fs.sent_steps
+                else:
+                    pending = fs.refused_pending or {}
+                    pending[klass] = pending.get(klass, 0) + fs.sent_steps
+                    fs.refused_pending = pending
             fs.in_flight = False
             if ans.accepted:
                 fs.acked, fs.refused, fs.ef_before = True, False, None
+                fs.refused_pending = None
             else:  # refused: its work was never merged, so the next Δ (or an adoption) must carry it
                 fs.sent, fs.sent_steps, fs.sent_tokens = None, 0, 0
                 fs.refused = True
@@ -239,10 +267,19 @@ class OuterSync:
             carried_steps = round(self.keep_fraction * unsent_steps)
             carried_tokens = round(self.keep_fraction * unsent_tokens)
             self.steps_kept += carried_steps
-            self.steps_discarded += unsent_steps - carried_steps
         else:
             carried_steps = carried_tokens = 0
-            self.steps_discarded += unsent_steps
+        # Of the work dropped here, a refused Δ's is refused (its Δ reached the syncer and was turned away), the rest
+        # discarded. A Δ still unanswered waits in limbo for its answer, which settles the steps it covered.
+        dropped = unsent_steps - carried_steps
+        for klass, n in (fs.refused_pending or {}).items():
+            share = min(n, dropped)
+            self.refused_settled[klass] += share
+            dropped -= share
+        self.steps_discarded += dropped
+        if self.sends and fs.in_flight and fs.sent_steps:
+            self.limbo[(p, fs.version)] = self.limbo.get((p, fs.version), 0) + fs.sent_steps
+        fs.refused_pending = None
         fs.version = version
         fs.c_steps, fs.c_tokens = carried_steps, carried_tokens
         # Decision: the H-step clock of a fragment restarts at adoption. Every learner adopts a new version within
@@ -253,6 +290,30 @@ class OuterSync:
         fs.ef_before = None
         fs.sent, fs.sent_steps, fs.sent_tokens = None, 0, 0
         self.adoptions += 1
+
+    # ------------------------------------------------------------------ the ledger
+
+    def ledger(self) -> dict[str, int]:
+        """Where the fragment-steps this process trained stand (P per inner step; the sending rank's books, zeros
+        elsewhere): `acked` (covered by acknowledged Δs), `discarded` (dropped by adoptions), `refused_stale` /
+        `refused_other` (covered by Δs the syncer refused: 409 / any other non-2xx answer), `in_flight` (covered by
+        a Δ not answered yet) and `unsent` (covered by no sent Δ; with adopt=keep this includes the steps after an
+        acknowledged Δ, which ride on the version that merges it). They sum to P·steps, exactly: every step enters
+        one fragment's c_steps and leaves it into one of these."""
+        if not self.sends:
+            return dict.fromkeys(("acked", "discarded", "refused_stale", "refused_other", "in_flight", "unsent"), 0)
+        refused = dict(self.refused_settled)
+        in_flight, unsent = sum(self.limbo.values()), 0
+        for fs in self.frags:
+            pending = fs.refused_pending or {}
+            for klass, n in pending.items():
+                refused[klass] += n
+            if fs.in_flight:
+                in_flight += fs.sent_steps
+            covered = fs.sent_steps if (fs.in_flight or fs.acked) else 0
+            unsent += fs.c_steps - covered - sum(pending.values())
+        return {"acked": self.steps_acked, "discarded": self.steps_discarded, "refused_stale": refused["stale"],
+                "refused_other": refused["other"], "in_flight": in_flight, "unsent": unsent}
 
     # ------------------------------------------------------------------ across a restart
 

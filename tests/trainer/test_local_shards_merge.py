@@ -29,9 +29,13 @@ def test_shard_checkpoint_states_merge_like_one_syncers_state_json():
     b = {"versions": {"1": 5}, "outer_steps": {"1": 5}, "tokens_merged": 30, "contributions_merged": 2,
          "learners": {"l0": {"tokens_merged": 20, "steps_merged": 4, "submissions_merged": 2},
                       "l1": {"tokens_merged": 10, "steps_merged": 2, "submissions_merged": 1}}}
+    a["learners"]["l0"]["lives"] = [{"id": "n1", "first_seen": 1.0, "last_seen": 2.0, "steps": 3, "steps_merged": 2}]
+    b["learners"]["l0"]["lives"] = [{"id": "n1", "first_seen": 1.5, "last_seen": 3.0, "steps": 4, "steps_merged": 4}]
     m = merge_checkpoint_states([a, b])
     assert m["versions"] == {"0": 3, "1": 5} and m["tokens_merged"] == 40 and m["contributions_merged"] == 3
+    lives = m["learners"]["l0"].pop("lives")
     assert m["learners"]["l0"] == {"tokens_merged": 30, "steps_merged": 6, "submissions_merged": 3}
+    assert [(w["id"], w["steps"], w["steps_merged"]) for w in lives] == [("n1", 4, 6)], "each shard's merges summed"
     assert m["learners"]["l1"]["tokens_merged"] == 10
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import secrets
 import signal
@@ -104,6 +105,9 @@ class Learner(Resumable):
         self.resumed_position: dict | None = None  # the data position the restored snapshot was taken at
         self.resent: set[str] = set()  # ids of the previous start's unsent work resent by this one, not yet answered
         self.whole_at: int | None = None  # the step of this start's last snapshot of the whole inner state
+        # Fragment-steps of the previous start's unsent work that this one resent and the syncer refused, by class:
+        # that start's work, counted by this one (the run's ledger moves it from lost or unsent to refused).
+        self.resent_refused = {"stale": 0, "other": 0}
 
     # ------------------------------------------------------------------ start-up
 
@@ -223,6 +227,7 @@ class Learner(Resumable):
             self.tokens += self.tokens_per_step
             self.outer.trained(self.tokens_per_step)
             self._book_answers()
+            self._write_ledger()  # before this step's sends: a Δ merged after a SIGKILL covers no unrecorded step
             # Due fragments go out before adoption: a version landing on the step p is due must not erase
             # the work this Δ carries.
             due = [n for p in self.outer.due_fragments(self.step) for n in self.plan[p]]
@@ -270,6 +275,9 @@ class Learner(Resumable):
         answers = self.client.take_answers()
         self.resent.difference_update(a.submission_id for a in answers)
         own = f"{self.opts.learner_id}.{self.nonce}."
+        for a in answers:
+            if not a.accepted and not a.submission_id.startswith(own):
+                self.resent_refused["stale" if a.status == 409 else "other"] += a.c_steps
         self.outer.book([a for a in answers if a.submission_id.startswith(own)])
 
     # ------------------------------------------------------------------ adoption
@@ -299,6 +307,28 @@ class Learner(Resumable):
     def _versions(self) -> dict[str, int]:
         return self.outer.versions()
 
+    def _ledger(self) -> dict[str, int]:
+        """This life's ledger (OuterSync.ledger) with the refused resends of the previous start's work."""
+        return self.outer.ledger() | {f"resent_refused_{k}": v for k, v in self.resent_refused.items()}
+
+    def _write_ledger(self, final: bool = False) -> None:
+        """learners/<id>/ledger/<life>.json: this life's steps and ledger as of now, replaced after every step
+        (before its sends) and as it stops (`final`). What a SIGKILLed life trained is then known to the step, so
+        the run's ledger (runtime/ledger.py) can count its lost work. Not fsynced: a killed process's writes
+        survive it (a crashed machine's are lost, and the ledger then reads an earlier step)."""
+        if self.opts.state_dir is None or not self.group.is_main:
+            return
+        doc = {"life": self.nonce, "time": time.time(), "steps": self.step, "fragments": len(self.plan),
+               "final": final, **self._ledger()}
+        path = self.opts.state_dir / "ledger" / f"{self.nonce}.json"
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(doc))
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(doc))
+        os.replace(tmp, path)
+
     def _record(self, window: Window) -> dict:
         elapsed = max(1e-9, time.monotonic() - window.started)
         net = self.client.snapshot() if self.client is not None else {}
@@ -310,6 +340,7 @@ class Learner(Resumable):
             step_time_s=window.busy_s / window.steps if window.steps else self.step_time_ema,
             versions=self._versions(), queued=self.outer.queued, adoptions=self.outer.adoptions,
             steps_kept=self.outer.steps_kept, steps_discarded=self.outer.steps_discarded,
+            **{f"ledger_{k}": v for k, v in self._ledger().items()},
             epoch=self.sampler.epoch, lr=self.opt.param_groups[0]["lr"],
             **self.snapshots.stats(),
             **{k: net[k] for k in LinkCounters.model_fields if k in net}, **devices.xla_graph_counts(self.device),
@@ -337,6 +368,7 @@ class Learner(Resumable):
         started = time.monotonic()
         drained = self._hand_over(started + self.opts.drain_s)
         self.outer.discard_after_acknowledged()  # what the next adoption would drop (overwrite): not work lost
+        self._write_ledger(final=True)
         if self.opts.save_params is not None:
             with self.inner.full(self.names):
                 self._dump_params(self.opts.save_params / f"params-rank{self.group.rank}.safetensors")

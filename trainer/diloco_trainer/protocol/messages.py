@@ -307,6 +307,16 @@ class LearnerRecord(LinkCounters):
     adoptions: int = _counter("fragment versions adopted")
     steps_kept: int = 0  # steps carried over adoptions on top of the new version (outer.adopt=keep)
     steps_discarded: int = 0  # steps trained on a fragment and overwritten by an adoption (outer.adopt=overwrite)
+    # This life's ledger in fragment-steps (P per inner step; learner/outer_sync.OuterSync.ledger, docs/protocol.md
+    # Ledger): the buckets sum to P·step.
+    ledger_acked: int = _counter("fragment-steps covered by acknowledged outer gradients")
+    ledger_discarded: int = _counter("fragment-steps dropped by adoptions (outer.adopt=overwrite)")
+    ledger_refused_stale: int = _counter("fragment-steps covered by outer gradients refused as stale (409)")
+    ledger_refused_other: int = _counter("fragment-steps covered by outer gradients refused otherwise (non-2xx)")
+    ledger_in_flight: int = _gauge("fragment-steps covered by outer gradients not answered yet")
+    ledger_unsent: int = _gauge("fragment-steps covered by no outer gradient sent (or riding on an adoption)")
+    ledger_resent_refused_stale: int = _counter("fragment-steps of the previous start's resent work refused (409)")
+    ledger_resent_refused_other: int = _counter("fragment-steps of the previous start's resent work refused otherwise")
     epoch: int = _gauge("epoch of the data shard")
     lr: float | None = None
     # Snapshots this incarnation wrote (learner/snapshots.py) and their mean seconds on the step (copying tensors) and

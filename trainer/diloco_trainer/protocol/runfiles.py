@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from diloco_trainer.fsutil import read_jsonl
-from diloco_trainer.protocol.messages import describe
+from diloco_trainer.protocol.messages import IncarnationWork, describe
 
 FINAL_STATE = Path("final") / "state.json"
 EVENTS = Path("events.jsonl")
@@ -27,6 +27,7 @@ class LearnerMerged(_File):
     tokens_merged: int = 0
     steps_merged: int = 0  # fragment contributions: a step is merged once per fragment
     submissions_merged: int = 0
+    lives: list[IncarnationWork] = Field(default_factory=list)  # its last LIVES_KEPT lives (syncer/lives.py)
 
 
 class SyncerFinalState(_File):

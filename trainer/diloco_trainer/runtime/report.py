@@ -113,6 +113,10 @@ def summary_lines(s: dict) -> list[str]:
         else:
             tokens = f"tokens merged {s.get('tokens_merged', 0):,} of {s['tokens_trained']:,} trained"
         lines.append(f"merged: {100 * s['merged_fraction']:.1f}% of trained steps reached the global model ({tokens})")
+    if s.get("ledger"):
+        from diloco_trainer.runtime.ledger import ledger_line
+
+        lines.append(ledger_line(s["ledger"]))
     if s.get("restarts"):
         lost = (f" (lost {s['lost_steps']:,} learner steps, trained again from checkpoints)"
                 if "lost_steps" in s else "")

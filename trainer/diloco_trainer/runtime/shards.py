@@ -112,9 +112,12 @@ def merge_checkpoint_states(states: list[dict]) -> dict:
     learners: dict[str, dict] = {}
     for st in states:
         for lid, d in (st.get("learners") or {}).items():
-            have = learners.setdefault(lid, {k: 0 for k in _SUMMED})
+            have = learners.setdefault(lid, {**{k: 0 for k in _SUMMED}, "lives": []})
             for k in _SUMMED:
                 have[k] += int(d.get(k, 0))
+            lives = [IncarnationWork.model_validate(w) for w in d.get("lives") or []]
+            have["lives"] = [w.model_dump() for w in merge_lives(
+                [IncarnationWork.model_validate(w) for w in have["lives"]], lives)]
     merged = {k: {p: v for st in states for p, v in (st.get(k) or {}).items()} for k in ("versions", "outer_steps")}
     return {**merged, "learners": learners, "tokens_merged": sum(int(st.get("tokens_merged", 0)) for st in states),
             "contributions_merged": sum(int(st.get("contributions_merged", 0)) for st in states),

@@ -10,6 +10,7 @@ from diloco_trainer.protocol.messages import MetricsRecord
 from diloco_trainer.protocol.runfiles import (FinalState, RunEvent, SyncerFinalState, read_events, read_final_state,
                                               starts_by_name)
 from diloco_trainer.runtime import report
+from diloco_trainer.runtime.ledger import run_ledger
 from diloco_trainer.runtime.plot import Curve, plot_run
 from diloco_trainer.runtime.rundir import (as_record, learner_slots, learner_totals, metrics_records, read_jsonl, split_incarnations,
                      write_json)
@@ -130,6 +131,12 @@ def _merge_figures(summary: dict, run_dir: Path, cfg: TrainConfig) -> dict:
     summary["tokens_merged"] = sum(m["tokens_merged"] for m in merged.values())  # summed over the fragments
     summary["fragments"] = cfg.outer.fragments
     summary["tokens_merged_per_fragment"] = summary["tokens_merged"] / cfg.outer.fragments  # vs tokens_trained
+    learners = state.learners if isinstance(state, SyncerFinalState) else {}
+    ledger = run_ledger(run_dir, {lid: {"steps_merged": v.steps_merged,
+                                        "lives": [{"id": w.id, "steps_merged": w.steps_merged} for w in v.lives]}
+                                  for lid, v in learners.items()})
+    if ledger is not None:
+        summary["ledger"] = ledger
     return learner_slots(run_dir, {lid: m["steps_merged"] for lid, m in merged.items()}, cfg.outer.fragments)
 
 

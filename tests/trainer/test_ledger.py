@@ -65,3 +65,15 @@ def run_ledger_of(lives, merged):
 def test_a_run_without_ledger_files_has_no_ledger(tmp_path):
     (tmp_path / "learners" / "learner-0").mkdir(parents=True)
     assert run_ledger(tmp_path, {}) is None
+
+
+def test_the_live_line_shows_the_buckets_so_far_with_what_is_still_open():
+    from diloco_trainer.runtime.progress import View, plain_line, render
+
+    ledger = {"trained": 400, "merged": 200, "discarded": 100, "refused": 20, "lost": 80, "unsent": 0,
+              "unaccounted": 0}
+    view = View(title="t", elapsed_s=1.0, budget_s=None, ledger=ledger)
+    line = plain_line(view)
+    assert "ledger: trained 400 = merged 200 50% + discarded 100 25% + refused 20 5% + open 80 20%" in line
+    assert render(view) is not None
+    assert "ledger" not in plain_line(View(title="t", elapsed_s=1.0, budget_s=None))

@@ -39,6 +39,7 @@ class View:
     goodput: float | None = None
     tokens_trained: int = 0
     messages: list[str] = field(default_factory=list)  # recent events (restarts, exits)
+    ledger: dict | None = None  # the run's ledger so far (runtime/ledger.py), None while unknown
 
 
 def human(n: float | int | None, unit: str = "") -> str:
@@ -94,7 +95,20 @@ def render(view: View) -> Group:
             f"{human(m.bytes_up)}/{human(m.bytes_down)}" if m is not None else "-",
             "-" if m is None else Text("up", style="green") if m.syncer_up else Text("away", style="yellow"),
         )
-    return Group(header, table, syncer_text(view), *[Text(msg, style="dim") for msg in view.messages[-4:]])
+    extra = [Text(ledger_text(view.ledger))] if view.ledger else []
+    return Group(header, table, syncer_text(view), *extra, *[Text(msg, style="dim") for msg in view.messages[-4:]])
+
+
+def ledger_text(ledger: dict) -> str:
+    """The ledger so far in fragment-steps (P per learner step): each bucket's share of the trained. `open` is what
+    no bucket holds yet (trained by running learners and not yet merged, discarded or refused; the summary splits
+    it into lost and unsent at the end)."""
+    trained = ledger["trained"]
+    open_ = trained - ledger["merged"] - ledger["discarded"] - ledger["refused"]
+    share = (lambda n: f" {100 * n / trained:.0f}%") if trained else (lambda n: "")
+    return (f"ledger: trained {human(trained)} = merged {human(ledger['merged'])}{share(ledger['merged'])} + discarded "
+            f"{human(ledger['discarded'])}{share(ledger['discarded'])} + refused {human(ledger['refused'])}"
+            f"{share(ledger['refused'])} + open {human(open_)}{share(open_)}")
 
 
 def merged_per_fragment(tokens_merged: int, fragments: int) -> str:
@@ -137,4 +151,6 @@ def plain_line(view: View) -> str:
     else:
         shards = "" if view.shards_up is None else f" shards_up={sum(view.shards_up)}/{len(view.shards_up)}"
         parts.append(f"| syncer{shards} outer={s.outer_steps} merges={s.merges}" if s else "| syncer away")
+    if view.ledger:
+        parts.append("| " + ledger_text(view.ledger))
     return " ".join(parts)

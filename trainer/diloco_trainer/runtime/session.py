@@ -357,7 +357,19 @@ class RunSession:
             budget_s=self.budget_s, learners=views, syncer=self.status,
             syncer_restarts=sum(c.restarts for c in syncers), shards_up=self.shards_up, goodput=self.goodput,
             no_syncer=None if self.mode == "decoupled" else _BASELINE_NOTE.get(self.mode, self.mode),
-            tokens_trained=self._tokens_trained(), messages=self.messages)
+            tokens_trained=self._tokens_trained(), messages=self.messages, ledger=self._live_ledger())
+
+    def _live_ledger(self) -> dict | None:
+        """The run's ledger so far (runtime/ledger.py) with the merged steps the syncer reports now; a running life's
+        unsettled work reads as lost there, which the live line shows as open."""
+        if self.mode != "decoupled" or self.status is None:
+            return None
+        from diloco_trainer.runtime.ledger import run_ledger
+
+        merged = {lid: {"steps_merged": ls.steps_merged,
+                        "lives": [{"id": w.id, "steps_merged": w.steps_merged} for w in ls.incarnations]}
+                  for lid, ls in self.status.learners.items()}
+        return run_ledger(self.run_dir, merged)
 
     def _live_goodput(self) -> float | None:
         """Goodput so far (goodput.py's definition), with the merged steps the syncer reports now."""

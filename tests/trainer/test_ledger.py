@@ -77,3 +77,6 @@ def test_the_live_line_shows_the_buckets_so_far_with_what_is_still_open():
     assert "ledger: trained 400 = merged 200 50% + discarded 100 25% + refused 20 5% + open 80 20%" in line
     assert render(view) is not None
     assert "ledger" not in plain_line(View(title="t", elapsed_s=1.0, budget_s=None))
+    waiting = ledger | {"refused_by_class": {"stale": 5, "other": 0, "dropped": 15}}
+    assert "refused 5 1% + open 95 24%" in plain_line(View(title="t", elapsed_s=1.0, budget_s=None, ledger=waiting)), \
+        "acknowledged and not merged yet is open while the learner runs"

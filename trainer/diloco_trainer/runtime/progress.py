@@ -104,11 +104,13 @@ def ledger_text(ledger: dict) -> str:
     no bucket holds yet (trained by running learners and not yet merged, discarded or refused; the summary splits
     it into lost and unsent at the end)."""
     trained = ledger["trained"]
-    open_ = trained - ledger["merged"] - ledger["discarded"] - ledger["refused"]
+    # While a life runs, its acknowledged Δs not merged yet wait at the syncer: open, not dropped.
+    refused = ledger["refused"] - (ledger.get("refused_by_class") or {}).get("dropped", 0)
+    open_ = trained - ledger["merged"] - ledger["discarded"] - refused
     share = (lambda n: f" {100 * n / trained:.0f}%") if trained else (lambda n: "")
     return (f"ledger: trained {human(trained)} = merged {human(ledger['merged'])}{share(ledger['merged'])} + discarded "
-            f"{human(ledger['discarded'])}{share(ledger['discarded'])} + refused {human(ledger['refused'])}"
-            f"{share(ledger['refused'])} + open {human(open_)}{share(open_)}")
+            f"{human(ledger['discarded'])}{share(ledger['discarded'])} + refused {human(refused)}"
+            f"{share(refused)} + open {human(open_)}{share(open_)}")
 
 
 def merged_per_fragment(tokens_merged: int, fragments: int) -> str:

@@ -106,3 +106,33 @@ def test_a_state_dir_whose_latest_checkpoint_is_damaged_exports_the_previous_one
     theta, _ = read_global_theta([tmp_path / "syncer"])
     assert all(torch.equal(theta[n], first[n]) for n in first)
     assert "passed over a damaged checkpoint" in capsys.readouterr().out
+
+
+def test_a_checkpoint_naming_an_entrypoint_model_is_refused_before_its_module_is_imported(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """Issue 38 (10): a checkpoint's state.json is data; an untrusted one naming model.entrypoint must not make the
+    exporter import the module it names (which would run its code) before refusing the model kind."""
+    import json
+    import sys
+
+    from safetensors.torch import save_file
+
+    marker = tmp_path / "imported.marker"
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "hostile_entry_38.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "def build(vocab_size, seq_len):\n    raise RuntimeError('never built')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    monkeypatch.delitem(sys.modules, "hostile_entry_38", raising=False)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({"w": torch.zeros(2)}, str(ckpt / "theta.safetensors"))
+    cfg = TrainConfig.model_validate({"model": {"entrypoint": "hostile_entry_38:build", "vocab_size": 64,
+                                                "seq_len": 16}})
+    (ckpt / "state.json").write_text(json.dumps({"config": cfg.model_dump(mode="json")}))
+    assert diloco(["export", str(ckpt), str(tmp_path / "out")]) == 2
+    out = capsys.readouterr().out
+    assert "model.entrypoint" in out and "hostile_entry_38:build" in out and "not imported" in out
+    assert not marker.exists()
+    assert "hostile_entry_38" not in sys.modules
+    assert not (tmp_path / "out").exists()

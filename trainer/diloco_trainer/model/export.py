@@ -85,17 +85,24 @@ def load_theta(model: nn.Module, theta: dict[str, torch.Tensor]) -> None:
             p.copy_(theta[name])
 
 
+def check_exportable(cfg: TrainConfig) -> None:
+    """Refuse a model with no transformers form, from the config alone: a checkpoint's state.json is data, so a
+    model.entrypoint it names is never imported (importing a module runs its code; issue 38)."""
+    if cfg.model.kind not in ("hf", "path", "gpt"):
+        raise ValueError(f"the checkpoint's model is model.entrypoint {cfg.model.entrypoint!r} (not imported): "
+                         "--format hf needs a transformers model (model.hf, model.path) or the built-in GPT; a "
+                         "model from model.entrypoint has no transformers form: read theta.safetensors with your "
+                         "own code")
+
+
 def hf_model_of(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     """The transformers model that computes what `model` computes."""
-    kind = cfg.model.kind
-    if kind in ("hf", "path"):
+    check_exportable(cfg)
+    if cfg.model.kind in ("hf", "path"):
         return model.hf
-    if kind == "gpt":
-        from diloco_trainer.model.gpt2_map import gpt_to_gpt2
+    from diloco_trainer.model.gpt2_map import gpt_to_gpt2
 
-        return gpt_to_gpt2(model)
-    raise ValueError("--format hf needs a transformers model (model.hf, model.path) or the built-in GPT; a model "
-                     "from model.entrypoint has no transformers form: read theta.safetensors with your own code")
+    return gpt_to_gpt2(model)
 
 
 def export_hf(sources: list[Path], out: Path, tokenizer: Path | None = None) -> str:
@@ -108,6 +115,7 @@ def export_hf(sources: list[Path], out: Path, tokenizer: Path | None = None) -> 
     if tokenizer is not None and not tokenizer.is_file():
         raise ValueError(f"--tokenizer {tokenizer}: no such file")
     theta, cfg = read_global_theta(sources)
+    check_exportable(cfg)  # before build_model: it would import an entrypoint's module
     model = build_model(cfg.model, cfg.seed)
     load_theta(model, theta)
     hf_model = hf_model_of(model, cfg).eval()

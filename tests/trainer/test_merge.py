@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from diloco_trainer.syncer.merge import NesterovOuter, merge_fragment, rda, reanchor, token_weight, weighted_mean
+from diloco_trainer.syncer.merge import (NORM_WARMUP, NesterovOuter, NotFinite, bound_update, check_finite,
+                                         merge_fragment, rda, reanchor, tensor_norm, token_weight, weighted_mean)
 
 
 def _unit_randn(n, shape, norm, seed):
@@ -252,3 +253,42 @@ def test_rda_matches_its_definition_with_unequal_weights():
     radius = sum(w * d.norm() for d, w in zip(ds, ws)) / total
     direction = sum(w * d / d.norm() for d, w in zip(ds, ws)) / total
     assert torch.allclose(rda(ds, ws), radius * direction / direction.norm(), atol=1e-6)
+
+
+# ---------------------------------------------------------------- huge finite updates (issue 38)
+
+
+def test_rda_of_a_1e20_update_with_an_honest_one_is_finite_and_keeps_the_mean_radius():
+    """‖1e20 x 1‖ squares past float32's range: the norm overflowed to inf and the merge was NaN."""
+    honest, huge = torch.randn(1000) * 1e-3, torch.full((1000,), 1e20)
+    out = rda([honest, huge], [1.0, 1.0])
+    assert torch.isfinite(out).all()
+    radius = (float(honest.double().norm()) + 1e20 * math.sqrt(1000)) / 2
+    assert float(out.double().norm()) == pytest.approx(radius, rel=1e-4)
+    assert tensor_norm(torch.full((4,), 1e-30)) == pytest.approx(2e-30)  # and no underflow to 0 either
+
+
+def test_bound_update_clips_to_the_absolute_bound_then_to_the_median_of_recent_norms():
+    param = torch.full((100,), 0.5)  # ‖Θ‖ = 5 < √n = 10: absolute bound 10 x 10 = 100
+    huge = {"w": torch.full((100,), 1e20)}
+    b = bound_update(huge, {"w": param}, {}, max_ratio=10.0)
+    assert b.norms["w"] == pytest.approx(100.0) and float(b.deltas["w"].norm()) == pytest.approx(100.0, rel=1e-5)
+    assert b.over[0][3] == "absolute" and "absolute bound 100" in b.reason()
+    assert torch.equal(huge["w"], torch.full((100,), 1e20))  # the input is not modified
+    # Warm-up: fewer than NORM_WARMUP norms seen, only the absolute bound applies.
+    mid = {"w": torch.full((100,), 5.0)}  # norm 50
+    assert not bound_update(mid, {"w": param}, {"w": (1.0,) * (NORM_WARMUP - 1)}, 10.0).over
+    # After it: at most 10 x the lower median of the recent norms (a minority of larger ones does not raise it).
+    history = {"w": (1.0,) * NORM_WARMUP + (1e6,) * (NORM_WARMUP - 1)}
+    b = bound_update(mid, {"w": param}, history, 10.0)
+    assert b.norms["w"] == pytest.approx(10.0) and b.over[0][3] == "relative"
+    # Without clipping the tensor is kept as it was (the caller rejects the submission).
+    assert bound_update(mid, {"w": param}, history, 10.0, clip=False).deltas["w"] is mid["w"]
+    # Zero updates so far give no scale: only the absolute bound.
+    assert not bound_update(mid, {"w": param}, {"w": (0.0,) * 20}, 10.0).over
+
+
+def test_check_finite_names_the_tensors_with_nan_or_inf():
+    check_finite({"a": torch.ones(3)})
+    with pytest.raises(NotFinite, match=r"\['b', 'c'\]"):
+        check_finite({"a": torch.ones(3), "b": torch.tensor([1.0, math.inf]), "c": torch.tensor([math.nan])})

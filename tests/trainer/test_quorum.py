@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from diloco_trainer.syncer.quorum import Ema, MergePolicy
+from diloco_trainer.syncer.quorum import Ema, MergePolicy, robust_step_time
 
 
 class FakeClock:
@@ -162,3 +162,26 @@ def test_policy_rejects_bad_settings_and_observations_without_changing_state():
         policy.decide(1, None, None, 10.0)
     with pytest.raises(ValueError, match="later than now"):
         policy.decide(1, 11.0, None, 10.0)
+
+
+# ---------------------------------------------------------------- reported step times (issue 38)
+
+
+def test_the_step_time_is_the_lower_median_over_learners_each_clamped_to_what_the_syncer_observed():
+    assert robust_step_time([]) is None
+    assert robust_step_time([(0.1, None), (999_999.0, None)]) == 0.1  # two learners: the smaller
+    assert robust_step_time([(0.1, None), (0.2, None), (999_999.0, None)]) == 0.2
+    assert robust_step_time([(999_999.0, 0.5)]) == 0.5  # alone: no slower than it submits
+    assert robust_step_time([(0.1, 0.5)]) == 0.1
+
+
+def test_the_grace_window_is_never_longer_than_max_grace_s():
+    policy = MergePolicy(quorum=1, grace=0.5, overlap=2, max_grace_s=60.0)
+    policy.observe_quorum_time(0.0)
+    policy.observe_sync_time(0.0)
+    policy.set_step_time(999_999.0)
+    assert policy.grace_seconds() == 60.0
+    policy.set_step_time(1.0)
+    assert policy.grace_seconds() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="max_grace_s"):
+        MergePolicy(quorum=1, grace=0.5, overlap=2, max_grace_s=0.0)

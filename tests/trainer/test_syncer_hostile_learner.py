@@ -243,7 +243,10 @@ class AuthenticatedHostileLearner(RuleBasedStateMachine):
     """The hostile learner's attacks in any order and with drawn sizes. While the honest learner has sent nothing
     (quorum 2), Θ must not move; the hostile one holds at most one pending submission per fragment; the syncer's
     peak RSS stays under the bound; and when the honest learner's Δ = 0 arrives, the merge moves Θ by at most 2/3
-    of the hostile Δ (its weight is at most two rounds of the largest unit, the honest one's one round)."""
+    of the hostile Δ (its weight is at most two rounds of the largest unit, the honest one's one round), and a huge
+    finite Δ (up to 3e38) by at most 2/3 of its norm bound, every version finite. Heartbeats with extreme fields
+    (step times up to 1e6 s and beyond, counts past 2^62) never move the learners' step time above the honest
+    learner's (issue 38)."""
 
     syncer: SyncerProcess  # set by the test
 
@@ -268,13 +271,26 @@ class AuthenticatedHostileLearner(RuleBasedStateMachine):
         else:
             assert json.loads(answer[1])["error"], answer
 
-    @rule(p=st.sampled_from([0, 1]), value=st.sampled_from([0.01, -0.02, 0.05]),
+    @rule(p=st.sampled_from([0, 1]), value=st.sampled_from([0.01, -0.02, 0.05, 1e20, -1e20, 3e38]),
           steps=st.sampled_from([1, H, 10**6, 10**15]), tokens_per_step=st.sampled_from([1, TOKENS_PER_STEP, 10**3]),
           scheme=st.sampled_from([("int8", 64), ("int8", 64), ("int8", 256), ("int4", 64), ("int8", 8)]))
     def submit_with_drawn_counters_and_compression(self, p, value, steps, tokens_per_step, scheme):
         tokens = min(steps * tokens_per_step, 10**18)
         body = self.body(p, value, c_steps=steps, c_tokens=tokens, scheme=scheme[0], block_size=scheme[1])
         self.answered(submit(self.syncer, p, body), p, value)
+
+    @rule(p=st.sampled_from([0, 1]), value=st.sampled_from([1e20, -1e20, 3e38, -3e38, 1e30]))
+    def submit_a_huge_finite_update(self, p, value):
+        self.answered(submit(self.syncer, p, self.body(p, value)), p, value)
+
+    @rule(step_time=st.sampled_from([None, 0.0, 5e-324, 0.1, 5e5, 999_999.0, 999_999.999, 1e6, 1e308, -1.0]),
+          step=st.sampled_from([0, 1, 2**62, 2**63, -1]), tokens=st.sampled_from([0, 2**62, 2**64]),
+          repeat=st.integers(1, 30))
+    def heartbeat_with_extreme_fields(self, step_time, step, tokens, repeat):
+        doc = json.dumps({"learner_id": "hostile", "step": step, "tokens": tokens, "step_time_s": step_time}).encode()
+        for _ in range(repeat):
+            status, _, answer = request(self.port, "POST", "/v1/heartbeat", doc, auth=HOSTILE)
+            assert status in (200, 400), answer[:300]
 
     @rule(header_kib=st.sampled_from([16, 1024, 64 * 1024]))
     def huge_header(self, header_kib):
@@ -308,6 +324,8 @@ class AuthenticatedHostileLearner(RuleBasedStateMachine):
                                                                 "step_time_s": 0.1}).encode(), auth=HONEST)
         status = self.syncer.status()
         assert status["versions"] == self.versions, "Θ moved before the honest learner sent anything"
+        step_s = learners_step_s(self.syncer)
+        assert step_s is None or step_s <= 0.1 * (1 + 1e-9), f"the learners' step time is {step_s} s (the honest's: 0.1)"
         assert status["pending"] == {str(p): int(p in self.sent) for p in (0, 1)}
         grown = peak_rss_mb(self.syncer) - self.syncer.peak_before
         assert grown < MEMORY_BOUND_MB, f"the syncer's peak RSS grew by {grown:.0f} MiB"
@@ -320,9 +338,23 @@ class AuthenticatedHostileLearner(RuleBasedStateMachine):
                                 base=self.versions[str(p)])
             assert submit(self.syncer, p, honest, auth=HONEST)[0] == 202
             wait_for(lambda: self.syncer.status()["versions"][str(p)] > self.versions[str(p)], 30, "the merge")
-            moved = torch.cat([(self.theta[p][n] - t).flatten() for n, t in fragment(self.syncer, p).items()])
+            after = fragment(self.syncer, p)
+            assert all(torch.isfinite(t).all() for t in after.values()), f"fragment {p}: a non-finite version"
+            moved = torch.cat([(self.theta[p][n] - t).flatten() for n, t in after.items()])
             share = float(moved.mean()) / value
             assert share <= 2 / 3 + 1e-3, f"fragment {p}: the hostile learner moved Θ by {share:.4f} of its Δ"
+            # Clipped to its norm bound: per tensor at most 10 x max(‖Θ‖, √n), RMS 10 for this model.
+            for n, t in after.items():
+                rms = float((self.theta[p][n] - t).norm()) / t.numel() ** 0.5
+                assert rms <= 2 / 3 * min(abs(value), 10.0) * 1.01, f"fragment {p}: {n} moved by RMS {rms:.4g}"
+
+
+def learners_step_s(proc: SyncerProcess) -> float | None:
+    """The learners' step time the syncer sizes its grace window from (what a registering learner is told)."""
+    doc = {"learner_id": "honest", "unit": 0, "world_size": 1, "device": "cpu"}
+    status, _, answer = request(proc.port, "POST", "/v1/register", json.dumps(doc).encode(), auth=HONEST)
+    assert status == 200, answer[:300]
+    return json.loads(answer)["step_s"]
 
 
 def test_an_authenticated_hostile_learner_in_any_order_moves_theta_by_at_most_its_fair_weight(syncer):

@@ -247,6 +247,15 @@ class OuterConfig(_Strict):
     # off: after its fragment offset, as a learner starting with the job does (measured: docs/benchmarks.md).
     align_first_sends: bool = True
 
+    # One learner's update norm, per tensor, against max_norm_ratio x the recent accepted ones (and an absolute
+    # sanity bound; syncer/merge.py, docs/security.md): "clip" scales it down to the bound (accepted with a note),
+    # "reject" refuses the submission (400), "none" trusts every learner.
+    update_bound: Literal["clip", "reject", "none"] = "clip"
+    max_norm_ratio: float = Field(10.0, gt=1.0, le=1e6, description="A contribution's update norm, per tensor, may be "
+                                                                   "at most this many times the recent median.")
+    # The grace window after quorum never exceeds this (the learners' step time it is sized from is reported by them).
+    max_grace_s: float = Field(600.0, gt=0.0, le=86400.0, description="Longest grace window in seconds.")
+
     @model_validator(mode="after")
     def _overlap_below_sync_every(self) -> "OuterConfig":
         # A fragment sent every H steps cannot be expected back later than its next send.

@@ -158,6 +158,7 @@ class SubmitAnswer(_Document):
     accepted: bool
     duplicate: bool = False
     pending: int = 0
+    note: str | None = None  # what the syncer did to it, e.g. clipped to the update norm bound (docs/protocol.md)
 
 
 class VersionsAnswer(_Document):

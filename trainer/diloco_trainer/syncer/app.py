@@ -24,6 +24,7 @@ from diloco_trainer.protocol.wire import WireError, decode_submission, encode_te
 from diloco_trainer.syncer.epochs import EpochFile
 from diloco_trainer.syncer.httpio import json_answer, read_at_most, too_large
 from diloco_trainer.syncer.limits import SubmissionLimits
+from diloco_trainer.syncer.merge import NotFinite, bound_update
 from diloco_trainer.syncer.metrics import SyncerMetrics
 from diloco_trainer.syncer.state import Rejected, SyncerState
 
@@ -153,6 +154,13 @@ class Syncer:
         try:
             result = await asyncio.to_thread(st.compute_merge, p, contribs, current, outer)
             await asyncio.to_thread(st.journal_merge, result)  # durable before any learner can see the version
+        except NotFinite as exc:
+            st.refuse_merge(p, contribs)
+            m.merges_refused.labels("not_finite").inc()
+            log.error("fragment %d: the merge of %d contributions from %s is not finite (%s): refused, the fragment "
+                      "stays at version %d and its contributions are dropped", p, len(contribs),
+                      sorted({c.learner_id for c in contribs}), exc, st.versions[p])
+            return st.versions[p]
         finally:
             self.merging.discard(p)
         staleness = [st.staleness(c) for c in contribs]
@@ -341,17 +349,20 @@ class Syncer:
                                 f"{sid!r}", "foreign_submission_id")
         if (why := self.limits.counts_error(meta.c_steps, meta.c_tokens)) is not None:
             raise Rejected(400, why, "tokens_over_config")
+        bounded, note = await self._bound(p, meta.learner_id, deltas)
+        deltas = bounded.deltas
         while sid in self._inflight:  # the same id is being spooled by a concurrent request
             await self._inflight[sid].wait()
         if st.is_known(sid):
             m.duplicates.inc()
             st.seen(meta.learner_id)
-            return json_answer(SubmitAnswer(accepted=True, duplicate=True, pending=len(st.pending[p])), status=202)
+            return _accepted(SubmitAnswer(accepted=True, duplicate=True, pending=len(st.pending[p])))
         claim = (meta.learner_id, p)
         if claim in self._claims or st.has_pending(*claim):
             raise Rejected(429, f"learner {meta.learner_id!r} already has a submission pending for fragment {p}: "
                                 "retry after it is merged", "pending_limit")
         c = st.new_contribution(p, meta, deltas)  # Rejected: nothing changed
+        c.norms = bounded.norms
         done = self._inflight[sid] = asyncio.Event()
         self._claims.add(claim)
         try:
@@ -369,7 +380,28 @@ class Syncer:
         if c.rides:
             m.riders.inc()
         self._kicks[p].set()
-        return json_answer(SubmitAnswer(accepted=True, duplicate=False, pending=len(st.pending[p])), status=202)
+        if note is not None:
+            m.updates_bounded.labels(bounded.kind(), "clipped").inc()
+        return _accepted(SubmitAnswer(accepted=True, duplicate=False, pending=len(st.pending[p]), note=note))
+
+    async def _bound(self, p: int, learner_id: str, deltas: dict):
+        """The norm bound (outer.update_bound, merge.bound_update) on a decoded update: (Bounded, the note for the
+        learner or None). Rejected (400 update_norm) in "reject" mode when a tensor is over its bound."""
+        st, out = self.state, self.state.config.outer
+        history = {} if out.update_bound == "none" else st.norms[p].snapshot()
+        ratio = float("inf") if out.update_bound == "none" else out.max_norm_ratio
+        bounded = await asyncio.to_thread(bound_update, deltas, st.fragment(p), history, ratio,
+                                          clip=out.update_bound == "clip")
+        if not bounded.over or out.update_bound == "none":
+            bounded.over = []
+            return bounded, None
+        why = bounded.reason()
+        if out.update_bound == "reject":
+            self.metrics.updates_bounded.labels(bounded.kind(), "rejected").inc()
+            log.warning("learner %s: fragment %d submission refused: %s", learner_id, p, why)
+            raise Rejected(400, f"{why}: refused (outer.update_bound reject)", "update_norm")
+        log.warning("learner %s: fragment %d submission clipped: %s", learner_id, p, why)
+        return bounded, f"clipped: {why}"
 
     async def get_fragment(self, request: web.Request) -> web.Response:
         st = self.state
@@ -494,6 +526,12 @@ SYNCER = web.AppKey("syncer", Syncer)
 # either). An allow-list, so a route added later is authenticated unless it is added here on purpose.
 PUBLIC_PATHS = frozenset({"/healthz", "/metrics"})
 AUTH_LEARNER = web.RequestKey("learner", str)  # the learner a per-learner token belongs to (absent: the job's token)
+
+
+def _accepted(answer: SubmitAnswer) -> web.Response:
+    """The 202 to a submission; `note` only when there is one (answers are otherwise as before it existed)."""
+    return web.Response(body=answer.model_dump_json(exclude_none=True).encode(), status=202,
+                        content_type="application/json")
 
 
 def make_app(syncer: Syncer) -> web.Application:

@@ -5,7 +5,9 @@ and the Nesterov outer step. Pure tensor math, no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -60,10 +62,13 @@ def weighted_mean(deltas: list[Tensor], weights: list[float]) -> Tensor:
     return out
 
 
-def _normalize(t: Tensor) -> Tensor:
-    """t / ‖t‖, with normalize(0) = 0 (a zero update has no direction and must not produce NaN)."""
-    n = torch.linalg.vector_norm(t)
-    return t / n if n > 0 else torch.zeros_like(t)
+def tensor_norm(t: Tensor) -> float:
+    """‖t‖₂ of any finite tensor, without overflow or underflow: float32 first (fast, no temporary), float64 when
+    that overflowed to inf (a 1e20 everywhere squares past float32's range) or came out 0 for a non-zero tensor."""
+    n = float(torch.linalg.vector_norm(t))
+    if math.isinf(n) or (n == 0 and bool(t.any())):
+        n = float(torch.linalg.vector_norm(t, dtype=torch.float64))
+    return n
 
 
 def rda(deltas: list[Tensor], weights: list[float]) -> Tensor:
@@ -81,13 +86,13 @@ def rda(deltas: list[Tensor], weights: list[float]) -> Tensor:
     for d, w in zip(deltas, weights):
         if w:
             d = d.to(torch.float32)
-            norm = float(torch.linalg.vector_norm(d))
+            norm = tensor_norm(d)
             if norm > 0:  # a zero update has no direction (and must not produce NaN)
                 radius += w * norm / total
                 direction.add_(d, alpha=w / (total * norm))
     # Each Δ added a unit direction times its weight share, so a length near 0 (against at most 1) means the
     # directions cancelled: what is left is rounding (fused multiply-adds), which has no direction either.
-    length = float(torch.linalg.vector_norm(direction))
+    length = tensor_norm(direction)
     return direction.mul_(radius / length) if length > CANCELLED else direction.zero_()
 
 
@@ -117,6 +122,91 @@ def reanchor(base: Tensor, current: Tensor, delta_hat: Tensor) -> Tensor:
         raise ValueError(f"shapes differ: base {tuple(base.shape)}, current {tuple(current.shape)}, "
                          f"delta {tuple(delta_hat.shape)}")
     return current.to(torch.float32) - (base.to(torch.float32) - delta_hat.to(torch.float32))
+
+
+# The bound on one learner's update (docs/security.md): per tensor, its norm must not exceed ABSOLUTE_RATIO times
+# max(‖Θ‖, √numel) (a sanity bound that always applies: RMS 10 per element for a small-initialized tensor, far beyond
+# any honest outer gradient), nor, once NORM_WARMUP accepted contributions were seen for that tensor, max_norm_ratio
+# times the lower median of the last NORM_WINDOW accepted norms of it (all learners'): a learner that is at most half
+# of the recent contributions cannot move that reference. During the warm-up (the first, largest honest updates)
+# only the absolute bound applies.
+ABSOLUTE_RATIO = 10.0
+NORM_WARMUP = 8
+NORM_WINDOW = 32
+
+
+class NormHistory:
+    """The last NORM_WINDOW accepted update norms of each tensor of one fragment (in memory: a restart warms up)."""
+
+    def __init__(self, window: int = NORM_WINDOW):
+        self.window = window
+        self._norms: dict[str, deque[float]] = {}
+
+    def record(self, norms: Mapping[str, float]) -> None:
+        for name, n in norms.items():
+            self._norms.setdefault(name, deque(maxlen=self.window)).append(n)
+
+    def snapshot(self) -> dict[str, tuple[float, ...]]:
+        """An immutable copy, for bound_update in a worker thread."""
+        return {name: tuple(h) for name, h in self._norms.items()}
+
+
+def norm_limit(param: Tensor, history: Sequence[float], max_ratio: float) -> tuple[float, str]:
+    """The largest update norm accepted for one tensor, and which bound sets it ("absolute" or "relative")."""
+    limit, kind = ABSOLUTE_RATIO * max(tensor_norm(param), math.sqrt(param.numel())), "absolute"
+    if len(history) >= NORM_WARMUP:
+        reference = sorted(history)[(len(history) - 1) // 2]  # lower median: a minority cannot raise it
+        if reference > 0 and max_ratio * reference < limit:  # all-zero updates so far: no scale to compare with
+            limit, kind = max_ratio * reference, "relative"
+    return limit, kind
+
+
+@dataclass
+class Bounded:
+    """An update after the norm bound: its tensors (clipped ones are new), their norms after clipping (what the
+    history records), and the tensors that were over their bound: (name, norm, limit, "absolute" | "relative")."""
+
+    deltas: dict[str, Tensor]
+    norms: dict[str, float]
+    over: list[tuple[str, float, float, str]]
+
+    def reason(self) -> str:
+        """One line for the learner and the log, naming the first tensor over its bound."""
+        name, norm, limit, kind = self.over[0]
+        more = f" (and {len(self.over) - 1} more tensors)" if len(self.over) > 1 else ""
+        return f"update norm {norm:.4g} of {name} exceeds its {kind} bound {limit:.4g}{more}"
+
+    def kind(self) -> str:
+        return "relative" if any(o[3] == "relative" for o in self.over) else "absolute"
+
+
+def bound_update(deltas: Mapping[str, Tensor], params: Mapping[str, Tensor],
+                 history: Mapping[str, Sequence[float]], max_ratio: float, clip: bool = True) -> Bounded:
+    """Measure each tensor's update norm (overflow-safe) against its bound (norm_limit); with clip, scale a tensor
+    over it down to the bound (its direction kept). Pure: the inputs are not modified."""
+    out, norms, over = {}, {}, []
+    for name, d in deltas.items():
+        norm = tensor_norm(d)
+        limit, kind = norm_limit(params[name], history.get(name, ()), max_ratio)
+        if norm > limit:
+            over.append((name, norm, limit, kind))
+            if clip:
+                # In float64 first: limit / norm may be below float32's range when norm is huge.
+                d = (d.to(torch.float64) * (limit / norm)).to(d.dtype)
+                norm = min(tensor_norm(d), limit)
+        out[name], norms[name] = d, norm
+    return Bounded(out, norms, over)
+
+
+class NotFinite(ValueError):
+    """A merge whose new version (or outer momentum) is not finite: it is never committed."""
+
+
+def check_finite(tensors: Mapping[str, Tensor]) -> None:
+    """NotFinite naming the tensors with a NaN or an infinity, if any."""
+    bad = sorted(name for name, t in tensors.items() if not bool(torch.isfinite(t).all()))
+    if bad:
+        raise NotFinite(f"non-finite values in {len(bad)} tensor(s): {bad[:4]}")
 
 
 class NesterovOuter:

@@ -50,6 +50,11 @@ class SyncerMetrics:
                                   registry=r)
         self.rejected = Counter("diloco_syncer_submissions_rejected", "Outer gradients rejected, by reason",
                                 ["reason"], registry=r)
+        self.updates_bounded = Counter("diloco_syncer_updates_bounded", "Outer gradients over their update norm bound "
+                                       "(outer.update_bound), by the bound (absolute, relative) and the action "
+                                       "(clipped, rejected)", ["reason", "action"], registry=r)
+        self.merges_refused = Counter("diloco_syncer_merges_refused", "Merges not committed, by reason (not_finite: "
+                                      "the new version or momentum had a NaN or infinity)", ["reason"], registry=r)
         self.uploads_in_progress = Gauge("diloco_syncer_uploads_in_progress", "Submission bodies being read and "
                                          "decoded now (at most --max-concurrent-uploads)", registry=r)
         self.tokens_merged = Counter("diloco_syncer_tokens_merged", "Learner tokens covered by merged "

@@ -1,5 +1,6 @@
-"""When the syncer merges a fragment: minimum quorum K, then an adaptive grace window sized from EMAs of
-step, quorum and sync times. Torch-free, and every time is passed in, so tests drive it with a fake clock.
+"""When the syncer merges a fragment: minimum quorum K, then an adaptive grace window sized from the
+learners' step time (a median, clamped to what the syncer observes) and EMAs of quorum and sync times. Torch-free,
+and every time is passed in, so tests drive it with a fake clock.
 """
 
 from __future__ import annotations
@@ -12,6 +13,18 @@ def _seconds(x: float, what: str) -> float:
     if not math.isfinite(x) or x < 0:
         raise ValueError(f"{what} must be a finite, non-negative number of seconds, got {x}")
     return x
+
+
+def robust_step_time(learners: list[tuple[float, float | None]]) -> float | None:
+    """The learners' inner-step time from (reported, observed) per learner: the lower median over learners of
+    min(reported, observed), observed None while unknown. None without learners.
+
+    Decision: a median, not an average, so one learner's report cannot move it beyond the honest ones' (the lower
+    median: with two learners, the smaller); clamped to what the syncer observed between that learner's
+    submissions, so a learner alone cannot claim to be slower than it submits."""
+    values = sorted(min(_seconds(r, "step time"), math.inf if o is None else _seconds(o, "observed step time"))
+                    for r, o in learners)
+    return values[(len(values) - 1) // 2] if values else None
 
 
 class Ema:
@@ -38,10 +51,11 @@ class MergePolicy:
     Times: ξ_step = learner inner-step time (from heartbeats), ξ_quorum = time from a fragment's first pending
     contribution to its quorum, ξ_sync = merge + publish time. The grace window after quorum is
     γ · max(0, τ·ξ_step − (ξ_quorum + ξ_sync)): the slack the overlap τ leaves before learners expect the
-    merged fragment back. Until all three EMAs have a value the window is 0 (merge at quorum).
+    merged fragment back. Until all three have a value the window is 0 (merge at quorum); it is never longer than
+    max_grace_s. The syncer sets ξ_step from the learners' heartbeats with set_step_time (robust_step_time).
     """
 
-    def __init__(self, quorum: int, grace: float, overlap: int, alpha: float = 0.2):
+    def __init__(self, quorum: int, grace: float, overlap: int, alpha: float = 0.2, max_grace_s: float = math.inf):
         if not isinstance(quorum, int) or quorum < 1:
             raise ValueError(f"quorum (K) must be an integer >= 1, got {quorum!r}")
         if not 0 <= grace < 1:
@@ -51,12 +65,19 @@ class MergePolicy:
         self.quorum = quorum
         self.grace = grace
         self.overlap = overlap
+        if not max_grace_s > 0:
+            raise ValueError(f"max_grace_s must be > 0, got {max_grace_s}")
+        self.max_grace_s = max_grace_s
         self.step_time = Ema(alpha)
         self.quorum_time = Ema(alpha)
         self.sync_time = Ema(alpha)
 
     def observe_step_time(self, seconds: float) -> None:
         self.step_time.update(_seconds(seconds, "step time"))
+
+    def set_step_time(self, seconds: float) -> None:
+        """Set ξ_step to a value computed over the learners (robust_step_time), replacing the average."""
+        self.step_time.value = _seconds(seconds, "step time")
 
     def observe_quorum_time(self, seconds: float) -> None:
         """Record quorum_reached_at − first_pending_at of one fragment when it reaches quorum."""
@@ -67,11 +88,12 @@ class MergePolicy:
         self.sync_time.update(_seconds(seconds, "sync time"))
 
     def grace_seconds(self) -> float:
-        """Length of the grace window after quorum: γ·max(0, τ·ξ_step − (ξ_quorum + ξ_sync)); 0 while unknown."""
+        """Length of the grace window after quorum: γ·max(0, τ·ξ_step − (ξ_quorum + ξ_sync)), at most max_grace_s;
+        0 while unknown."""
         step, quorum, sync = self.step_time.value, self.quorum_time.value, self.sync_time.value
         if self.grace == 0 or step is None or quorum is None or sync is None:
             return 0.0
-        return self.grace * max(0.0, self.overlap * step - (quorum + sync))
+        return min(self.max_grace_s, self.grace * max(0.0, self.overlap * step - (quorum + sync)))
 
     def decide(self, n_pending_learners: int, first_pending_at: float | None, quorum_reached_at: float | None,
                now: float, n_live: int | None = None) -> float | None:

@@ -18,9 +18,10 @@ from diloco_trainer.config import TrainConfig
 from diloco_trainer.protocol.downlink import Parts, Update, UpdateHistory, fragment_digest, is_quantized, publish, update_nbytes
 from diloco_trainer.protocol.fragments import fragment_of, plan_fragments
 from diloco_trainer.syncer.limits import WEIGHT_ROUNDS, weighed_counts
-from diloco_trainer.syncer.merge import NesterovOuter, merge_fragment, reanchor, token_weight
+from diloco_trainer.syncer.merge import (NesterovOuter, NormHistory, NotFinite, check_finite, merge_fragment, reanchor,
+                                         token_weight)
 from diloco_trainer.model.build import build_model, embedding_names, tensor_bytes
-from diloco_trainer.syncer.quorum import MergePolicy
+from diloco_trainer.syncer.quorum import MergePolicy, robust_step_time
 from diloco_trainer.protocol.shardmap import owned_fragments, shard_of
 from diloco_trainer.protocol.wire import SubmissionMeta
 
@@ -62,6 +63,9 @@ class Contribution:
     # A rider (SubmissionMeta.rider): it joins the fragment's next merge and never makes one alone, unless none
     # comes within RIDER_WAIT_PERIODS sync periods or every live learner has a contribution pending.
     rides: bool = False
+    # Its update norm per tensor after the norm bound (merge.bound_update), recorded in the fragment's NormHistory
+    # when it is acknowledged; None for one replayed from the spool.
+    norms: dict[str, float] | None = None
 
     def learner_params(self) -> dict[str, Tensor]:
         """θ_m = Θ_base − Δ̂: the learner's fragment as it reported it (what the spool stores)."""
@@ -93,7 +97,11 @@ class LearnerInfo:
     world_size: int | None = None
     device: str | None = None
     step: int = 0
-    step_time_s: float | None = None
+    step_time_s: float | None = None  # as it reports it (heartbeats)
+    # As this syncer observes it: seconds between its last two acknowledged submissions of one fragment, over the
+    # H steps between them (an upper bound: it includes the learner's sends and waits). Clamps step_time_s.
+    observed_step_s: float | None = None
+    last_submitted_at: dict[int, float] = field(default_factory=dict)  # fragment -> clock
     tokens: int = 0
     tokens_merged: int = 0
     steps_merged: int = 0
@@ -171,7 +179,9 @@ class SyncerState:
         self.learners: dict[str, LearnerInfo] = {}
         self.tokens_merged = 0
         self.contributions_merged = 0
-        self.policy = MergePolicy(out.quorum, out.grace, out.overlap)
+        self.policy = MergePolicy(out.quorum, out.grace, out.overlap, max_grace_s=out.max_grace_s)
+        self.norms = [NormHistory() for _ in range(P)]  # accepted update norms per fragment (the norm bound)
+        self.merges_refused = 0  # merges not committed because their result was not finite
         self.first_pending_at: list[float | None] = [None] * P
         self.quorum_reached_at: list[float | None] = [None] * P
         self.published_at: dict[int, float] = {}  # p -> when (clock) this syncer published its current version
@@ -243,7 +253,16 @@ class SyncerState:
             info.lives.heartbeat(life, step, tokens, steps_discarded, info.last_seen_unix)
         if step_time_s is not None and step_time_s > 0:
             info.step_time_s = step_time_s
-            self.policy.observe_step_time(step_time_s)
+            self._update_step_time()
+
+    def _update_step_time(self) -> None:
+        """The learners' step time the grace window is sized from: the lower median over learners of what each
+        reports, each clamped to what this syncer observed between its submissions (quorum.robust_step_time), so
+        one learner's heartbeats cannot stretch the window."""
+        step = robust_step_time([(i.step_time_s, i.observed_step_s) for i in self.learners.values()
+                                 if i.step_time_s is not None])
+        if step is not None:
+            self.policy.set_step_time(step)
 
     # --- submissions -------------------------------------------------------------------------------
 
@@ -290,6 +309,15 @@ class SyncerState:
         assert not self.is_known(c.submission_id), c.submission_id
         p = c.fragment
         self.pending[p][c.submission_id] = c
+        if c.norms is not None:  # a live submission (not one replayed from the spool)
+            self.norms[p].record(c.norms)
+            info = self.learners.setdefault(c.learner_id, LearnerInfo())
+            last = info.last_submitted_at.get(p)
+            info.last_submitted_at[p] = c.received_at
+            if last is not None and c.received_at > last:
+                info.observed_step_s = (c.received_at - last) / self.config.outer.sync_every
+                if info.step_time_s is not None:
+                    self._update_step_time()
         if self.first_pending_at[p] is None and not c.rides:
             self.first_pending_at[p] = c.received_at
         if self.quorum_reached_at[p] is None and self.pending_learners(p) >= self.config.outer.quorum:
@@ -338,7 +366,11 @@ class SyncerState:
         merged = merge_fragment(deltas, weights, self.embeddings, out.merge)
         fresh = NesterovOuter(out.lr, out.momentum)
         fresh.load_state_dict(outer.state_dict())  # clones: the published outer state is never mutated
-        theta = dict(current) | fresh.stepped(current, merged)  # new tensors: the published Θ is never mutated
+        stepped = fresh.stepped(current, merged)  # new tensors: the published Θ is never mutated
+        # Never publish a version (nor keep momentum) that is not finite: NotFinite, and the state stays as it was.
+        check_finite(stepped)
+        check_finite({n: t for n, t in fresh.state_dict().items() if n in stepped})
+        theta = dict(current) | stepped
         if not is_quantized(out.downlink):
             return MergeResult(p, theta, fresh, contribs, weights)
         # The published version is what learners can rebuild from the current one; the rest waits in the residual.
@@ -377,6 +409,21 @@ class SyncerState:
             self.quorum_reached_at[p] = self.clock()
         self.dirty = True
         return version
+
+    def refuse_merge(self, p: int, contribs: list[Contribution]) -> None:
+        """Drop a merge whose result was not finite (compute_merge raised NotFinite): the fragment stays at its last
+        good version and outer state; its contributions are discarded (merging them again would fail again) and a
+        retry of one is answered as a duplicate."""
+        self.merges_refused += 1
+        for c in contribs:
+            self.pending[p].pop(c.submission_id, None)
+            self.merged_ids[c.submission_id] = (p, c.base_version)
+        self.spool.remove([c.spool_name for c in contribs])
+        self.first_pending_at[p] = self._first_counted_at(p)
+        self.quorum_reached_at[p] = None
+        if self.first_pending_at[p] is not None and self.pending_learners(p) >= self.config.outer.quorum:
+            self.quorum_reached_at[p] = self.clock()
+        self.dirty = True
 
     def journal_merge(self, r: MergeResult) -> None:
         """Make a computed merge durable under the version `commit_merge` will give it, before anyone can see that
@@ -512,7 +559,13 @@ class SyncerState:
                 continue
             for n in j.spool:
                 self.add_pending(self._spooled(by_name[n]))
-            r = self.compute_merge(p, list(self.pending[p].values()), self.fragment(p), self.outer[p])
+            try:
+                r = self.compute_merge(p, list(self.pending[p].values()), self.fragment(p), self.outer[p])
+            except NotFinite as exc:  # finite when it was journaled: only rounding could change that
+                log.error("merge journal: version %d of fragment %d is not finite when redone (%s); its later merges "
+                          "are not replayed (their contributions merge anew)", j.version, p, exc)
+                broken.add(p)
+                continue
             self.reservation.floor[p] = j.version  # commit_merge publishes at max(current + 1, floor): this version
             self.commit_merge(r)
             done.update(j.spool)

@@ -172,3 +172,40 @@ def test_shards_are_not_preloaded_nor_loaded_as_a_corpus(tmp_path):
     assert preload(cfg) is None, "a warm spare has nothing to preload: the files are mapped when read"
     with pytest.raises(ValueError, match="memory-mapped, not loaded"):
         load_corpus(cfg)
+
+
+def _manifest_naming(folder, *files, tokens=2000):
+    write_manifest(folder, Manifest(tokenizer="bytes", tokenizer_fingerprint="bytes", vocab_size=256, dtype="uint32",
+                                    text_field="text", shard_tokens=tokens, inputs=[],
+                                    shards=[ShardEntry(file=f, tokens=tokens, documents=1) for f in files]))
+
+
+@pytest.mark.parametrize("entry", ["../outside.bin", "ABSOLUTE", "sub/../../outside.bin", "link.bin",
+                                   "linkdir/outside.bin"])
+def test_a_manifest_naming_a_file_outside_its_directory_is_refused_naming_the_entry_and_the_manifest(tmp_path,
+                                                                                                     entry):
+    """Issue 38 (11): whoever writes a shard directory must not make a learner read (and train on, i.e. leak into the
+    model) files outside it: `..`, absolute paths and symlinks leading out are refused, before anything is opened."""
+    outside = tmp_path / "outside.bin"
+    np.full(2000, 7, dtype="<u4").tofile(outside)
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "link.bin").symlink_to(outside)
+    (folder / "linkdir").symlink_to(tmp_path)
+    entry = str(outside) if entry == "ABSOLUTE" else entry
+    _manifest_naming(folder, entry)
+    with pytest.raises(ValueError) as err:
+        TokenShards.open(cfg_for(folder))
+    assert entry in str(err.value) and str(folder / "manifest.json") in str(err.value)
+    assert "outside" in str(err.value)
+
+
+def test_a_manifest_may_name_files_in_subfolders_and_symlinks_that_stay_inside(tmp_path):
+    folder = tmp_path / "d"
+    (folder / "sub" / "deeper").mkdir(parents=True)
+    np.full(2000, 7, dtype="<u4").tofile(folder / "sub" / "deeper" / "a.bin")
+    np.full(2000, 8, dtype="<u4").tofile(folder / "b.bin")
+    (folder / "c.bin").symlink_to(folder / "sub" / "deeper" / "a.bin")
+    _manifest_naming(folder, "sub/deeper/a.bin", "b.bin", "./c.bin")
+    shards = TokenShards.open(cfg_for(folder))
+    assert [f.path.name for f in shards.files] == ["a.bin", "b.bin", "c.bin"] and shards.train_tokens == 3 * 1800

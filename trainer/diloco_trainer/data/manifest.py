@@ -4,7 +4,7 @@ inputs they came from (what `diloco data prepare` compares to decide a re-run is
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -61,14 +61,36 @@ class Manifest(_Strict):
 
 
 def read_manifest(folder: Path) -> Manifest | None:
-    """The manifest of a shard directory, None if it has none; a damaged one raises ValueError naming it."""
+    """The manifest of a shard directory, None if it has none; a damaged one raises ValueError naming it, and so
+    does one naming a shard file outside the directory (see confine)."""
     path = Path(folder) / FILE
     if not path.is_file():
         return None
     try:
-        return Manifest.model_validate(json.loads(path.read_text()))
+        manifest = Manifest.model_validate(json.loads(path.read_text()))
     except (ValueError, ValidationError) as exc:  # JSONDecodeError is a ValueError
         raise ValueError(f"{path} is not a valid token-shard manifest: {exc}") from exc
+    for i, entry in enumerate(manifest.shards):
+        confine(Path(folder), entry.file, f"{path}: shards[{i}].file {entry.file!r}")
+    return manifest
+
+
+def confine(folder: Path, name: str, where: str) -> Path:
+    """folder / name, refused unless it stays inside folder: a relative path without '..', that does not lead out
+    through a symlink (the file's or a parent folder's). A manifest is data: whoever writes the shard directory must
+    not make a reader open (and train on, i.e. leak into the model) files elsewhere (issue 38)."""
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or Path(name).is_absolute():
+        raise ValueError(f"{where} is an absolute path, outside the shard directory {folder}: name files relative "
+                         "to it")
+    if ".." in pure.parts or ".." in Path(name).parts:
+        raise ValueError(f"{where} names '..', which may lead outside the shard directory {folder}: name files "
+                         "relative to it, without '..'")
+    target = (folder / name).resolve()
+    root = folder.resolve()
+    if not target.is_relative_to(root):
+        raise ValueError(f"{where} leads outside the shard directory {root} through a symlink (to {target})")
+    return folder / name
 
 
 # Shards, manifests and tokenizers are data that learner and syncer pods read under another user (the images run

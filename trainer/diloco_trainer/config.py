@@ -227,6 +227,11 @@ class OuterConfig(_Strict):
     grace: float = Field(0.5, ge=0, lt=1)  # gamma; 0 disables the grace window
     merge: Literal["rda", "mean"] = "rda"
     token_weights: bool = True
+    # A merge whose contributions are based on an older version than the current one (others' work merged since)
+    # is applied with its share of the weight merged since then, W / (W + S) (merge.late_share): a round of learners
+    # split over two merges ends at the weighted average of all of them, as one merge would. Off: re-anchored
+    # contributions move Θ by their full size (the paper's App. D.2), so at outer lr 1 the last merge wins.
+    late_share: bool = True
     # Older bases are rejected; the learner re-adopts.
     versions_kept: int = Field(8, ge=1, le=1024, description="Versions of each fragment kept (1 to 1024).")
     # How learners fetch new fragment versions. fp32: whole versions. bf16: whole versions rounded (half the

@@ -116,6 +116,25 @@ def merge_fragment(contributions: list[dict[str, Tensor]], weights: list[float],
     return out
 
 
+def late_share(weights: list[float], merged_since: list[float]) -> float:
+    """How much of a merge to apply when others' work merged since its contributions' bases: W / (W + S̄), with W the
+    merge's total weight and S̄ the weight merged into the fragment since each contribution's base (weighted by the
+    contributions' weights). 1 when every base is the current version.
+
+    A round of learners that sent from one version but landed in two merges (quorum 1, one learner outside the grace
+    window) then ends where one merge of all of them would: re-anchored (Δ' = Θ_current − θ_m), a late learner's
+    merge alone would move Θ all the way to its own θ_m at outer lr 1 and erase the merge before it; scaled by its
+    share of the round, it moves Θ to the weighted average of everyone's θ. Work based further back shares the step
+    with everything merged since, so stale work is discounted as it ages.
+    """
+    total = _check_weights(weights, len(merged_since))
+    for s in merged_since:
+        if not math.isfinite(s) or s < 0:
+            raise ValueError(f"weight merged since a base must be finite and non-negative, got {s}")
+    since = sum(w * s for w, s in zip(weights, merged_since)) / total
+    return total / (total + since)
+
+
 def reanchor(base: Tensor, current: Tensor, delta_hat: Tensor) -> Tensor:
     """Outer gradient against the current global version: Δ' = Θ_current − θ_m with θ_m = Θ_base − Δ̂ (App. D.2)."""
     if not base.shape == current.shape == delta_hat.shape:

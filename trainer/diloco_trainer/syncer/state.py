@@ -18,8 +18,8 @@ from diloco_trainer.config import TrainConfig
 from diloco_trainer.protocol.downlink import Parts, Update, UpdateHistory, fragment_digest, is_quantized, publish, update_nbytes
 from diloco_trainer.protocol.fragments import fragment_of, plan_fragments
 from diloco_trainer.syncer.limits import WEIGHT_ROUNDS, weighed_counts
-from diloco_trainer.syncer.merge import (NesterovOuter, NormHistory, NotFinite, check_finite, merge_fragment, reanchor,
-                                         token_weight)
+from diloco_trainer.syncer.merge import (NesterovOuter, NormHistory, NotFinite, check_finite, late_share,
+                                         merge_fragment, reanchor, token_weight)
 from diloco_trainer.model.build import build_model, embedding_names, tensor_bytes
 from diloco_trainer.syncer.quorum import MergePolicy, robust_step_time
 from diloco_trainer.protocol.shardmap import owned_fragments, shard_of
@@ -167,6 +167,10 @@ class SyncerState:
         self.outer_steps = [0] * P
         self.outer = [NesterovOuter(out.lr, out.momentum) for _ in range(P)]
         self.history: list[OrderedDict[int, _Version]] = [OrderedDict() for _ in range(P)]
+        # Merge weight that went into each fragment since this syncer started, and its running total at each outer
+        # step (late_share: what a contribution shares its merge with)
+        self.weight_merged = [0.0] * P
+        self.weight_marks: list[OrderedDict[int, float]] = [OrderedDict() for _ in range(P)]
         # Quantized down-link (outer.downlink int8/int4): the residual of what the published Θ_p lags the exact
         # outer steps by (checkpointed with Θ), and the recent published updates learners rebuild versions from.
         self.residual: list[dict[str, Tensor]] = [{} for _ in range(P)]
@@ -364,6 +368,10 @@ class SyncerState:
         counted = [weighed_counts(c.c_steps, c.c_tokens, WEIGHT_ROUNDS * out.sync_every) for c in contribs]
         weights = [token_weight(tokens, steps) if out.token_weights else 1.0 for steps, tokens in counted]
         merged = merge_fragment(deltas, weights, self.embeddings, out.merge)
+        if out.late_share:
+            scale = late_share(weights, [0.0 if c.rides else self.weight_merged_since(p, c.base_step) for c in contribs])
+            if scale < 1.0:
+                merged = {n: t.mul_(scale) for n, t in merged.items()}
         fresh = NesterovOuter(out.lr, out.momentum)
         fresh.load_state_dict(outer.state_dict())  # clones: the published outer state is never mutated
         stepped = fresh.stepped(current, merged)  # new tensors: the published Θ is never mutated
@@ -391,6 +399,7 @@ class SyncerState:
         self.published_at[p] = self.clock()
         self.outer[p] = r.outer
         self.outer_steps[p] += 1
+        self._count_merged_weight(p, sum(r.weights))
         self._remember(p, version, r.theta)
         for c in r.contribs:
             del self.pending[p][c.submission_id]
@@ -434,6 +443,25 @@ class SyncerState:
     def staleness(self, c: Contribution) -> int:
         """Outer steps of c's fragment published since its base (0 = merged into the next version)."""
         return max(0, self.outer_steps[c.fragment] - c.base_step)
+
+    def weight_merged_since(self, p: int, base_step: int) -> float:
+        """Merge weight that went into fragment p after the version published at outer step `base_step` (late_share).
+        Counted since this syncer started: a base from before, or older than the steps remembered, counts from the
+        oldest step remembered (so at most what is known)."""
+        marks = self.weight_marks[p]
+        if not marks:
+            return 0.0
+        at = marks.get(base_step, next(iter(marks.values())) if base_step < next(iter(marks)) else None)
+        return max(0.0, self.weight_merged[p] - at) if at is not None else 0.0
+
+    def _count_merged_weight(self, p: int, weight: float) -> None:
+        marks = self.weight_marks[p]
+        if not marks:  # the version this syncer started from
+            marks[self.outer_steps[p] - 1] = self.weight_merged[p]
+        self.weight_merged[p] += weight
+        marks[self.outer_steps[p]] = self.weight_merged[p]
+        while len(marks) > 4 * self.config.outer.versions_kept + 1:
+            marks.popitem(last=False)
 
     def _remember(self, p: int, version: int, tensors: dict[str, Tensor]) -> None:
         kept = self.history[p]

@@ -281,7 +281,8 @@ async def test_a_retried_submission_is_acknowledged_again_but_merged_once(aiohtt
     assert st.tokens_merged == 2048 and st.contributions_merged == 2
 
 
-async def test_a_stale_but_kept_base_is_reanchored_to_the_current_version(aiohttp_client, tmp_path):
+async def test_a_stale_but_kept_base_is_reanchored_to_the_current_version_and_given_its_share(aiohttp_client,
+                                                                                                 tmp_path):
     cfg = tiny_config(quorum=1)
     syncer = make_syncer(tmp_path, cfg)
     client = await start(aiohttp_client, syncer)
@@ -293,13 +294,14 @@ async def test_a_stale_but_kept_base_is_reanchored_to_the_current_version(aiohtt
     await client.post("/v1/fragments/0/outer-gradient", data=body(st, 0, d1, sid="s1"), headers=AUTH)
     await wait_for_async(lambda: st.versions[0] == 1)
     theta1 = st.fragment(0)
-    # learner-b trained from version 0 and reports it: θ_b = Θ0 − Δ2; against Θ1 that is Δ' = Θ1 − θ_b.
+    # learner-b trained from version 0 and reports it: θ_b = Θ0 − Δ2; against Θ1 that is Δ' = Θ1 − θ_b, applied with
+    # its share of the weight merged since its base (outer.late_share): its own over its own and s1's, equal, so 1/2.
     r = await client.post("/v1/fragments/0/outer-gradient",
                           data=body(st, 0, d2, learner="learner-b", sid="s2", base=0), headers=AUTH)
     assert r.status == 202
     await wait_for_async(lambda: st.versions[0] == 2)
     for n in st.plan[0]:
-        d_prime = theta1[n] - (theta0[n] - d2[n])
+        d_prime = 0.5 * (theta1[n] - (theta0[n] - d2[n]))
         buf = mu * d1[n] + d_prime
         torch.testing.assert_close(st.theta[n], theta1[n] - lr * (d_prime + mu * buf), rtol=1e-5, atol=1e-6)
         assert torch.equal(theta0[n], theta0_values[n]), "a merge never writes into a published version"

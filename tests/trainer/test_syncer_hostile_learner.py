@@ -80,9 +80,9 @@ def rejected(proc: SyncerProcess, reason: str) -> float:
     return sum(float(line[len(prefix):]) for line in body.decode().splitlines() if line.startswith(prefix))
 
 
-def uploads_in_progress(proc: SyncerProcess) -> float:
+def uploads_receiving(proc: SyncerProcess) -> float:
     status, _, body = request(proc.port, "GET", "/metrics", auth=None)
-    lines = [line for line in body.decode().splitlines() if line.startswith("diloco_syncer_uploads_in_progress ")]
+    lines = [line for line in body.decode().splitlines() if line.startswith("diloco_syncer_uploads_receiving ")]
     return float(lines[0].split()[1]) if lines else -1
 
 
@@ -206,7 +206,7 @@ def test_a_learner_opening_many_uploads_gets_one_read_at_a_time_and_memory_stays
     body = submission(syncer, 0, "hostile", "hostile.n.p0.v0")
     stalled = open_upload(syncer.port, len(body), body[: len(body) // 2])  # holds the learner's one upload
     try:
-        wait_for(lambda: uploads_in_progress(syncer) == 1, 10, "the first upload being read")
+        wait_for(lambda: uploads_receiving(syncer) == 1, 10, "the first upload being received")
         others = [open_upload(syncer.port, len(body), body[: len(body) // 2]) for _ in range(11)]
         statuses = [status_of(s) for s in others]  # answered while the first one is still stalled
         assert statuses == [429] * 11, statuses

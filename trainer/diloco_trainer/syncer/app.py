@@ -22,7 +22,7 @@ from diloco_trainer.protocol.tokens import token_identity
 from diloco_trainer.protocol.wire import WireError, decode_submission, encode_tensors
 
 from diloco_trainer.syncer.epochs import EpochFile
-from diloco_trainer.syncer.httpio import json_answer, read_at_most, too_large
+from diloco_trainer.syncer.httpio import BodyPace, ServerLog, json_answer, read_at_most, too_large
 from diloco_trainer.syncer.limits import SubmissionLimits
 from diloco_trainer.syncer.merge import NotFinite, bound_update
 from diloco_trainer.syncer.metrics import SyncerMetrics
@@ -42,7 +42,14 @@ class SyncerOptions:
     token: str
     max_body_bytes: int = 256 * 2**20
     max_unit_processes: int = 64  # the most processes a learner unit runs (bounds the tokens of an inner step)
-    max_concurrent_uploads: int = 4  # submission bodies read and decoded at once (each holds ~2 bodies + fp32)
+    max_concurrent_uploads: int = 4  # submission bodies decoded at once (each holds ~2 bodies + fp32)
+    # A request body must arrive at body_min_bytes_per_s or faster after its first body_base_s (408 otherwise).
+    body_base_s: float = 30.0
+    body_min_bytes_per_s: float = 256 * 1024
+    # A connection idle this long after an answer, or without its request's headers this long after it opened or
+    # its previous answer, is closed (aiohttp's keepalive_timeout; above the 15 s an aiohttp client keeps an idle
+    # connection, so the client normally drops it first).
+    keepalive_s: float = 20.0
     checkpoint_every_s: float = 30.0
     heartbeat_s: float = 2.0
     live_after_missed: float = 3.0  # a learner is live while seen within this many heartbeat intervals
@@ -72,6 +79,8 @@ class Syncer:
         self.limits = SubmissionLimits.from_config(
             state.config, [state.fragment_shapes(p) for p in range(state.num_fragments)], options.max_unit_processes)
         self._upload_slots = asyncio.Semaphore(options.max_concurrent_uploads)
+        self.pace = BodyPace(options.body_base_s, options.body_min_bytes_per_s)
+        self.server: web.Server | None = None  # set by setup_runner: its connections are counted in /metrics
         self._uploading: set[str] = set()  # learners (by their own token) with a submission request in progress
         self._claims: set[tuple[str, int]] = set()  # (learner, fragment) with a submission being spooled
         self.metrics.shard.labels(str(state.shard), str(state.shards)).set(1)
@@ -244,7 +253,7 @@ class Syncer:
         """The request's JSON body validated as `model`; Rejected (400 naming the field, 413 too large) if not."""
         if request.content_length is not None and request.content_length > MAX_JSON_BODY:
             raise too_large(request.content_length, MAX_JSON_BODY)
-        body = await read_at_most(request, MAX_JSON_BODY + 1)
+        body = await self._read_body(request, MAX_JSON_BODY + 1)
         if len(body) > MAX_JSON_BODY:
             raise too_large(None, MAX_JSON_BODY)
         self.metrics.bytes_in.labels(request.path.rsplit("/", 1)[-1]).inc(len(body))
@@ -312,16 +321,33 @@ class Syncer:
         finally:
             self._uploading.discard(holder)
 
+    async def _read_body(self, request: web.Request, limit: int) -> bytes:
+        """The request's body (its first `limit` bytes), at the syncer's pace; Rejected (408) when it falls behind."""
+        try:
+            return await read_at_most(request, limit, self.pace)
+        except Rejected as r:
+            if r.status == 408:
+                self.metrics.body_timeouts.labels(request.path.rsplit("/", 1)[-1]).inc()
+                log.warning("%s %s from %s (learner %s): %s", request.method, request.path, request.remote,
+                            request.get(AUTH_LEARNER, "with the job's token"), r.reason)
+            raise
+
     async def _read_submission(self, request: web.Request, p: int):
-        """Read and decode a submission body under the upload slots (bounded memory); Rejected if malformed."""
+        """Read a submission body, then decode it under the upload slots (bounded memory); Rejected if malformed or
+        too slow. The body takes a slot only once it is in, so a learner that sends slowly (or less than its
+        Content-Length) holds nobody else's slot, only its own upload, until its pace runs out (408)."""
         limit, m = self._body_limit(p), self.metrics
+        m.uploads_receiving.inc()
+        try:
+            body = await self._read_body(request, limit + 1)
+        finally:
+            m.uploads_receiving.dec()
+        if len(body) > limit:
+            raise self._body_too_large(p)
+        m.bytes_in.labels("outer-gradient").inc(len(body))
         async with self._upload_slots:
             m.uploads_in_progress.inc()
             try:
-                body = await read_at_most(request, limit + 1)
-                if len(body) > limit:
-                    raise self._body_too_large(p)
-                m.bytes_in.labels("outer-gradient").inc(len(body))
                 return await asyncio.to_thread(decode_submission, body, self.state.fragment_shapes(p),
                                                max_header=self.limits.header_bytes[p], require=self.limits.compression)
             except WireError as exc:
@@ -516,6 +542,8 @@ class Syncer:
         st, m = self.state, self.metrics
         m.live_learners.set(len(st.live_ids(self.opt.live_timeout_s)))
         m.grace_window.set(st.policy.grace_seconds())
+        if self.server is not None:
+            m.connections.set(len(self.server.connections))
         for p in st.owned:
             m.pending.labels(str(p)).set(len(st.pending[p]))
         return web.Response(body=m.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
@@ -557,7 +585,10 @@ def make_app(syncer: Syncer) -> web.Application:
         except Rejected as r:
             if request.path.endswith("/outer-gradient"):
                 syncer.metrics.rejected.labels(r.label).inc()
-            return web.json_response({"error": r.reason}, status=r.status)
+            answer = web.json_response({"error": r.reason}, status=r.status)
+            if r.status == 408:  # the rest of a body too slow to wait for is not read: close after the answer
+                answer.force_close()
+            return answer
         except web.HTTPRequestEntityTooLarge as exc:
             r = too_large(None, syncer.opt.max_body_bytes)
             if request.path.endswith("/outer-gradient"):
@@ -583,4 +614,16 @@ def make_app(syncer: Syncer) -> web.Application:
 
     app.cleanup_ctx.append(lifecycle)
     return app
+
+
+async def setup_runner(syncer: Syncer) -> web.AppRunner:
+    """The runner serving make_app(syncer), set up (add a web.TCPSite and start it to listen): idle connections,
+    and connections whose request headers have not all arrived, are closed after --keepalive-s (aiohttp runs that
+    timer from a connection's opening and from each answer, and closes the connection when it fires while no
+    complete request has arrived), and client mistakes are logged as one line (httpio.ServerLog)."""
+    runner = web.AppRunner(make_app(syncer), handle_signals=False, access_log=None, logger=ServerLog(),
+                           keepalive_timeout=syncer.opt.keepalive_s)
+    await runner.setup()
+    syncer.server = runner.server
+    return runner
 

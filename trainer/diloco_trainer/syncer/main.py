@@ -34,8 +34,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "inner.batch_size x model.seq_len x this many tokens, so a submission claiming more is "
                              "refused (the operator passes its largest units[].podsPerUnit)")
     parser.add_argument("--max-concurrent-uploads", type=int, default=4,
-                        help="submission bodies read and decoded at once; more wait (a learner's own token: one "
-                             "at a time, more get 429)")
+                        help="submission bodies decoded at once, each once it has arrived whole; more wait (a "
+                             "learner's own token: one body at a time, more get 429)")
+    parser.add_argument("--body-base-s", type=float, default=30.0,
+                        help="a request body gets this long, plus its size at --body-min-rate-kbs, to arrive; one "
+                             "that falls behind is cut with 408")
+    parser.add_argument("--body-min-rate-kbs", type=float, default=256.0,
+                        help="the slowest a request body may arrive after --body-base-s, in KiB/s")
+    parser.add_argument("--keepalive-s", type=float, default=20.0,
+                        help="close a connection idle this long after an answer, or whose request headers have not "
+                             "all arrived this long after it opened or its previous answer")
     parser.add_argument("--checkpoint-every-s", type=float, default=30.0,
                         help="checkpoint at most this often after merges (and always at shutdown)")
     parser.add_argument("--heartbeat-s", type=float, default=2.0, help="heartbeat interval asked of learners")
@@ -69,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"diloco syncer: {exc}", flush=True)
         return 2
-    for name in ("max_body_mb", "checkpoint_every_s", "heartbeat_s", "max_unit_processes", "max_concurrent_uploads"):
+    for name in ("max_body_mb", "checkpoint_every_s", "heartbeat_s", "max_unit_processes", "max_concurrent_uploads",
+                 "body_base_s", "body_min_rate_kbs", "keepalive_s"):
         if not getattr(args, name) > 0:
             print(f"diloco syncer: --{name.replace('_', '-')} must be > 0", flush=True)
             return 2
@@ -180,8 +189,7 @@ def _warm_up(config: TrainConfig, build: bool) -> None:
 async def _serve(args: argparse.Namespace, config: TrainConfig, token: str) -> int:
     from aiohttp import web
 
-    from diloco_trainer.syncer.app import Syncer, SyncerOptions, make_app
-    from diloco_trainer.syncer.httpio import ServerLog
+    from diloco_trainer.syncer.app import Syncer, SyncerOptions, setup_runner
     from diloco_trainer.syncer.state import SyncerState
 
     state_dir = Path(args.state_dir)
@@ -194,9 +202,10 @@ async def _serve(args: argparse.Namespace, config: TrainConfig, token: str) -> i
                                          checkpoint_every_s=args.checkpoint_every_s, heartbeat_s=args.heartbeat_s,
                                          max_unit_processes=args.max_unit_processes,
                                          max_concurrent_uploads=args.max_concurrent_uploads,
-                                         learner_epochs=args.learner_epochs))
-    runner = web.AppRunner(make_app(syncer), handle_signals=False, access_log=None, logger=ServerLog())
-    await runner.setup()
+                                         body_base_s=args.body_base_s,
+                                         body_min_bytes_per_s=args.body_min_rate_kbs * 1024,
+                                         keepalive_s=args.keepalive_s, learner_epochs=args.learner_epochs))
+    runner = await setup_runner(syncer)
     site = web.TCPSite(runner, args.host, args.port, ssl_context=args.ssl_context)
     await _bind(site)
     port = runner.addresses[0][1]

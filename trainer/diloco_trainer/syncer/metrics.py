@@ -55,8 +55,16 @@ class SyncerMetrics:
                                        "(clipped, rejected)", ["reason", "action"], registry=r)
         self.merges_refused = Counter("diloco_syncer_merges_refused", "Merges not committed, by reason (not_finite: "
                                       "the new version or momentum had a NaN or infinity)", ["reason"], registry=r)
-        self.uploads_in_progress = Gauge("diloco_syncer_uploads_in_progress", "Submission bodies being read and "
-                                         "decoded now (at most --max-concurrent-uploads)", registry=r)
+        self.uploads_in_progress = Gauge("diloco_syncer_uploads_in_progress", "Submission bodies being decoded now "
+                                         "(at most --max-concurrent-uploads; a body takes a slot once it has "
+                                         "arrived whole)", registry=r)
+        self.uploads_receiving = Gauge("diloco_syncer_uploads_receiving", "Submission bodies arriving now, before "
+                                       "they take a decoding slot (a learner's own token: one at a time)", registry=r)
+        self.body_timeouts = Counter("diloco_syncer_body_timeouts", "Request bodies cut with 408 for arriving slower "
+                                     "than --body-min-rate-kbs after --body-base-s, by endpoint", ["endpoint"],
+                                     registry=r)
+        self.connections = Gauge("diloco_syncer_connections", "Open HTTP connections (one idle, or without its "
+                                 "request's headers, for --keepalive-s is closed)", registry=r)
         self.tokens_merged = Counter("diloco_syncer_tokens_merged", "Learner tokens covered by merged "
                                      "contributions", registry=r)
         self.pending = Gauge("diloco_syncer_pending_contributions", "Contributions waiting for a merge",

@@ -368,29 +368,3 @@ def test_the_ledger_always_sums_to_the_fragment_steps_trained(adopt, keep_fracti
     sync.book([answer(s) for s in outstanding])
     ledger = sync.ledger()
     assert total(ledger) == 2 * steps and ledger["in_flight"] == 0
-
-
-def test_a_version_arriving_before_the_fragment_was_sent_takes_its_work_out_first_instead_of_dropping_it():
-    """outer.send_before_adopt: fragment 0 (due at step 4) has 3 steps and nothing sent when version 2 arrives."""
-    sync, params = make("overwrite", sync_every=4)
-    train(sync, params, 3)
-    sub = sync.send_before_adopt(0, "l0", "n0")
-    assert (sub.fragment, sub.base_version, sub.c_steps) == (0, 1, 3)
-    assert torch.equal(decoded(sub)[1]["a"], torch.full((4,), 3.0)), "Δ = base − θ: the 3 steps' work"
-    sync.adopt(0, 2, {"a": torch.zeros(4)}, step=3)
-    ledger = sync.ledger()
-    assert sync.steps_discarded == 0 and ledger["discarded"] == 0 and ledger["in_flight"] == 3
-    sync.book([answer(sub)])
-    assert sync.ledger()["acked"] == 3 and total(sync.ledger()) == 2 * 3
-
-
-def test_nothing_is_sent_before_an_adoption_from_a_base_whose_delta_already_went_out():
-    sync, params = make("overwrite", sync_every=4)
-    train(sync, params, 4)
-    sub = sent_of(sync, 4, 0)
-    train(sync, params, 1)
-    assert sync.send_before_adopt(0, "l0", "n0") is None, "unanswered: its answer settles it"
-    sync.book([answer(sub)])
-    assert sync.send_before_adopt(0, "l0", "n0") is None, "acknowledged: the step after it is the tau overlap"
-    sync.adopt(0, 2, {"a": torch.zeros(4)}, step=5)
-    assert sync.steps_discarded == 1

@@ -232,10 +232,6 @@ class OuterConfig(_Strict):
     # split over two merges ends at the weighted average of all of them, as one merge would. Off: re-anchored
     # contributions move Θ by their full size (the paper's App. D.2), so at outer lr 1 the last merge wins.
     late_share: bool = True
-    # A learner that has trained on fragment p but sent nothing from its base when a newer version of p arrives (the
-    # version came from a merge its Δ missed) sends that Δ first, then adopts, instead of dropping the work
-    # (outer.adopt=overwrite); the syncer gives it its share of the round (late_share). Measured: docs/protocol.md.
-    send_before_adopt: bool = False
     # Older bases are rejected; the learner re-adopts.
     versions_kept: int = Field(8, ge=1, le=1024, description="Versions of each fragment kept (1 to 1024).")
     # How learners fetch new fragment versions. fp32: whole versions. bf16: whole versions rounded (half the

@@ -295,12 +295,9 @@ class Learner(Resumable):
         stop, adopted = self.group.step_header(self.stop_flag.is_set(), [(u.fragment, u.version) for u in updates],
                                                slots=len(self.plan))
         by_fragment = {u.fragment: u for u in updates}
-        send_first = self.cfg.outer.send_before_adopt
         for p, version in adopted:
             # The AdamW moments are kept (Decision); rank 0 computes the new θ_p, the unit gets it from rank 0.
             with self.inner.full(self.plan[p], write_back=True):
-                if send_first and self.group.is_main and not by_fragment[p].rewind:  # a lost base takes no Δ
-                    self.outer.send_before_adopt(p, self.opts.learner_id, self.nonce, self._queue)
                 self.outer.adopt(p, version, by_fragment[p].tensors if self.group.is_main else None, self.step)
             devices.run_lazy(self.device)
         return stop

@@ -171,16 +171,6 @@ class OuterSync:
         self.steps_discarded += counted
         return counted
 
-    def send_before_adopt(self, p: int, learner_id: str, nonce: str, queue: QueueFn | None = None
-                          ) -> Submission | None:
-        """The Δ of fragment p's work when nothing went out from its base yet (outer.send_before_adopt): sent right
-        before a newer version of p is adopted, that work reaches the syncer instead of being dropped by the
-        adoption. None when a Δ from this base was sent (acknowledged, unanswered or refused) or nothing was trained."""
-        fs = self.frags[p]
-        if fs.acked or fs.in_flight or fs.refused:
-            return None
-        return self.outer_gradient(p, learner_id, nonce, queue)
-
     def outer_gradient(self, p: int, learner_id: str, nonce: str, queue: QueueFn | None = None) -> Submission | None:
         """Δ_p = Θ_p(base) − θ_p, compressed with error feedback, handed to `queue` (when given); None when there is
         nothing to send, or when `queue` refuses it: a Δ from this base may already have reached the syncer, which

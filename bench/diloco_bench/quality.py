@@ -165,43 +165,56 @@ def _pct(sp: dict | None) -> str:
     return f"{100 * sp['mean']:+.2f}%" + (f" ± {100 * sp['std']:.2f}" if sp["n"] > 1 else "")
 
 
+PALETTE = {"decoupled": "#1f77b4", "ddp": "#7f7f7f", "sync-diloco": "#d62728", "late-share-off": "#ff7f0e",
+           "adopt-keep": "#9467bd", "k1-no-grace": "#8c564b", "mean-merge": "#e377c2"}
+
+
+def _base(label: str) -> str:
+    return label[:-len(SMALL)] if label.endswith(SMALL) else label
+
+
 def plot(result: dict, path: Path) -> Path:
+    """Left: each configuration's loss against synchronous DiLoCo of its model size (mean, seeds as dots), the 1%
+    target drawn; right: the three methods' validation curves at each size (seed 0)."""
     fig_data = result["figures"]
     per, summary = fig_data["runs"], fig_data["summary"]
-    fig, (a, b) = report.figure(2, 1, width=6.2, height=4.4)
-    order = list(per)
-    means = [summary[k]["val_loss"]["mean"] for k in order]
-    errs = [summary[k]["val_loss"]["std"] for k in order]
-    bars = a.bar(order, means, yerr=errs, capsize=4, color=[report.color(k) for k in order])
-    for k, bar in zip(order, bars):
-        for r in per[k]:
-            if r["val_loss"] is not None:
-                a.plot(bar.get_x() + bar.get_width() / 2, r["val_loss"], "k.", ms=6)
-        vs = summary[k].get("vs_ddp")
-        if vs and k != "ddp":
-            a.annotate(f"{100 * vs['mean']:+.1f}%\nvs DDP", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                       ha="center", va="bottom", fontsize=8, xytext=(0, 6), textcoords="offset points")
-    lo = min(r["val_loss"] for rs in per.values() for r in rs if r["val_loss"] is not None)
-    hi = max(r["val_loss"] for rs in per.values() for r in rs if r["val_loss"] is not None)
-    a.set_ylim(lo - 0.6 * (hi - lo + 0.02), hi + 0.8 * (hi - lo + 0.02))
-    a.set_ylabel("final validation loss (nats/byte, lower is better)")
-    a.set_title(f"same tokens, 4 learners × {fig_data['steps_per_learner']} steps (dots = seeds)")
-    a.tick_params(axis="x", labelsize=8)
+    fig, (a, b) = report.figure(2, 1, width=6.6, height=4.6)
+    order = [k for k in per if not _base(k) == "sync-diloco" and summary[k].get("vs_sync")]
+    for i, k in enumerate(order):
+        size = SMALL if k.endswith(SMALL) else ""
+        ref = {r["seed"]: r["val_loss"] for r in per.get("sync-diloco" + size, [])}
+        dots = [100 * (r["val_loss"] - ref[r["seed"]]) / ref[r["seed"]] for r in per[k]
+                if r["val_loss"] is not None and r["seed"] in ref]
+        mean = 100 * summary[k]["vs_sync"]["mean"]
+        a.barh(i, mean, color=PALETTE.get(_base(k), "#17becf"), hatch="//" if size else None, edgecolor="white")
+        a.plot(dots, [i] * len(dots), "k.", ms=6)
+        right = mean >= 0
+        a.annotate(f"{mean:+.1f}%", (max([mean, *dots]) if right else min([mean, *dots]), i),
+                   xytext=(4 if right else -4, 0), textcoords="offset points", va="center",
+                   ha="left" if right else "right", fontsize=8)
+    a.axvline(0, color="k", lw=0.8)
+    a.axvline(100 * TARGET_VS_SYNC, color="#2ca02c", ls="--", lw=1)
+    a.annotate("target", (100 * TARGET_VS_SYNC, len(order) - 0.4), color="#2ca02c", fontsize=8, ha="left")
+    a.set_yticks(range(len(order)), [k.replace(SMALL, f"{SMALL}, 22 tok/param") for k in order], fontsize=8)
+    a.invert_yaxis()
+    a.set_xlabel("validation loss vs synchronous DiLoCo, same model and tokens (%, lower is better)")
+    a.set_title(f"4 learners × {fig_data['steps_per_learner']} steps; dots = seeds, hatched = 74k model", fontsize=10)
 
-    for k in order:
-        r = per[k][0]
-        c = r["curve"]
+    lo = min(r["val_loss"] for rs in per.values() for r in rs if r["val_loss"] is not None)
+    for k in per:
+        if _base(k) not in ("decoupled", "ddp", "sync-diloco"):
+            continue
+        c = per[k][0]["curve"]
         if c["tokens"]:
-            b.plot(c["tokens"], c["val_loss"], "o-", ms=3, color=report.color(k), label=k)
-    uni = per[order[0]][0].get("unigram")
+            b.plot(c["tokens"], c["val_loss"], "o--" if k.endswith(SMALL) else "o-", ms=3,
+                   color=PALETTE[_base(k)], label=k)
+    uni = per[next(iter(per))][0].get("unigram")
     if uni:
         b.axhline(uni, color="k", ls=":", lw=1)
         b.annotate("unigram baseline", (0.6, uni), xycoords=("axes fraction", "data"), fontsize=8, va="bottom")
-    if uni:
-        top = max(uni * 1.12, max(v for rs in per.values() for v in rs[0]["curve"]["val_loss"][1:2] or [uni]))
-        b.set_ylim(lo - 0.1, top)  # Θ₀'s loss (~5.5) would flatten everything else
+        b.set_ylim(lo - 0.1, uni * 1.12)  # Θ₀'s loss (~5.5) would flatten everything else
     b.set_xlabel("tokens trained (all learners)")
-    b.set_ylabel("validation loss of the global model")
-    b.set_title("validation loss during training (seed 0)")
+    b.set_ylabel("validation loss of the global model (nats/byte)")
+    b.set_title("during training (seed 0): 0.84M solid, 74k dashed", fontsize=10)
     b.legend(fontsize=8)
     return report.save(fig, path, "Quality: Decoupled DiLoCo vs DDP vs synchronous DiLoCo", report.footnote(result))

@@ -451,7 +451,7 @@ class SyncerState:
         marks = self.weight_marks[p]
         if not marks:
             return 0.0
-        at = marks.get(base_step, next(iter(marks.values())) if base_step < next(iter(marks)) else None)
+        at = marks.get(max(base_step, next(iter(marks))))  # before the oldest step remembered: from that one
         return max(0.0, self.weight_merged[p] - at) if at is not None else 0.0
 
     def _count_merged_weight(self, p: int, weight: float) -> None:

@@ -2,6 +2,7 @@
 stale bases, idempotent ids, superseding and retries."""
 
 import shutil
+import socket
 import signal
 import threading
 import time
@@ -253,3 +254,99 @@ def _rejected_429(proc: SyncerProcess) -> float:
         text = resp.read().decode()
     prefix = 'diloco_syncer_submissions_rejected_total{reason="pending_limit"} '
     return sum(float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix))
+
+
+class StallingRelay:
+    """A real TCP relay in front of the syncer that holds back the last byte of the first submission upload, as a
+    link that stalls mid-body would: the syncer cuts that upload with 408 once its pace runs out. Every other byte,
+    and every later connection, passes through unchanged."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.stalled = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _relay(self, conn: socket.socket) -> None:
+        up = socket.create_connection(("127.0.0.1", self.target_port))
+        threading.Thread(target=self._pipe, args=(up, conn), daemon=True).start()  # the syncer's answers
+        buf = b""
+        try:
+            while True:  # one request at a time (aiohttp sends a Content-Length, never chunks, for bytes)
+                while b"\r\n\r\n" not in buf:
+                    if not (data := conn.recv(65536)):
+                        return
+                    buf += data
+                head, _, rest = buf.partition(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
+                               if line.lower().startswith(b"content-length:")), 0)
+                while len(rest) < length:
+                    if not (data := conn.recv(65536)):
+                        return
+                    rest += data
+                request, buf = head + b"\r\n\r\n" + rest[:length], rest[length:]
+                if not self.stalled.is_set() and b"/outer-gradient" in head.split(b"\r\n", 1)[0]:
+                    self.stalled.set()
+                    up.sendall(request[:-1])  # the last byte never comes: the syncer answers 408 and closes
+                    return
+                up.sendall(request)
+        except OSError:
+            return
+
+
+def test_an_upload_cut_with_408_on_a_stalling_link_is_retried_not_dropped(tmp_path):
+    """A body that arrives slower than the syncer's pace is cut with 408 (issue 38's slowloris guard); an honest
+    learner on a link that stalled gets its submission back in the outbox and sends it again, instead of booking
+    the round's work as refused."""
+    proc = SyncerProcess(write_config(tmp_path / "run.yaml", grace=0.0, compression="none"), tmp_path / "syncer",
+                         tmp_path / "syncer.log", args=("--body-base-s", "2", "--body-min-rate-kbs", "1024"))
+    proc.start()
+    relay = StallingRelay(proc.port)
+    c = SyncerClient(f"http://127.0.0.1:{relay.port}", TOKEN, "stalled", poll_s=0.05, backoff_s=0.05,
+                     backoff_max_s=0.2)
+    try:
+        boot = c.bootstrap()
+        p, base = 2, boot.versions[2]
+        c.submit(_body(c, boot.plan, boot.theta, p, base, f"stalled.a.p{p}.v{base}"))
+        (answer,) = _answers(c)
+        assert relay.stalled.is_set() and _body_timeouts(proc) == 1, "the first upload was not cut with 408"
+        assert answer.accepted and answer.status == 202 and not answer.duplicate, answer
+        snap = c.snapshot()
+        assert snap["rejected"] == 0 and snap["acked"] == 1 and snap["pending"] == 0, snap
+        assert _newest(c, p, base).version > base  # and it was merged
+    finally:
+        c.close()
+        relay.close()
+        proc.stop()
+
+
+def _body_timeouts(proc: SyncerProcess) -> float:
+    with urllib.request.urlopen(f"{proc.url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    prefix = "diloco_syncer_body_timeouts_total{"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))

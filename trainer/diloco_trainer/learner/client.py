@@ -260,7 +260,7 @@ class SyncerClient:
 
     async def _register(self) -> RegisterAnswer:
         async with self._get_session().post(f"{self.url}/v1/register", json=self._register_body) as resp:
-            if 400 <= resp.status < 500:  # a wrong token (401) or a refused id will not fix itself
+            if 400 <= resp.status < 500 and resp.status != 408:  # a wrong token (401) or a refused id won't fix itself
                 raise SyncerRefused(f"syncer refused registration ({resp.status}): {await resp.text()}")
             if resp.status != 200:
                 raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
@@ -306,7 +306,8 @@ class SyncerClient:
     # ------------------------------------------------------------------ background tasks
 
     async def _sender(self) -> None:
-        """Send queued submissions one at a time, oldest first; retry connection errors, 429 and 5xx with backoff."""
+        """Send queued submissions one at a time, oldest first; retry connection errors, 408 (the body arrived too
+        slowly: the syncer read none of it as a submission), 429 and 5xx with backoff."""
         attempt = 0
         while True:
             with self._lock:
@@ -336,14 +337,14 @@ class SyncerClient:
                 await asyncio.sleep(self._delay(attempt))
                 attempt += 1
                 continue
-            if status == 429 or status >= 500:  # not taken: a fresher Δ may replace it while this one waits
+            if status in (408, 429) or status >= 500:  # not taken: a fresher Δ may replace it while this one waits
                 with self._lock:
                     self._posting = None
             if status == 429:  # one of ours for this fragment still waits for its merge (or is being read): later
                 await asyncio.sleep(self._delay(attempt))
                 attempt += 1
                 continue
-            if status >= 500:
+            if status == 408 or status >= 500:  # 408: a slow link cut mid-body, not a refusal of the work
                 self._set_up(False, f"HTTP {status}: {answer.error}")
                 await asyncio.sleep(self._delay(attempt))
                 attempt += 1

@@ -126,7 +126,7 @@ def run(ctx: report.Context) -> dict:
     from .runs import BENCH_CONFIG
 
     threads = 1
-    steps, log_every, repeats = ctx.pick(30, 80, 200), 10, ctx.pick(1, 2, 3)
+    steps, log_every, repeats = ctx.pick(30, 80, 120), 10, ctx.pick(1, 2, 2)
     rows = []
     # bf16 is measured only in the full suite: without AMX/AVX512-BF16 its steps are ~8x slower (precision.py).
     for precision in ctx.pick(["fp32"], ["fp32"], ["fp32", "bf16"]):

@@ -31,7 +31,7 @@ def llama(ctx: report.Context) -> dict:
 
 
 def steps(ctx: report.Context) -> int:
-    return ctx.pick(12, 64, 160)  # full: ~1.3M tokens, the three methods in ~15 min on 2 cores
+    return ctx.pick(12, 64, 112)  # full: ~0.9M tokens, the three methods in ~10 min on 2 cores
 
 
 def corpus_files(ctx: report.Context) -> list[Path]:

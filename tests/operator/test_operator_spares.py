@@ -145,3 +145,38 @@ def test_a_pods_phase_is_the_one_the_kubelet_will_report_once_every_container_ha
     restarts = _killed_pod(spec, unit, 137)
     restarts["spec"]["restartPolicy"] = "OnFailure"
     assert effective_phase(restarts) == "Running", "the kubelet restarts that container: not ended"
+
+
+def _unplaceable_pod(unit: dict, scheduled: bool = False) -> dict:
+    """The unit's pod as the scheduler leaves it on a full node: Pending, PodScheduled=False/Unschedulable."""
+    cond = ({"type": "PodScheduled", "status": "True"} if scheduled else
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+             "message": "0/3 nodes are available: 1 Insufficient cpu."})
+    return {"metadata": {"name": f"{unit['metadata']['name']}-0-0",
+                         "labels": {O.LABEL_INCARNATION: "0", O.LABEL_RANK: "0"},
+                         "annotations": {O.ANNOTATION_SPEC_HASH: O.pod_spec_hash(unit["spec"])}},
+            "spec": {"restartPolicy": "Never", "nodeName": "n1" if scheduled else None,
+                     "containers": [{"name": "learner"}]},
+            "status": {"phase": "Pending", "conditions": [cond]}}
+
+
+def test_a_unit_whose_pod_cannot_be_placed_takes_the_place_of_a_running_spare_without_counting_a_restart():
+    spec = job_spec()
+    unit = unit_of(spec, 0)
+    uspec = api.LearnerUnitSpec.model_validate(unit["spec"])
+    pending = {"incarnation": 0, "launchedIncarnation": 0, "phase": "Pending", "restarts": 0}
+    view = unitplan.pod_view(_unplaceable_pod(unit))
+    plan = unitplan.plan_unit(uspec, unit["spec"], pending, [view], T0, spare=True)
+    assert plan.take_spare and plan.delete == [view.name] and plan.create == []
+    assert plan.status.incarnation == plan.status.launchedIncarnation == 1
+    assert plan.status.restarts == 0 and not plan.status.lastFault, "nothing failed: no restart, no fault"
+    assert plan.events == [("Normal", C.Reason.SPARE_TOOK_PLACE, plan.events[0][2])]
+    assert "Insufficient cpu" in plan.events[0][2] and "incarnation 1" in plan.events[0][2]
+    # Without a running spare, or with the pod placed (it only starts), the unit waits for its pod as before.
+    for spare, pod in ((False, _unplaceable_pod(unit)), (True, _unplaceable_pod(unit, scheduled=True))):
+        plan = unitplan.plan_unit(uspec, unit["spec"], pending, [unitplan.pod_view(pod)], T0, spare=spare)
+        assert not plan.take_spare and plan.delete == [] and plan.status.incarnation == 0
+    # A unit of two pods does not take a spare (a spare is one pod).
+    two = api.LearnerUnitSpec.model_validate({**unit["spec"], "podsPerUnit": 2})
+    plan = unitplan.plan_unit(two, {**unit["spec"], "podsPerUnit": 2}, pending, [view], T0, spare=True)
+    assert not plan.take_spare

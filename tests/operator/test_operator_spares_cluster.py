@@ -7,6 +7,7 @@ tests' (tests/trainer/test_pod_learner.py) and the e2e tier's."""
 from __future__ import annotations
 
 import base64
+import json
 import statistics
 import time
 
@@ -19,7 +20,7 @@ from diloco_trainer.protocol.tokens import learner_token
 
 from polling import wait_for
 from test_operator_autoscale_cluster import POOL, nodes  # noqa: F401 (a fixture)
-from test_operator_cluster import cpu_units, events, job, running, unit_pods, wait_job_ready
+from test_operator_cluster import cpu_units, events, job, running, unit_pods, wait_events, wait_job_ready
 from test_operator_node_loss_cluster import CPU_NODE, SLACK_S, lose
 
 pytestmark = pytest.mark.cluster
@@ -159,3 +160,35 @@ def test_two_units_losing_their_pods_at_once_share_one_spare_and_the_other_gets_
     assert len(took) == 1, f"exactly one unit takes the one spare: {took}"
     wait_for(lambda: [p for p in spares(kubectl, ns, "race") if running(p)] or None, 30, "a new spare")
     assert len(unit_pods(kubectl, ns, "race-cpu-2")) == 1
+
+
+def test_a_unit_whose_pod_cannot_be_placed_takes_the_place_of_the_spare_that_holds_it(kubectl, operator, ns, nodes):
+    """Tried as a new user would (issue 40): the warm spare was placed first on a node with room for one learner,
+    and the unit's pod stayed Pending (Insufficient cpu) while the spare ran. Here the node has room for one
+    learner; the spare runs there; a unit of its template is added and its pod cannot be placed: the spare becomes
+    that unit's pod (the same pod, no restart counted), and the new spare behind it waits for room, holding none."""
+    (node,) = nodes.add("full", 1, {"cpu": "4", "memory": "16Gi", "pods": "110"}, {}, taints=())
+    template = {"name": "cpu", "count": 0, "spares": 1, "nodeSelector": {POOL: f"{ns}-full"},
+                "resources": {"requests": {"cpu": "3"}}}
+    base = {**cpu_units(1)[0], "name": "base"}  # a unit elsewhere: the quorum of 1 needs one
+    kubectl.apply(job("place", [base, template]), "-n", ns)
+    (spare,) = wait_for(lambda: [p for p in spares(kubectl, ns, "place") if running(p)] or None, 60,
+                        "the spare running on the node")
+    assert spare["spec"]["nodeName"] == node
+    kubectl.run("patch", "dj", "place", "-n", ns, "--type=json", "-p",
+                json.dumps([{"op": "replace", "path": "/spec/units/1/count", "value": 1}]))
+    unit = "place-cpu-0"
+
+    def the_spare_as_the_units_pod() -> dict | None:
+        pods = unit_pods(kubectl, ns, unit)
+        return pods[0] if len(pods) == 1 and pods[0]["metadata"]["uid"] == spare["metadata"]["uid"] else None
+    took = wait_for(the_spare_as_the_units_pod, 60, f"the spare as unit {unit}'s pod")
+    assert took["spec"]["nodeName"] == node and running(took)
+    (placed,) = wait_events(kubectl, ns, C.Reason.SPARE_TOOK_PLACE)
+    assert "Insufficient cpu" in placed["message"] and unit in placed["involvedObject"]["name"], placed
+    lu = wait_for(lambda: (u := kubectl.get("lu", unit, ns=ns)) and (u.get("status") or {}).get("phase") == "Running"
+                  and u, 30, f"{unit} Running")
+    assert lu["status"]["incarnation"] == 1 and not lu["status"].get("restarts"), lu["status"]
+    # The spare the job keeps behind it waits for room on the full node: it holds nothing.
+    (behind,) = wait_for(lambda: spares(kubectl, ns, "place") or None, 30, "a new spare")
+    assert behind["metadata"]["uid"] != spare["metadata"]["uid"] and not behind["spec"].get("nodeName")

@@ -74,6 +74,7 @@ class Reason:
     UNIT_REMOVED = "UnitRemoved"
     UNIT_UPDATED = "UnitUpdated"
     PODS_CREATED = "PodsCreated"
+    SPARE_TOOK_PLACE = "SpareTookPlace"  # a unit's unplaceable pod gave way to a warm spare of its template
     JOB_SUCCEEDED = "JobSucceeded"
     JOB_FAILED = "JobFailed"
     # spec.chaos run by the operator

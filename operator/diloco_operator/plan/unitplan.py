@@ -199,6 +199,8 @@ def plan_unit(spec: api.LearnerUnitSpec, unit_spec_raw: dict, status: api.Learne
     if not launched:
         if (waiting := _launch(u, told)) is not None:
             return _finish(u, u.current, node_pools, backoff=waiting)
+    elif spare and _spare_takes_the_place(u):
+        return _finish(u, [], node_pools)
     _running_or_pending(u)
     return _finish(u, u.current, node_pools)
 
@@ -284,6 +286,28 @@ def _restart(u: _Pass, cause: Cause, spare: bool = False) -> bool:
     if delay > 0 or any(p.name not in u.lost for p in u.pods):
         plan.requeue_after = max(delay, 0.2)
         return False
+    return True
+
+
+def _spare_takes_the_place(u: _Pass) -> bool:
+    """A launched unit of one pod that the scheduler cannot place while a warm spare of its template runs: the spare
+    was placed first and holds what the unit needs (on a full node, or a pool without room for both), so it becomes
+    the unit, as the next incarnation, and the pod that waits goes. Nothing failed: no restart is counted, no
+    backoff. True when that is what happens (the plan takes the spare)."""
+    st, plan = u.st, u.plan
+    if u.spec.podsPerUnit != 1 or len(u.current) != 1:
+        return False
+    (pod,) = u.current
+    if not pod.unschedulable or pod.node or pod.deleting or pod.phase != "Pending":
+        return False
+    plan.delete.append(pod.name)
+    st.incarnation = st.launchedIncarnation = st.incarnation + 1
+    st.restartAfter = None
+    plan.take_spare = True
+    st.phase = "Pending"
+    st.message = f"pod {pod.name} could not be placed ({pod.unschedulable}): a warm spare pod takes its place"
+    plan.events.append(("Normal", C.Reason.SPARE_TOOK_PLACE,
+                        f"{st.message} as incarnation {st.incarnation} (no restart counted)"))
     return True
 
 

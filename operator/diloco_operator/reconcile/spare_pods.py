@@ -17,7 +17,7 @@ from diloco_operator.api import conditions as C
 from diloco_operator.api import models as api
 from diloco_operator.objects import builders as O
 from diloco_operator.objects import spares as S
-from diloco_operator.plan import kueue
+from diloco_operator.plan import kueue, unitplan
 from diloco_operator.reconcile.cache import Cache
 from diloco_operator.reconcile.jobstate import JobStates
 from diloco_operator.reconcile.syncer_poller import SyncerPoller
@@ -63,6 +63,8 @@ class SparePods:
             else:
                 have[template] += 1
                 running[phase == "Running"] += 1
+        if running[True]:  # a unit whose pod cannot be placed takes a spare that runs (unitplan: its place)
+            self._wake_unplaceable_units(ns, name)
         metrics.SPARE_PODS.labels(ns, name, "waiting").set(running[True])
         metrics.SPARE_PODS.labels(ns, name, "starting").set(running[False])
         create: list[api.UnitTemplate] = []
@@ -89,6 +91,13 @@ class SparePods:
             self.cache.wrote(PODS.plural, await self.kube.create(PODS, pod))
         await bounded([remove(n, p) for n, p in delete] + [add(t) for t in create])
         return running[True] if wanted else None
+
+    def _wake_unplaceable_units(self, ns: str, job_name: str) -> None:
+        """Look again at the job's units whose pod the scheduler refused: a spare that runs now may take its place."""
+        for lu in self.cache.units_of_job(ns, job_name):
+            unit = lu["metadata"]["name"]
+            if any(unitplan.pod_view(p).unschedulable for p in self.cache.pods_of_unit(ns, unit, O.LABEL_UNIT)):
+                self.enqueue(("unit", ns, unit))
 
     def _usable(self, unit: dict, job: dict) -> list[dict]:
         """The spares that can become `unit`'s pod now (spares.usable_spares), none on a node that is not Ready."""

@@ -82,6 +82,22 @@ BAD = [
      "spec.syncer.resources.requests.cpu"),
     ("empty syncer memory limit", _with("spec.syncer", {"resources": {"limits": {"memory": ""}}}),
      "spec.syncer.resources.limits.memory"),
+    # Issue 38, Medium 5: the syncer runs outside Kueue's quota: no accelerator (nor other extended resource) there.
+    ("a GPU on the syncer", _with("spec.syncer", {"resources": {"limits": {"nvidia.com/gpu": 8}}}),
+     "spec.syncer.resources.limits"),
+    ("a TPU request on the syncer", _with("spec.syncer", {"resources": {"requests": {"cpu": "2", "google.com/tpu": 4}}}),
+     "spec.syncer.resources.requests"),
+    # Issue 38, Low 13: a chaos duration is seconds (>= 0) or a string like 30s / 1h30m, never empty or negative.
+    ("empty chaos interval", _with("spec.chaos", {"schedule": {"every": ""}, "action": {"type": "kill"}}),
+     "spec.chaos.schedule.every"),
+    ("negative chaos start", _with("spec.chaos", {"schedule": {"every": "2m", "startAfter": -5},
+                                                  "action": {"type": "kill"}}), "spec.chaos.schedule.startAfter"),
+    ("malformed chaos max duration", _with("spec.chaos", {"schedule": {"every": "2m"}, "action": {"type": "kill"},
+                                                          "safety": {"maxDuration": "soon"}}),
+     "spec.chaos.safety.maxDuration"),
+    ("empty chaos recovery timeout", _with("spec.chaos", {"schedule": {"every": "2m"}, "action": {"type": "kill"},
+                                                          "safety": {"recoveryTimeout": " "}}),
+     "spec.chaos.safety.recoveryTimeout"),
     ("empty checkpoint size", _with("spec.syncer", {"checkpoint": {"size": ""}}), "spec.syncer.checkpoint.size"),
     ("zero checkpoint size", _with("spec.syncer", {"checkpoint": {"size": "0Gi"}}), "spec.syncer.checkpoint.size"),
     # Warm spare pods (issue 19): only for units of one pod, without a state volume, at home; at most 16.

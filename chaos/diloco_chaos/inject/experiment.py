@@ -15,8 +15,12 @@ from croniter import croniter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-# A duration: seconds as an integer, or a string like "90s", "2m", "1h30m", "500ms", "1.5s".
-Duration = int | str
+# A duration: seconds as an integer, or a string like "90s", "2m", "1h30m", "500ms", "1.5s". The CRD schema carries
+# DURATION_PATTERN and minimum 0 (a DilocoJob with `every: ""` or `every: -5` is refused at apply time, naming the
+# field); pydantic leaves the check to parse_duration, whose message says what a duration looks like.
+DURATION_PATTERN = r"^ *(([0-9]+(\.[0-9]+)?)|([0-9]+(\.[0-9]+)? *(ms|s|m|h|d) *)+)$"
+Duration = (Annotated[int, Field(json_schema_extra={"minimum": 0})]
+            | Annotated[str, Field(json_schema_extra={"pattern": DURATION_PATTERN})])
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}

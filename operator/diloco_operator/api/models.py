@@ -233,10 +233,19 @@ class SyncerTls(_Api):
         return self.mode or ("Secret" if self.secretName else "Auto")
 
 
+# What a syncer may request: it runs outside Kueue's quota (Kueue admits the units), so an accelerator or any other
+# extended resource on it (doubled by the standby, times its shards) would be a way round the quota (issue 38).
+SYNCER_RESOURCES = ("cpu", "memory", "ephemeral-storage")
+SYNCER_RESOURCES_MESSAGE = ("syncer.resources may name only cpu, memory and ephemeral-storage: the syncer runs "
+                            "outside Kueue's quota, so an accelerator or other extended resource is refused there")
+
+
 class SyncerSpec(_Api):
     """Where and how big the syncer runs."""
 
-    resources: Resources = Field(default_factory=Resources)
+    resources: Resources = Field(default_factory=Resources,
+                                 description="Container requests and limits: cpu, memory and ephemeral-storage only "
+                                             "(the syncer runs outside Kueue's quota).")
     nodeSelector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
@@ -246,6 +255,14 @@ class SyncerSpec(_Api):
                                             "and on the same checkpoint volume: it serves within about a second "
                                             "when the syncer process dies (docs/operator.md \"Syncer shards\"). "
                                             "It reserves the syncer's resources twice.")
+
+    @field_validator("resources")
+    @classmethod
+    def _no_extended_resources(cls, resources: Resources) -> Resources:
+        extra = sorted({*resources.requests, *resources.limits} - set(SYNCER_RESOURCES))
+        if extra:
+            raise ValueError(f"{SYNCER_RESOURCES_MESSAGE} (got {', '.join(extra)})")
+        return resources
 
 
 class SecretKey(_Api):

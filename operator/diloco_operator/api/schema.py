@@ -188,6 +188,12 @@ TLS_RULES = [
     _rule("!has(self.mode) || self.mode != 'Secret' || has(self.secretName)",
           "mode Secret needs secretName", ".secretName"),
 ]
+_SYNCER_KEYS = "[" + ", ".join(f"'{k}'" for k in api.SYNCER_RESOURCES) + "]"
+SYNCER_RESOURCES_RULES = [
+    _rule(f"!has(self.requests) || self.requests.all(k, k in {_SYNCER_KEYS})", api.SYNCER_RESOURCES_MESSAGE,
+          ".requests"),
+    _rule(f"!has(self.limits) || self.limits.all(k, k in {_SYNCER_KEYS})", api.SYNCER_RESOURCES_MESSAGE, ".limits"),
+]
 TEMPLATE_RULES = [
     _rule("(has(self.minCount) ? self.minCount : 0) <= (has(self.count) ? self.count : 1)",
           "minCount must be <= count", ".minCount"),
@@ -264,6 +270,7 @@ def dilocojob_crd() -> dict:
     template["properties"]["stateVolume"]["x-kubernetes-validations"] = VOLUME_RULES
     spec["properties"]["syncer"]["properties"]["checkpoint"]["x-kubernetes-validations"] = VOLUME_RULES
     spec["properties"]["syncer"]["properties"]["tls"]["x-kubernetes-validations"] = TLS_RULES
+    spec["properties"]["syncer"]["properties"]["resources"]["x-kubernetes-validations"] = SYNCER_RESOURCES_RULES
     config = spec["properties"]["config"]
     config["x-kubernetes-validations"] = CONFIG_RULES
     config["properties"]["outer"]["x-kubernetes-validations"] = OUTER_RULES

@@ -15,6 +15,7 @@ import pytest
 
 from diloco_operator.api import conditions as C
 from diloco_operator.api import models as api
+from diloco_operator.objects import spares as S
 from diloco_trainer.protocol.assignment import ANNOTATION, decode_key, unseal
 from diloco_trainer.protocol.tokens import learner_token
 
@@ -192,3 +193,41 @@ def test_a_unit_whose_pod_cannot_be_placed_takes_the_place_of_the_spare_that_hol
     # The spare the job keeps behind it waits for room on the full node: it holds nothing.
     (behind,) = wait_for(lambda: spares(kubectl, ns, "place") or None, 30, "a new spare")
     assert behind["metadata"]["uid"] != spare["metadata"]["uid"] and not behind["spec"].get("nodeName")
+
+
+def test_pods_that_only_carry_a_units_or_a_spares_labels_are_neither_deleted_nor_taken(kubectl, operator, ns):
+    """Issue 38, Low 7: a pod author in the namespace labels pods as a unit's (an old incarnation, which the
+    operator deletes when it is the unit's) and as a waiting spare of the job (which the operator would count,
+    delete beyond the count, or hand a unit's sealed assignment). Only the controller ownerReference makes a pod
+    the unit's or the job's: both stand untouched through a restart that takes a spare, and the real spare is the
+    one taken."""
+    kubectl.apply(job("own", cpu_units(1, spares=1)), "-n", ns)
+    wait_job_ready(kubectl, ns, "own", 1)
+    (spare,) = wait_for(lambda: [p for p in spares(kubectl, ns, "own") if running(p)] or None, 60, "a running spare")
+    (victim,) = unit_pods(kubectl, ns, "own-cpu-0")
+    labels = victim["metadata"]["labels"]
+    container = {"name": "learner", "image": "diloco-trainer:test"}
+    stale = {"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": "own-cpu-0-impostor", "labels": {**labels, "diloco.dev/incarnation": "7"}},
+        "spec": {"nodeName": spare["spec"]["nodeName"], "containers": [container]}}
+    fake_spare = {"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": "own-cpu-spare-impostor", "labels": spare["metadata"]["labels"],
+        "annotations": {S.ANNOTATION_SPARE_HASH: spare["metadata"]["annotations"][S.ANNOTATION_SPARE_HASH]}},
+        "spec": {"nodeName": spare["spec"]["nodeName"], "containers": [container]}}
+    made = {p["metadata"]["name"]: kubectl.testbed.create(f"/api/v1/namespaces/{ns}/pods", p)
+            for p in (stale, fake_spare)}
+    wait_for(lambda: all((p := kubectl.get("pod", n, ns=ns)) is not None and running(p) for n in made), 30,
+             "the impostor pods running (not deleted)")
+
+    kubectl.testbed.request("DELETE", f"/api/v1/namespaces/{ns}/pods/{victim['metadata']['name']}")
+    took = wait_for(lambda: (ps := unit_pods(kubectl, ns, "own-cpu-0")) and [
+        p for p in ps if p["metadata"]["labels"].get("diloco.dev/incarnation") == "1" and running(p)], 60,
+        "the unit's incarnation 1 running")
+    assert [p["metadata"]["uid"] for p in took] == [spare["metadata"]["uid"]], "the job's own spare is taken"
+    wait_for(lambda: kubectl.get("dj", "own", ns=ns)["status"].get("sparesWaiting") == 1, 60,
+             "a new spare of the job's own waiting (the impostor not counted)")
+    for name, created in made.items():
+        now = kubectl.get("pod", name, ns=ns)
+        assert now is not None and not now["metadata"].get("deletionTimestamp"), f"{name} was deleted"
+        assert now["metadata"]["resourceVersion"] == created["metadata"]["resourceVersion"] or \
+            now["metadata"]["labels"] == created["metadata"]["labels"], f"{name} was relabelled: {now['metadata']}"

@@ -163,6 +163,21 @@ def controller_uid(obj: dict) -> str | None:
     return home.rsplit("/", 1)[-1] if home.count("/") == 2 else None
 
 
+def controlled_by(obj: dict, uid: str | None, remote: bool = False) -> bool:
+    """Whether the object of `uid` controls `obj`, as the operator may act on it (delete it, count it, hand it a
+    token): at home only through its controller ownerReference, which the garbage collector honours and which a
+    pod author cannot point at an object they do not own without the apiserver checking it exists; labels and
+    annotations anyone who can create pods may write do not count. In a remote cluster (`remote`), objects carry no
+    ownerReference to home objects, so there the home-owner annotation the operator wrote names the owner."""
+    if not uid:
+        return False
+    meta = obj.get("metadata") or {}
+    ref = next((o for o in meta.get("ownerReferences") or [] if o.get("controller")), None)
+    if not remote:
+        return ref is not None and ref.get("uid") == uid
+    return ref is None and controller_uid(obj) == uid
+
+
 def same_controller(desired: dict, current: dict) -> bool:
     """Whether `current` (an existing object of `desired`'s name) is controlled by whatever controls `desired`:
     only then may the operator use, patch or later delete it."""

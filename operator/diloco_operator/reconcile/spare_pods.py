@@ -47,7 +47,7 @@ class SparePods:
         running = {True: 0, False: 0}  # kept spares, running or not yet
         delete: list[tuple[str, dict]] = []
         now = time.monotonic()
-        for pod in self.cache.spare_pods(ns, name):
+        for pod in self._spares(job):
             meta = pod["metadata"]
             if meta.get("deletionTimestamp"):
                 continue
@@ -92,6 +92,12 @@ class SparePods:
         await bounded([remove(n, p) for n, p in delete] + [add(t) for t in create])
         return running[True] if wanted else None
 
+    def _spares(self, job: dict) -> list[dict]:
+        """The job's spare pods: those its ownerReference makes the job's, not any pod with a spare's labels (a pod
+        author's pod is never counted, deleted or handed a unit's assignment)."""
+        ns, uid = job["metadata"]["namespace"], job["metadata"].get("uid")
+        return [p for p in self.cache.spare_pods(ns, job["metadata"]["name"]) if O.controlled_by(p, uid)]
+
     def _wake_unplaceable_units(self, ns: str, job_name: str) -> None:
         """Look again at the job's units whose pod the scheduler refused: a spare that runs now may take its place."""
         for lu in self.cache.units_of_job(ns, job_name):
@@ -102,7 +108,7 @@ class SparePods:
     def _usable(self, unit: dict, job: dict) -> list[dict]:
         """The spares that can become `unit`'s pod now (spares.usable_spares), none on a node that is not Ready."""
         ns = unit["metadata"]["namespace"]
-        pods = self.cache.spare_pods(ns, job["metadata"]["name"])
+        pods = self._spares(job)
         if not pods:  # most jobs keep none: no spec hash computed on every unit pass
             return []
         found = S.usable_spares(pods, unit["spec"])

@@ -25,7 +25,7 @@ from diloco_operator.reconcile.kueue_gate import KueueGate
 from diloco_operator.reconcile.spare_pods import SparePods
 from diloco_operator.reconcile.syncer_poller import SyncerPoller
 from diloco_operator.reconcile.writes import Writer, bounded
-from diloco_operator.remote.clusters import ClusterUnavailable, Remote, RemoteClusters, unreachable
+from diloco_operator.remote.clusters import ClusterUnavailable, Remote, RemoteClusters, unreachable, why_failed
 
 
 @dataclass
@@ -126,6 +126,7 @@ class UnitReconciler:
         """A remote unit whose cluster cannot be used: its status says so (its pods there are left alone, they
         may well be training), an Event on the change, the job follows, and it is looked at again soon."""
         ns, name = unit["metadata"]["namespace"], unit["metadata"]["name"]
+        why = why_failed(why)
         written = unit.get("status") or {}
         new = api.LearnerUnitStatus.read(written).model_copy(deep=True)
         before = C.get_condition(new.condition_dicts(), C.CLUSTER_REACHABLE)
@@ -177,16 +178,17 @@ class UnitReconciler:
         if (why := unitplan.not_controlled_by_job(unit, job)) is not None:
             await self._unit_refused(unit, job, why)
             return
-        remote = None
+        remote, uid = None, unit["metadata"].get("uid")
         if spec.cluster is not None:  # a unit in a remote cluster: its pods there are listed, not watched
             try:
                 remote, pod_list = await self._remote_unit_pods(job, spec, name)
             except ClusterUnavailable as exc:
                 await self._unit_unreachable(unit, spec, str(exc), exc.reason)
                 return
-            pod_objs = {p["metadata"]["name"]: p for p in pod_list}
-        else:
-            pod_objs = {p["metadata"]["name"]: p for p in self.cache.pods_of_unit(ns, name, O.LABEL_UNIT)}
+            pod_objs = {p["metadata"]["name"]: p for p in pod_list if O.controlled_by(p, uid, remote=True)}
+        else:  # a pod that only carries the unit's label is not the unit's: never deleted, counted or replaced
+            pod_objs = {p["metadata"]["name"]: p for p in self.cache.pods_of_unit(ns, name, O.LABEL_UNIT)
+                        if O.controlled_by(p, uid)}
         written = unit.get("status") or {}
         held = self.unwritten.get((ns, name))
         if held is not None and held[0] != unit["metadata"].get("uid"):

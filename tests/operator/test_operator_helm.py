@@ -4,6 +4,8 @@ drift), and its values change what they say."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -185,8 +187,21 @@ def test_pod_monitors_and_the_dashboard_render_only_when_enabled_and_select_the_
     # The syncer serves https with the job's TLS (its pod says so): the monitor takes the scheme from the pod.
     assert syncer["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
     (endpoint,) = monitors["diloco-syncers"]["spec"]["podMetricsEndpoints"]
-    assert endpoint["relabelings"][0]["sourceLabels"] == ["__meta_kubernetes_pod_annotation_prometheus_io_scheme"]
-    assert endpoint["relabelings"][0]["targetLabel"] == "__scheme__"
+    scheme = endpoint["relabelings"][-1]
+    assert scheme["sourceLabels"] == ["__meta_kubernetes_pod_annotation_prometheus_io_scheme"]
+    assert scheme["targetLabel"] == "__scheme__"
+    # Issue 38, Low 9: bounded samples, targets and labels; only pods whose controller is of the kind the operator
+    # makes them with are kept (a learner's LearnerUnit, a spare's DilocoJob, a syncer's ReplicaSet).
+    learner_owner = learner["metadata"]["ownerReferences"][0]["kind"]
+    assert learner_owner == "LearnerUnit"
+    for name, kinds in (("diloco-syncers", "ReplicaSet"), ("diloco-learners", "LearnerUnit|DilocoJob")):
+        m = monitors[name]["spec"]
+        (keep,) = [r for e in m["podMetricsEndpoints"] for r in e.get("relabelings", []) if r.get("action") == "keep"]
+        assert keep == {"sourceLabels": ["__meta_kubernetes_pod_controller_kind"], "regex": kinds, "action": "keep"}
+        assert m["sampleLimit"] > 0 and m["targetLimit"] > 0 and m["labelLimit"] == 64
+    assert re.fullmatch(monitors["diloco-learners"]["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["regex"],
+                        learner_owner)
+    assert monitors["diloco-operator"]["spec"]["sampleLimit"] == 20000
     for name in ("diloco-syncers", "diloco-learners"):
         assert monitors[name]["spec"]["namespaceSelector"] == {"any": True}
     namespaced = helm.render("--set", "metrics.podMonitor.enabled=true", "--set", "watchNamespaces={team-a,team-b}")

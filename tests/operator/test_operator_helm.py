@@ -1,6 +1,7 @@
-"""The Helm chart (charts/decoupled-diloco) rendered by a real helm: it lints, its defaults are manifests/operator.yaml
-and its namespaced values manifests/operator-namespaced.yaml object for object (so the two install paths cannot
-drift), and its values change what they say."""
+"""The Helm chart (charts/decoupled-diloco) rendered by a real helm: it lints, its defaults watch the release's own
+namespace only, `clusterWide: true` is manifests/operator.yaml and its namespaced values
+manifests/operator-namespaced.yaml object for object (so the two install paths cannot drift), and its values
+change what they say."""
 
 from __future__ import annotations
 
@@ -58,8 +59,23 @@ def test_the_chart_passes_helm_lint_strict(helm):
     assert "0 chart(s) failed" in out.stdout, out.stdout
 
 
-def test_the_default_values_render_manifests_operator_yaml(helm):
-    _assert_same_objects(helm.render(), _manifest("operator.yaml"))
+def test_cluster_wide_renders_manifests_operator_yaml(helm):
+    _assert_same_objects(helm.render("--set", "clusterWide=true"), _manifest("operator.yaml"))
+
+
+def test_the_default_install_watches_only_the_release_namespace_with_no_cluster_wide_right(helm):
+    """Issue 38, Medium 6: the namespaced install is the default; every namespace is an explicit choice."""
+    rendered = helm.render(namespace="ml-team")
+    assert not _by_kind(rendered, "ClusterRole") and not _by_kind(rendered, "ClusterRoleBinding")
+    (role,), (binding,) = _by_kind(rendered, "Role"), _by_kind(rendered, "RoleBinding")
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "ml-team"
+    (manifest_role,) = _by_kind(_manifest("operator-namespaced.yaml"), "Role")
+    assert role["rules"] == manifest_role["rules"]
+    command = _command(rendered)
+    assert "--namespace=ml-team" in command and "--no-watch-nodes" in command
+    both = helm.run("template", "r", str(CHART), "--set", "clusterWide=true", "--set", "watchNamespaces={team-a}",
+                    check=False)
+    assert both.returncode and "leave watchNamespaces empty" in both.stderr, both.stderr
 
 
 def test_one_watched_namespace_without_nodes_renders_manifests_operator_namespaced_yaml(helm):
@@ -86,7 +102,7 @@ def test_each_watched_namespace_gets_a_role_a_binding_and_a_flag_and_watch_nodes
 
 
 def test_a_cluster_wide_install_without_nodes_drops_the_nodes_rule_and_says_so_to_the_operator(helm):
-    rendered = helm.render("--set", "watchNodes=false")
+    rendered = helm.render("--set", "clusterWide=true", "--set", "watchNodes=false")
     (cluster_role,) = _by_kind(rendered, "ClusterRole")
     assert not [r for r in cluster_role["rules"] if "nodes" in r["resources"]]
     assert "--no-watch-nodes" in _command(rendered)
@@ -94,7 +110,7 @@ def test_a_cluster_wide_install_without_nodes_drops_the_nodes_rule_and_says_so_t
 
 def test_kueue_enabled_runs_the_operator_with_kueue_and_its_read_of_flavors_is_there_either_way(helm):
     assert "--kueue" not in _command(helm.render())
-    rendered = helm.render("--set", "kueue.enabled=true")
+    rendered = helm.render("--set", "clusterWide=true", "--set", "kueue.enabled=true")
     assert "--kueue" in _command(rendered)
     (cluster_role,) = _by_kind(rendered, "ClusterRole")
     assert {"apiGroups": ["kueue.x-k8s.io"], "resources": ["resourceflavors", "workloadpriorityclasses"],
@@ -203,7 +219,11 @@ def test_pod_monitors_and_the_dashboard_render_only_when_enabled_and_select_the_
                         learner_owner)
     assert monitors["diloco-operator"]["spec"]["sampleLimit"] == 20000
     for name in ("diloco-syncers", "diloco-learners"):
-        assert monitors[name]["spec"]["namespaceSelector"] == {"any": True}
+        assert monitors[name]["spec"]["namespaceSelector"] == {"matchNames": ["diloco-system"]}
+    every = helm.render("--set", "metrics.podMonitor.enabled=true", "--set", "clusterWide=true")
+    for m in _by_kind(every, "PodMonitor"):
+        if m["metadata"]["name"] != "diloco-operator":
+            assert m["spec"]["namespaceSelector"] == {"any": True}
     namespaced = helm.render("--set", "metrics.podMonitor.enabled=true", "--set", "watchNamespaces={team-a,team-b}")
     for m in _by_kind(namespaced, "PodMonitor"):
         if m["metadata"]["name"] != "diloco-operator":

@@ -63,11 +63,22 @@ def test_helm_installs_upgrades_and_uninstalls_the_operator(kube, helm_here):
     kube.run("create", "namespace", "team-a")
     assert kube.run("get", "crd", "-o", "name").stdout.strip() == "", "this control plane must start without CRDs"
 
-    # install: the CRDs (from the chart's crds/), the ServiceAccount, the cluster-wide RBAC and the Deployment.
+    # install with the defaults: the CRDs (from the chart's crds/), the ServiceAccount, the Deployment, and rights in
+    # the release's own namespace only (issue 38, Medium 6): no ClusterRole, no right in team-a, none on Nodes.
     helm_here.run("install", RELEASE, str(CHART), "--namespace", HOME)
     for crd in ("dilocojobs.diloco.dev", "learnerunits.diloco.dev"):
         kube.run("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
     assert kube.get("serviceaccount", "diloco-operator", ns=HOME) is not None
+    assert kube.run("get", "clusterrole", "diloco-operator", check=False).returncode != 0
+    assert can(kube, "create", "pods", "-n", HOME) and not can(kube, "create", "pods", "-n", "team-a")
+    assert not can(kube, "list", "nodes")
+    assert container(kube)["command"] == ["diloco", "operator", f"--namespace={HOME}", "--no-watch-nodes",
+                                          "--metrics-port=8080", "--liveness-port=8081"]
+
+    # upgrade to the cluster-wide install, an explicit choice: the ClusterRole is manifests/operator.yaml's.
+    helm_here.run("upgrade", RELEASE, str(CHART), "--namespace", HOME, "--set", "clusterWide=true")
+    wait_for(lambda: kube.run("get", "role", "diloco-operator", "-n", HOME, check=False).returncode != 0, 30,
+             "the Role in the release's namespace removed")
     (manifest_role,) = [d for d in yaml.safe_load_all((ROOT / "manifests" / "operator.yaml").read_text())
                         if d and d["kind"] == "ClusterRole"]
     role = yaml.safe_load(kube.run("get", "clusterrole", "diloco-operator", "-o", "yaml").stdout)
@@ -89,7 +100,8 @@ def test_helm_installs_upgrades_and_uninstalls_the_operator(kube, helm_here):
 
     # upgrade, a value changed: the Deployment follows.
     generation = deployment(kube)["metadata"]["generation"]
-    helm_here.run("upgrade", RELEASE, str(CHART), "--namespace", HOME, "--set", "resources.limits.memory=1Gi",
+    helm_here.run("upgrade", RELEASE, str(CHART), "--namespace", HOME, "--set", "clusterWide=true",
+                  "--set", "resources.limits.memory=1Gi",
                   "--set", "extraArgs={--workers=8}")
     assert container(kube)["resources"]["limits"]["memory"] == "1Gi"
     assert container(kube)["command"][-1] == "--workers=8"
@@ -118,7 +130,7 @@ def test_helm_installs_upgrades_and_uninstalls_the_operator(kube, helm_here):
     assert service["spec"]["selector"] == {"app.kubernetes.io/name": "diloco-operator"}
     assert service["spec"]["ports"][0]["port"] == 8080
     history = helm_here.run("history", RELEASE, "--namespace", HOME, "-o", "json").stdout
-    assert [r["revision"] for r in yaml.safe_load(history)] == [1, 2, 3, 4]
+    assert [r["revision"] for r in yaml.safe_load(history)] == [1, 2, 3, 4, 5]
 
     # uninstall: every object the chart made is gone; the CRDs and the jobs stay (Helm never deletes CRDs).
     helm_here.run("uninstall", RELEASE, "--namespace", HOME)

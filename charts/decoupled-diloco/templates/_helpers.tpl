@@ -14,9 +14,20 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 app.kubernetes.io/name: diloco-operator
 {{- end -}}
 
+{{/* The namespaces the operator watches, as JSON: watchNamespaces when given; else [] (every namespace) with
+clusterWide; else the release's own namespace (the default: no cluster-wide right). */}}
+{{- define "diloco.watched" -}}
+{{- if and .Values.clusterWide .Values.watchNamespaces -}}
+{{- fail "clusterWide: true watches every namespace: leave watchNamespaces empty (or set clusterWide: false)" -}}
+{{- end -}}
+{{- if .Values.watchNamespaces -}}{{ toJson .Values.watchNamespaces }}
+{{- else if .Values.clusterWide -}}[]
+{{- else -}}{{ list .Release.Namespace | toJson }}{{- end -}}
+{{- end -}}
+
 {{/* "true" when the operator reads Nodes: watchNodes, or by default only when it watches every namespace. */}}
 {{- define "diloco.watchNodes" -}}
-{{- if kindIs "invalid" .Values.watchNodes -}}{{ empty .Values.watchNamespaces }}{{- else -}}{{ .Values.watchNodes }}{{- end -}}
+{{- if kindIs "invalid" .Values.watchNodes -}}{{ eq (include "diloco.watched" .) "[]" }}{{- else -}}{{ .Values.watchNodes }}{{- end -}}
 {{- end -}}
 
 {{/* The namespaced rules, the same for the ClusterRole and each Role (a test keeps them equal to the manifests'). */}}
@@ -88,9 +99,10 @@ app.kubernetes.io/name: diloco-operator
 (all by default), managed by the operator, with their diloco.dev/* labels as target labels. */}}
 {{- define "diloco.podMonitorJobPods" -}}
 namespaceSelector:
-{{- if .root.Values.watchNamespaces }}
+{{- $watched := include "diloco.watched" .root | fromJsonArray }}
+{{- if $watched }}
   matchNames:
-  {{- toYaml .root.Values.watchNamespaces | nindent 2 }}
+  {{- toYaml $watched | nindent 2 }}
 {{- else }}
   any: true
 {{- end }}

@@ -11,7 +11,7 @@ import json
 import yaml
 
 from diloco_kube.labels import (LABEL_COMPONENT, LABEL_INCARNATION, LABEL_JOB, LABEL_RANK,  # noqa: F401
-                                 LABEL_SHARD, LABEL_TEMPLATE, LABEL_UNIT)
+                                 LABEL_SHARD, LABEL_TEMPLATE, LABEL_UNIT, POOL_LABEL)
 from diloco_operator.api import models as api
 from diloco_operator.objects.podsecurity import harden
 from diloco_trainer.syncer.epochs import EPOCHS_KEY
@@ -227,6 +227,22 @@ def off_accelerators() -> dict:
     than a positive selector: every node without accelerator labels qualifies, whatever its pool."""
     terms = [{"matchExpressions": [{"key": key, "operator": "DoesNotExist"} for key in api.ACCELERATOR_NODE_LABELS]}]
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}}
+
+
+def one_slice(unit_name: str, incarnation: int) -> dict:
+    """The pod affinity of a multi-host TPU unit: all its pods (of this incarnation) in one node pool, which on GKE
+    is one TPU slice, the only place their chips are linked (ICI); and no other unit's learner pod in that pool,
+    so a slice is never shared by two units. The scheduler places the pods one at a time and sees the ones it has
+    placed, so the first lands anywhere it fits and the others follow it (a pool without room for all of them
+    leaves them Pending: the unit's PodsScheduled condition says so)."""
+    this_unit = {"matchLabels": {LABEL_UNIT: unit_name, LABEL_INCARNATION: str(incarnation)}}
+    other_units = {"matchExpressions": [{"key": LABEL_COMPONENT, "operator": "In", "values": ["learner"]},
+                                        {"key": LABEL_UNIT, "operator": "Exists"},
+                                        {"key": LABEL_UNIT, "operator": "NotIn", "values": [unit_name]}]}
+    return {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": this_unit, "topologyKey": POOL_LABEL}]},
+            "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": other_units, "topologyKey": POOL_LABEL}]}}
 
 
 def token_secret(job: dict, token: str) -> dict:
@@ -527,6 +543,8 @@ def unit_pod(unit: dict, incarnation: int, rank: int) -> dict:
         pod_spec["nodeSelector"] = node_selector
     if resource is None:  # a CPU unit never uses an accelerator: never let it take an accelerator node's room
         pod_spec["affinity"] = off_accelerators()
+    elif device == "xla" and spec.podsPerUnit > 1:  # a multi-host TPU unit: one slice, its own
+        pod_spec["affinity"] = one_slice(name, incarnation)
     pod_spec["tolerations"] = tolerations
     annotations = {ANNOTATION_SPEC_HASH: pod_spec_hash(unit["spec"]), **scrape_annotations(api.METRICS_PORT)}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": _meta(pod_name(name, incarnation, rank), unit, labels,

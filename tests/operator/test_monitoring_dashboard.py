@@ -59,5 +59,6 @@ def test_every_panel_has_a_query_on_a_diloco_series_and_the_paper_figures_each_h
                    "diloco_syncer_quorum", "diloco_syncer_grace_window_seconds", "diloco_syncer_live_learners",
                    "diloco_syncer_staleness_versions_bucket", "diloco_learner_bytes_up_total",
                    "diloco_learner_bytes_down_total", "diloco_operator_unit_restarts_total",
-                   "diloco_operator_job_last_recovery_seconds", "diloco_syncer_takeover_seconds"):
+                   "diloco_operator_job_last_recovery_seconds", "diloco_syncer_takeover_seconds",
+                   "diloco_learner_ledger_acked_total", "diloco_learner_ledger_discarded_total"):
         assert series in read, series

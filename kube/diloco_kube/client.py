@@ -21,8 +21,9 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import Counter
 
+from diloco_kube.answers import MAX_ANSWER_BYTES, AnswerRefused, CappedPool, excerpt
 
-
+CALL_GRACE_S = 5.0  # past timeout_s, before a call stops waiting for its thread (whose own bounds usually end it)
 API_REQUESTS = Counter("diloco_operator_api_requests_total", "Requests the operator's own client sent to the API server",
                        ["verb", "resource"])
 
@@ -68,21 +69,25 @@ REASON_CONFLICT = "Conflict"
 
 
 class ApiError(Exception):
-    """A non-2xx answer from the API server, with its Status body (`reason`, `code`, `details`) kept."""
+    """A non-2xx answer from the API server, with its Status body (`reason`, `code`, `details`) kept; its message
+    (what str() and conditions show) is a short single-line excerpt, never the answer's body (docs/security.md)."""
 
     def __init__(self, status: int, body: dict | None = None, text: str = ""):
         body = body if isinstance(body, dict) else {}
         self.status = status
         self.body = body
-        self.reason: str = body.get("reason") or ""
-        self.code: int = int(body.get("code") or status)
-        self.message: str = body.get("message") or text
+        self.reason: str = excerpt(str(body.get("reason") or ""), 64)
+        code = body.get("code")
+        self.code: int = code if isinstance(code, int) else status
+        self.message: str = excerpt(str(body.get("message") or text))
         super().__init__(f"{status} {self.reason}: {self.message}")
 
     @property
     def causes(self) -> list[str]:
         """The StatusCause types of the error (e.g. NamespaceTerminating)."""
-        return [c.get("reason") or c.get("type") or "" for c in (self.body.get("details") or {}).get("causes") or []]
+        details = self.body.get("details")
+        causes = details.get("causes") if isinstance(details, dict) else None
+        return [str(c.get("reason") or c.get("type") or "") for c in causes or [] if isinstance(c, dict)]
 
     @property
     def namespace_terminating(self) -> bool:
@@ -101,10 +106,16 @@ def _api_client(kubeconfig: str | None, context: str | None, pool: int) -> k8s.A
 
 
 class Kube:
-    """JSON calls against one API server (official client, blocking I/O on `pool` threads)."""
+    """JSON calls against one API server (official client, blocking I/O on `pool` threads). Each answer is read up to
+    `max_answer_bytes` and within `timeout_s` (answers.CappedPool); a call waits at most that long for its thread."""
 
-    def __init__(self, api_client: k8s.ApiClient, timeout_s: float = 30.0, pool: int = 16):
+    def __init__(self, api_client: k8s.ApiClient, timeout_s: float = 30.0, pool: int = 16,
+                 max_answer_bytes: int = MAX_ANSWER_BYTES):
         self.api_client = api_client
+        rest = api_client.rest_client
+        if isinstance(rest.pool_manager, CappedPool):  # a client shared with another Kube
+            rest.pool_manager = rest.pool_manager.pool
+        rest.pool_manager = CappedPool(rest.pool_manager, max_answer_bytes, timeout_s)
         self.timeout_s = timeout_s
         self.executor = ThreadPoolExecutor(max_workers=pool, thread_name_prefix="kube")
         self.instance = os.environ.get("POD_NAME") or socket.gethostname()
@@ -118,7 +129,7 @@ class Kube:
 
     @classmethod
     async def from_kubeconfig(cls, config: dict, context: str | None = None, timeout_s: float = 30.0,
-                              pool: int = 16) -> "Kube":
+                              pool: int = 16, max_answer_bytes: int = MAX_ANSWER_BYTES) -> "Kube":
         """A client for a kubeconfig given as a document (a remote cluster's, read from a Secret)."""
         def build() -> k8s.ApiClient:
             cfg = k8s.Configuration()
@@ -126,7 +137,7 @@ class Kube:
             cfg.connection_pool_maxsize = pool
             cfg.retries = False
             return k8s.ApiClient(cfg)
-        return cls(await asyncio.to_thread(build), timeout_s, pool)
+        return cls(await asyncio.to_thread(build), timeout_s, pool, max_answer_bytes)
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -139,18 +150,16 @@ class Kube:
                 path, method, query_params=params, header_params={"Content-Type": content_type,
                                                                   "Accept": "application/json"},
                 body=body, auth_settings=["BearerToken"], _preload_content=False, _request_timeout=self.timeout_s)
-        except ApiException as exc:
-            text = exc.body.decode() if isinstance(exc.body, bytes) else (exc.body or exc.reason or "")
+        except ApiException as exc:  # its body read bounded by CappedPool
+            text = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else (exc.body or exc.reason or "")
             try:
                 status_body = json.loads(text)
             except ValueError:
                 status_body = None
             raise ApiError(exc.status or 0, status_body, text) from None
-        try:
-            data = resp.data
-        finally:
-            resp.release_conn()
-        return json.loads(data) if data else {}
+        except AnswerRefused as exc:  # too large or too slow: no usable answer
+            raise ApiError(0, None, str(exc)) from None
+        return json.loads(resp.data) if resp.data else {}
 
     async def request(self, method: str, res: Resource, namespace: str | None = None, name: str | None = None,
                       subresource: str | None = None, body: dict | None = None, params: dict | None = None,
@@ -161,8 +170,10 @@ class Kube:
         path += "".join(f"/{quote(p)}" for p in (name, subresource) if p)
         API_REQUESTS.labels(method, res.plural).inc()
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self._call, method, path, list((params or {}).items()),
-                                          body, content_type)
+        # The thread's socket reads time out on their own; this bounds what they cannot (e.g. trickled headers).
+        return await asyncio.wait_for(loop.run_in_executor(self.executor, self._call, method, path,
+                                                           list((params or {}).items()), body, content_type),
+                                      self.timeout_s + CALL_GRACE_S)
 
     async def get(self, res: Resource, namespace: str | None, name: str) -> dict | None:
         """The object, or None if it does not exist."""

@@ -17,7 +17,7 @@ from diloco_operator.plan import autoscale
 from diloco_operator.reconcile.cache import Cache
 from diloco_operator.reconcile.jobstate import JobStates
 from diloco_operator.reconcile.writes import Writer
-from diloco_operator.remote.clusters import ClusterUnavailable, Remote, RemoteClusters, unreachable
+from diloco_operator.remote.clusters import ClusterUnavailable, Remote, RemoteClusters, unreachable, why_failed
 
 REMOTE_POLL_S = 5.0  # a unit in a remote cluster is looked at this often (its pods there are listed, not watched)
 REMOTE_RETRY_S = 10.0  # after a remote cluster did not answer
@@ -103,7 +103,7 @@ class JobRemote:
                 if not (isinstance(exc, ClusterUnavailable) or unreachable(exc)):
                     raise
                 self.remotes.failed(ns, name, cluster.name, f"cluster {cluster.name}: {exc}")
-                failed.append(f"cluster {cluster.name}: {exc}")
+                failed.append(why_failed(f"cluster {cluster.name}: {exc}"))
         return failed
 
     async def sweep_orphans(self, job: dict, spec: api.DilocoJobSpec, units: set[str]) -> None:

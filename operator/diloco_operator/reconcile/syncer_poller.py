@@ -62,7 +62,8 @@ class SyncerPoller:
         except ApiError as exc:
             log.warning("cannot read the token of job %s/%s: %s", ns, name, exc)
             return
-        if info is None:
+        except syncer_status.StatusUnread as exc:  # restarting, or a bad answer: the last reading stays
+            log.log(logging.WARNING if exc.refused else logging.DEBUG, "job %s/%s: %s", ns, name, exc)
             return
         before = state.syncer_readings.get(shard)
         changed = before is None or before.status != info.status  # not just read again

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import yaml
 
+from diloco_kube.answers import excerpt
 from diloco_kube.client import NAMESPACES, SECRETS, ApiError, Kube
 
 from diloco_operator.api import conditions as C
@@ -23,6 +24,12 @@ from diloco_operator.remote.kubeconfig_policy import KubeconfigRefused, check_in
 
 REMOTE_TIMEOUT_S = 5.0  # a remote apiserver that does not answer within this is unreachable for this pass
 SECRET_TTL_S = 30.0  # the kubeconfig Secret is read again at most this often
+WHY_CHARS = 400  # why a cluster failed, as conditions and Events say it: one line, never an answer's body
+
+
+def why_failed(text: str) -> str:
+    """`text` (a failure, with the client's error in it) fit for a condition or Event: one line, at most WHY_CHARS."""
+    return excerpt(text, WHY_CHARS)
 
 
 class ClusterUnavailable(Exception):
@@ -123,7 +130,7 @@ class RemoteClusters:
         self.errors[(namespace, job, cluster)] = None
 
     def failed(self, namespace: str, job: str, cluster: str, why: str) -> None:
-        self.errors[(namespace, job, cluster)] = why
+        self.errors[(namespace, job, cluster)] = why_failed(why)
 
     def unreachable_clusters(self, namespace: str, job: str) -> dict[str, str]:
         """Cluster -> why, for the clusters of `job` whose last use failed."""

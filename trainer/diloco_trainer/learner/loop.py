@@ -397,11 +397,11 @@ class Learner(Resumable):
         versions, as the loop does between steps. Returns True when nothing was left unsettled or unanswered.
 
         Decision: the Δ of a partial window goes out (c_steps < H). The protocol carries each Δ's own counters and
-        the merge weighs it by its real tokens (w = c_tokens²/c_steps, algorithm.md), so a 3-step Δ weighs 3/16 of a
-        full one and loses nothing. The steps a learner trained after its acknowledged Δ of a fragment cannot go
-        out from that base (one Δ per base version); with adopt=keep they ride on the version that merges it and go
-        out from there, so the learner waits for that version (a merge, within the quorum and grace window); with
-        adopt=overwrite that adoption would discard them anyway."""
+        the merge weighs it by its real tokens (w = c_tokens²/c_steps, docs/protocol.md "Algorithm modules"), so a
+        3-step Δ weighs 3/16 of a full one and loses nothing. The steps a learner trained after its acknowledged Δ
+        of a fragment cannot go out from that base (one Δ per base version); with adopt=keep they ride on the
+        version that merges it and go out from there, so the learner waits for that version (a merge, within the
+        quorum and grace window); with adopt=overwrite that adoption would discard them anyway."""
         while True:
             self._book_answers()
             self._adopt_updates()

@@ -47,7 +47,7 @@ def initial_theta(config) -> dict[str, Tensor]:
 
 def quantize_update(x: Tensor, scheme: str, block_size: int) -> dict[str, Tensor]:
     """wire.quantize for int8/int4; int2 here: four levels {-3, -1, 1, 3}·absmax/3 per block, four codes per byte
-    (the up-link never uses int2: without the syncer's error feedback it collapses, see algorithm.md)."""
+    (the up-link never uses int2: without the syncer's error feedback it collapses; docs/protocol.md, "Down-link")."""
     if scheme != "int2":
         return quantize(x, scheme, block_size)
     if not bool(torch.isfinite(x).all()):

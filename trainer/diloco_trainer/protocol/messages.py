@@ -341,7 +341,7 @@ def prometheus_fields(model: type[BaseModel], kind: str) -> dict[str, str]:
 
 class MetricsRecord(LearnerRecord):
     """Any line of a run's learners/<id>/metrics.jsonl, as the readers take it: a learner's record, or a baseline
-    worker's (baselines.py), which adds the checkpoint step its incarnation resumed from and, on its last line,
+    worker's (baselines/worker.py), which adds the checkpoint step its incarnation resumed from and, on its last line,
     a digest of its parameters. Unknown keys are ignored; missing counters read as zero."""
 
     time: float = 0.0

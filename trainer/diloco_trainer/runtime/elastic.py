@@ -1,6 +1,7 @@
 """Whole-job restarts of a synchronous run (what torchrun --max-restarts gives DDP): who failed, what was lost.
 
-Pure decisions over the supervisor's children and the workers' metrics; `baselines.py` does the stopping and starting.
+Pure decisions over the supervisor's children and the workers' metrics; `baselines/train.py` does the stopping and
+starting.
 """
 
 from __future__ import annotations

@@ -1,1 +1,2 @@
-"""Kubernetes access shared by the operator, chaos and the dev cluster: the API client and the label keys."""
+"""Kubernetes access shared by the operator, chaos and the dev cluster: the API client, the label keys, and a pod's
+phase as the kubelet will report it."""

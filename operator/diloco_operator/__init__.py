@@ -1,1 +1,2 @@
-"""Kubernetes operator for Decoupled DiLoCo jobs (kopf): CRDs, reconciliation, and a local test control plane."""
+"""Kubernetes operator for Decoupled DiLoCo jobs (kopf): the API and CRDs (api/), pure decisions (plan/) and object
+builders (objects/), the I/O shell (reconcile/), remote clusters (remote/); `diloco operator` (main.py)."""

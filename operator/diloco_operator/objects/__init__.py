@@ -1,1 +1,2 @@
-"""Pure builders of the Kubernetes objects a DilocoJob owns: manifests, pod security, the syncer's certificates."""
+"""Pure builders of the Kubernetes objects a DilocoJob owns: manifests, warm spare pods, pod security, the syncer's
+certificates."""

@@ -1,1 +1,1 @@
-"""Tokenizers, corpora and per-learner data shards."""
+"""Tokenizers, corpora, memory-mapped token shards and per-learner samplers; `diloco data prepare` / `tokenizer`."""

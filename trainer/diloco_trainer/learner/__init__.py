@@ -1,1 +1,2 @@
-"""One learner unit: the training loop, its outer-step bookkeeping, its devices and its link to the syncer."""
+"""One learner unit (`diloco learner`): the training loop and inner step, its outer-step bookkeeping, devices,
+snapshots and resume, and its link to the syncer (one client per syncer shard)."""

@@ -1,1 +1,2 @@
-"""The models a learner trains and the inner optimizer."""
+"""The models a learner trains (the built-in GPT, transformers causal LMs, a user's module), the inner optimizer,
+and `diloco export` (the global model as a transformers directory)."""

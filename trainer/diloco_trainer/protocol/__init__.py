@@ -1,1 +1,2 @@
-"""Typed contracts and formats between learners, syncers, the runtime and the operator: messages, the wire format, fragments, tokens, TLS."""
+"""Typed contracts and formats between learners, syncers, the runtime, the operator and chaos: messages, the wire
+format and the down-link, fragments and the shard map, tokens, TLS, spare-pod assignments and run files."""

@@ -249,11 +249,15 @@ def test_a_second_submission_for_a_fragment_with_one_pending_is_retried_after_42
         proc.stop()
 
 
-def _rejected_429(proc: SyncerProcess) -> float:
+def _metric_sum(proc: SyncerProcess, prefix: str) -> float:
+    """The sum of the syncer's /metrics samples whose line starts with `prefix` (a name and some of its labels)."""
     with urllib.request.urlopen(f"{proc.url}/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    prefix = 'diloco_syncer_submissions_rejected_total{reason="pending_limit"} '
-    return sum(float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def _rejected_429(proc: SyncerProcess) -> float:
+    return _metric_sum(proc, 'diloco_syncer_submissions_rejected_total{reason="pending_limit"} ')
 
 
 class StallingRelay:
@@ -346,7 +350,4 @@ def test_an_upload_cut_with_408_on_a_stalling_link_is_retried_not_dropped(tmp_pa
 
 
 def _body_timeouts(proc: SyncerProcess) -> float:
-    with urllib.request.urlopen(f"{proc.url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    prefix = "diloco_syncer_body_timeouts_total{"
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+    return _metric_sum(proc, "diloco_syncer_body_timeouts_total{")
